@@ -1,0 +1,136 @@
+"""EngineConfig: every engine knob, in one place, mirrored by the `parameters` of config.pbtxt."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TARGET_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
+DEFAULT_DRAFT_DIR = REPO_ROOT / "drafters" / "SmolLM2-135M-Instruct-dspark"
+
+SPEC_MODES = ("off", "static", "compact", "cap-accept")
+PLANNER_POLICIES = ("sync", "lagged")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. Field names equal the config.pbtxt parameter keys.
+
+    Configured values are kept verbatim; values derived from the checkpoints (block size
+    when unset, context length) live in `ResolvedLimits`, computed by the engine.
+    """
+
+    # Hugging Face directory of the target model.
+    model: str = str(DEFAULT_TARGET_DIR)
+    # DSpark (or DFlash) draft checkpoint directory; empty means no drafter (spec_mode must be "off").
+    draft_model: str = str(DEFAULT_DRAFT_DIR)
+    # Weights and activations dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.
+    dtype: str = "auto"
+    # Where the engine runs: auto (cuda when available), cpu, cuda.
+    device: str = "auto"
+    # Speculation: off (plain decoding), static (verify all drafts), compact (planned ragged windows),
+    # cap-accept (verify all, commit only up to the plan; a diagnostic).
+    spec_mode: str = "compact"
+    # Verify-length planner: sync (early stop on this step's confidences) or lagged (top-K, K from an earlier step).
+    planner_policy: str = "sync"
+    # Steps between the confidences that fix K and their use, for the lagged policy (>= 1).
+    planner_lag: int = 1
+    # Drafted tokens per step (gamma); 0 takes the drafter checkpoint's block_size.
+    block_size: int = 0
+    # JSON file of measured target steps/s by batch tokens; empty means flat (verify everything).
+    sps_table: str = ""
+    # Tokens per KV-cache page.
+    kv_page_size: int = 16
+    # Pages in the KV cache (target and drafter share the page table).
+    num_kv_pages: int = 2048
+    # Most requests decoding at once.
+    max_num_seqs: int = 32
+    # Most target tokens in one step (verify windows plus prefill chunks).
+    max_num_batched_tokens: int = 512
+    # Longest prompt plus completion; 0 takes the model's max_position_embeddings.
+    max_model_len: int = 0
+    # GPUs one instance spreads the model over.
+    tensor_parallel_size: int = 1
+    # Seed of the engine's own random streams (requests without a seed).
+    seed: int = 0
+    # Publish Prometheus metrics through Triton's metrics port.
+    enable_metrics: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        _one_of("spec_mode", self.spec_mode, SPEC_MODES)
+        _one_of("planner_policy", self.planner_policy, PLANNER_POLICIES)
+        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("device", self.device, ("auto", "cpu", "cuda"))
+        for name, minimum in (
+            ("planner_lag", 1),
+            ("block_size", 0),
+            ("kv_page_size", 1),
+            ("num_kv_pages", 1),
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", 1),
+            ("max_model_len", 0),
+            ("tensor_parallel_size", 1),
+            ("seed", 0),
+        ):
+            value = getattr(self, name)
+            if value < minimum:
+                raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+        if self.spec_mode != "off" and not self.draft_model:
+            raise ValueError("draft_model: required unless spec_mode is 'off'")
+
+    @property
+    def speculative(self) -> bool:
+        """True when a drafter runs."""
+        return self.spec_mode != "off"
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_parameters(cls, parameters: dict[str, str]) -> EngineConfig:
+        """Build from string key/values (config.pbtxt `parameters`); unknown keys are an error."""
+        hints = get_type_hints(cls)
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in parameters.items():
+            if key not in known:
+                raise ValueError(f"{key}: unknown engine parameter")
+            values[key] = _parse(key, raw, hints[key])
+        return cls(**values)
+
+
+def _parse(key: str, raw: str, kind: Any) -> Any:
+    text = str(raw).strip()
+    if kind is bool or kind == "bool":
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{key}: expected a boolean, got {raw!r}")
+    if kind is int or kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{key}: expected an integer, got {raw!r}") from None
+    return text
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}: must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def field_names() -> list[str]:
+    """Names of every EngineConfig field, in declaration order."""
+    return [f.name for f in fields(EngineConfig)]
+
+
