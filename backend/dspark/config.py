@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The embedded default: SmolLM2-135M-Instruct converted from its GGUF by set-up, and its drafter
+# (until a trained one ships in the repository, set-up creates a randomly initialised one here).
 DEFAULT_TARGET_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
-DEFAULT_DRAFT_DIR = REPO_ROOT / "drafters" / "SmolLM2-135M-Instruct-dspark"
+DEFAULT_DRAFT_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct-dspark-random"
 
 SPEC_MODES = ("off", "static", "compact", "cap-accept")
 PLANNER_POLICIES = ("sync", "lagged")
@@ -24,10 +26,11 @@ class EngineConfig:
     when unset, context length) live in `ResolvedLimits`, computed by the engine.
     """
 
-    # Hugging Face directory of the target model.
-    model: str = str(DEFAULT_TARGET_DIR)
-    # DSpark (or DFlash) draft checkpoint directory; empty means no drafter (spec_mode must be "off").
-    draft_model: str = str(DEFAULT_DRAFT_DIR)
+    # Hugging Face directory of the target model; empty: the embedded default (SmolLM2-135M-Instruct).
+    model: str = ""
+    # DSpark (or DFlash) draft checkpoint directory; empty: the embedded default's drafter.
+    # Not loaded when spec_mode is "off".
+    draft_model: str = ""
     # Weights and activations dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.
     dtype: str = "auto"
     # Where the engine runs: auto (cuda when available), cpu, cuda.
@@ -83,8 +86,16 @@ class EngineConfig:
             value = getattr(self, name)
             if value < minimum:
                 raise ValueError(f"{name}: must be >= {minimum}, got {value}")
-        if self.spec_mode != "off" and not self.draft_model:
-            raise ValueError("draft_model: required unless spec_mode is 'off'")
+
+    @property
+    def model_path(self) -> Path:
+        """The target directory, the embedded default when `model` is empty."""
+        return Path(self.model) if self.model else DEFAULT_TARGET_DIR
+
+    @property
+    def draft_model_path(self) -> Path:
+        """The drafter directory, the embedded default's drafter when `draft_model` is empty."""
+        return Path(self.draft_model) if self.draft_model else DEFAULT_DRAFT_DIR
 
     @property
     def speculative(self) -> bool:

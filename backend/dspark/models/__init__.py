@@ -1,0 +1,1 @@
+"""Target model families (Llama, Qwen2, Qwen3) and their tensor-parallel-ready layers."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: the DSpark drafter, the verify planner, acceptance."""

@@ -1,0 +1,1 @@
+"""dspark_client: command-line client for a dspark Triton server."""
