@@ -38,7 +38,8 @@ class EngineConfig:
     # Speculation: off (plain decoding), static (verify all drafts), compact (planned ragged windows),
     # cap-accept (verify all, commit only up to the plan; a diagnostic).
     spec_mode: str = "compact"
-    # Verify-length planner: sync (early stop on this step's confidences) or lagged (top-K, K from an earlier step).
+    # Verify-length planner: sync (early stop on this step's confidences) or lagged (top-K, K from an
+    # earlier step's confidences).
     planner_policy: str = "sync"
     # Steps between the confidences that fix K and their use, for the lagged policy (>= 1).
     planner_lag: int = 1
@@ -143,5 +144,3 @@ def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
 def field_names() -> list[str]:
     """Names of every EngineConfig field, in declaration order."""
     return [f.name for f in fields(EngineConfig)]
-
-

@@ -1,0 +1,428 @@
+"""LLMEngine: continuous batching with DSpark speculative decoding, one step at a time.
+
+A step: schedule -> draft (one drafter pass for every decoding request) -> plan verify lengths ->
+one target forward over packed verify windows and prefill chunks -> accept -> inject committed
+target features into the draft cache -> emit deltas.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+
+from dspark.attention_batch import AttentionBatch
+from dspark.config import EngineConfig
+from dspark.kernels import ops
+from dspark.kv_cache import PagedKVCache
+from dspark.models.loader import load_target_model, resolve_dtype
+from dspark.output_processor import OutputProcessor
+from dspark.outputs import EngineLoad, RequestDelta, SpecStats
+from dspark.page_allocator import PageAllocator
+from dspark.sampling import choose_tokens
+from dspark.sampling_params import InvalidParameterError, SamplingParams
+from dspark.scheduler import PrefillChunk, Scheduler
+from dspark.sequence import Sequence, SequenceStatus
+from dspark.spec.accept import rejection_accept
+from dspark.spec.draft_checkpoint import load_drafter
+from dspark.spec.planner import VerifyPlanner
+from dspark.spec.proposer import DraftProposal, DSparkProposer, Proposer
+from dspark.spec.sps_table import SpsTable
+from dspark.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ResolvedLimits:
+    """Values derived from the config and the checkpoints (the config keeps what the user wrote)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+
+
+@dataclass
+class _VerifyPlan:
+    """Per decoding request: drafts verified, and the most of them that may be committed."""
+
+    proposal: DraftProposal | None
+    verify_lens: list[int]
+    commit_caps: list[int]
+
+
+class LLMEngine:
+    """The synchronous engine: add requests, call `step()` until none is left."""
+
+    def __init__(self, config: EngineConfig, proposer: Proposer | None = None) -> None:
+        self.config = config
+        device = _resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        self.target = load_target_model(config.model_path, dtype=dtype, device=device)
+        self.tokenizer = Tokenizer.from_dir(config.model_path)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        cfg = self.target.config
+        page_size = config.kv_page_size
+        self.target_cache = PagedKVCache(
+            cfg.num_layers,
+            config.num_kv_pages,
+            page_size,
+            self.target.num_local_kv_heads,
+            cfg.head_dim,
+            dtype,
+            device,
+        )
+        if proposer is None and config.speculative:
+            drafter = load_drafter(config.draft_model_path, dtype=dtype, device=device)
+            if drafter.config.vocab_size != cfg.vocab_size:
+                raise ValueError("draft_model: vocabulary size differs from the target's")
+            proposer = DSparkProposer(drafter, self.target, config.num_kv_pages, page_size)
+        self.proposer = proposer if config.speculative else None
+        block_size = 0
+        if self.proposer is not None:
+            block_size = config.block_size or self.proposer.block_size
+            if block_size > self.proposer.block_size:
+                raise ValueError(f"block_size: the drafter drafts at most {self.proposer.block_size}")
+        window = block_size + 1
+        capacity = config.num_kv_pages * page_size - window
+        limit = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings - window)
+        if capacity < 2:
+            raise ValueError("num_kv_pages: the KV cache cannot hold even one request")
+        self.limits = ResolvedLimits(device, dtype, block_size, min(limit, capacity))
+        self.allocator = PageAllocator(config.num_kv_pages, page_size)
+        self.scheduler = Scheduler(
+            self.allocator,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            window,
+            self.limits.max_model_len,
+        )
+        sps = SpsTable.load(config.sps_table) if config.sps_table else SpsTable.flat()
+        self.planner = VerifyPlanner(config.planner_policy, sps, config.planner_lag)
+        self.total_spec_stats = SpecStats()
+        self._seqs: dict[str, Sequence] = {}
+        self._outputs: dict[str, OutputProcessor] = {}
+        self._pending: list[RequestDelta] = []
+        self._aborts: list[str] = []
+        self._arrivals = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+
+    # Requests ---------------------------------------------------------------------------------
+
+    def prepare_prompt(
+        self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams
+    ) -> list[int]:
+        """Validate a request's prompt and return its token ids (InvalidParameterError names the field)."""
+        params.validate()
+        if prompt_token_ids is not None:
+            field = "prompt_token_ids"
+            ids = list(prompt_token_ids)
+            vocab = self.target.config.vocab_size
+            if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+                raise InvalidParameterError(field, f"token ids must be integers in [0, {vocab})")
+        else:
+            field = "prompt"
+            if not isinstance(prompt, str):
+                raise InvalidParameterError(field, "must be a string")
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        if not ids:
+            raise InvalidParameterError(field, "must not be empty")
+        if len(ids) >= self.limits.max_model_len:
+            raise InvalidParameterError(
+                field, f"{len(ids)} tokens leave no room in the context of {self.limits.max_model_len}"
+            )
+        return ids
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a validated request (see `prepare_prompt`)."""
+        if request_id in self._seqs:
+            self._pending.append(_error_delta(request_id, f"request_id: {request_id!r} is already running"))
+            return
+        seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**63)
+        seq = Sequence(
+            request_id=request_id,
+            arrival=next(self._arrivals),
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self._seqs[request_id] = seq
+        self._outputs[request_id] = OutputProcessor(
+            seq, self.tokenizer, self.eos_token_ids, self.limits.max_model_len
+        )
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort at the next step: pages are freed and a final delta with reason 'abort' is emitted."""
+        self._aborts.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits, runs, or has an undelivered delta."""
+        return bool(self._seqs or self._pending or self._aborts)
+
+    def load(self) -> EngineLoad:
+        """Occupancy snapshot."""
+        return EngineLoad(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_pages_used=self.allocator.num_used,
+            kv_pages_total=self.allocator.num_pages,
+        )
+
+    def close(self) -> None:
+        """Release what the engine holds (a no-op for a single-process engine)."""
+
+    # The step ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestDelta]:
+        """Run one scheduling iteration and return every request's delta."""
+        deltas, self._pending = self._pending, []
+        deltas.extend(self._apply_aborts())
+        schedule = self.scheduler.schedule()
+        if schedule.empty:
+            return deltas
+        decode = schedule.decode
+        plan = self._plan_verification(decode)
+        windows = self._build_windows(decode, plan, schedule.prefill)
+        batch = AttentionBatch.build(
+            windows.pages, windows.starts, windows.lens, self.config.kv_page_size, True, self.limits.device
+        )
+        capture = self.proposer.target_layer_ids if self.proposer is not None else ()
+        hidden, features = self.target(
+            windows.token_tensor(self.limits.device),
+            windows.position_tensor(self.limits.device),
+            batch,
+            self.target_cache,
+            capture,
+        )
+        logits = self.target.compute_logits(hidden[windows.logit_rows]).cpu()
+        committed, inject_rows = self._accept(decode, plan, schedule.prefill, logits, windows)
+        if self.proposer is not None and features is not None:
+            rows = torch.tensor(inject_rows, dtype=torch.long, device=self.limits.device)
+            positions = windows.position_tensor(self.limits.device)[rows]
+            self.proposer.inject(features[rows], positions, batch.slots[rows])
+        for seq, tokens in committed:
+            deltas.append(self._emit(seq, tokens))
+        return deltas
+
+    def _plan_verification(self, decode: list[Sequence]) -> _VerifyPlan:
+        caps = [self._max_verify(seq) for seq in decode]
+        if self.proposer is None or not any(caps):
+            return _VerifyPlan(None, [0] * len(decode), [0] * len(decode))
+        proposal = self.proposer.propose(decode)
+        gamma = self.limits.block_size
+        cap_tensor = torch.tensor(caps, dtype=torch.long)
+        mode = self.config.spec_mode
+        if mode == "static":
+            return _VerifyPlan(proposal, caps, caps)
+        survivals = torch.cumprod(proposal.confidences[:, :gamma], dim=1)
+        planned = self.planner.plan(survivals, cap_tensor).tolist()
+        if mode == "cap-accept":
+            return _VerifyPlan(proposal, caps, planned)
+        return _VerifyPlan(proposal, planned, planned)
+
+    def _max_verify(self, seq: Sequence) -> int:
+        """Most drafts this request may verify: block size, its own cap, tokens and context left."""
+        own = seq.params.num_draft_tokens
+        cap = min(
+            self.limits.block_size,
+            self.limits.block_size if own is None else own,
+            seq.remaining_tokens - 1,
+            self.limits.max_model_len - len(seq.token_ids),
+        )
+        return max(cap, 0)
+
+    def _build_windows(
+        self, decode: list[Sequence], plan: _VerifyPlan, prefill: list[PrefillChunk]
+    ) -> _Windows:
+        windows = _Windows()
+        for r, seq in enumerate(decode):
+            drafts = (
+                plan.proposal.tokens[r, : plan.verify_lens[r]].tolist() if plan.proposal is not None else []
+            )
+            windows.add(seq, [seq.anchor, *drafts], seq.num_cached, logits="all")
+        for chunk in prefill:
+            seq = chunk.seq
+            wants_logits = chunk.completes_prefill and seq.num_output_tokens == 0
+            tokens = seq.token_ids[chunk.start : chunk.start + chunk.length]
+            windows.add(seq, tokens, chunk.start, logits="last" if wants_logits else "none")
+        return windows
+
+    def _accept(
+        self,
+        decode: list[Sequence],
+        plan: _VerifyPlan,
+        prefill: list[PrefillChunk],
+        logits: torch.Tensor,
+        windows: _Windows,
+    ) -> tuple[list[tuple[Sequence, list[int]]], list[int]]:
+        """Decide committed tokens; return them per sequence and the packed rows to inject."""
+        committed: list[tuple[Sequence, list[int]]] = []
+        inject_rows: list[int] = []
+        greedy_rows = [r for r, s in enumerate(decode) if s.params.greedy]
+        num_accepted, bonus = self._greedy_accept(decode, plan, logits, windows, greedy_rows)
+        for r, seq in enumerate(decode):
+            verified = plan.verify_lens[r]
+            drafts = plan.proposal.tokens[r, :verified].tolist() if plan.proposal is not None else []
+            window_logits = logits[windows.logit_offsets[r] : windows.logit_offsets[r] + 1 + verified]
+            if seq.params.greedy:
+                accepted, next_token = num_accepted[r], bonus[r]
+            else:
+                limit = plan.commit_caps[r]
+                probs = plan.proposal.probs[r] if plan.proposal is not None else None
+                accepted, next_token = rejection_accept(
+                    drafts[:limit],
+                    probs[:limit] if probs is not None else torch.empty(0),
+                    window_logits[: limit + 1],
+                    seq.params,
+                    seq.generator,
+                )
+            if plan.proposal is not None:
+                seq.spec_stats.record_step(self.limits.block_size, verified, accepted)
+            else:
+                seq.spec_stats.record_step(0, 0, 0)
+            inject_rows.extend(range(windows.row_offsets[r], windows.row_offsets[r] + accepted + 1))
+            seq.num_cached += accepted + 1
+            committed.append((seq, [*drafts[:accepted], next_token]))
+        for i, chunk in enumerate(prefill):
+            seq = chunk.seq
+            first_row = windows.row_offsets[len(decode) + i]
+            inject_rows.extend(range(first_row, first_row + chunk.length))
+            seq.num_cached += chunk.length
+            if chunk.completes_prefill and seq.num_output_tokens == 0:
+                row = logits[windows.logit_offsets[len(decode) + i]][None]
+                committed.append((seq, [int(choose_tokens(row, seq.params, seq.generator)[0])]))
+        return committed, inject_rows
+
+    def _greedy_accept(
+        self,
+        decode: list[Sequence],
+        plan: _VerifyPlan,
+        logits: torch.Tensor,
+        windows: _Windows,
+        rows: list[int],
+    ) -> tuple[dict[int, int], dict[int, int]]:
+        if not rows:
+            return {}, {}
+        gamma = max(self.limits.block_size, 1)
+        drafts = torch.zeros(len(rows), gamma, dtype=torch.long)
+        if plan.proposal is not None:
+            drafts = plan.proposal.tokens[rows]
+        lens = [plan.verify_lens[r] for r in rows]
+        pieces = [
+            logits[windows.logit_offsets[r] : windows.logit_offsets[r] + 1 + lens[i]]
+            for i, r in enumerate(rows)
+        ]
+        target_tokens = torch.cat(pieces).argmax(dim=-1)
+        cu = torch.zeros(len(rows) + 1, dtype=torch.long)
+        cu[1:] = torch.cumsum(torch.tensor([n + 1 for n in lens]), 0)
+        accepted, bonus = ops.greedy_accept(drafts, target_tokens, cu, torch.tensor(lens))
+        caps = [plan.commit_caps[r] for r in rows]
+        out_accepted: dict[int, int] = {}
+        out_bonus: dict[int, int] = {}
+        for i, r in enumerate(rows):
+            n = min(int(accepted[i]), caps[i])
+            out_accepted[r] = n
+            # With cap-accept the bonus is the target's choice right after the capped prefix.
+            out_bonus[r] = int(bonus[i]) if n == int(accepted[i]) else int(target_tokens[int(cu[i]) + n])
+        return out_accepted, out_bonus
+
+    def _emit(self, seq: Sequence, tokens: list[int]) -> RequestDelta:
+        appended, text, reason = self._outputs[seq.request_id].commit(tokens)
+        if reason is not None:
+            self._finish(seq, reason)
+        return RequestDelta(
+            request_id=seq.request_id,
+            new_token_ids=appended,
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            spec_stats=seq.spec_stats,
+        )
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.total_spec_stats.merge(seq.spec_stats)
+        del self._seqs[seq.request_id]
+        del self._outputs[seq.request_id]
+
+    def _apply_aborts(self) -> list[RequestDelta]:
+        deltas = []
+        for request_id in self._aborts:
+            seq = self._seqs.get(request_id)
+            if seq is None:
+                continue
+            self._finish(seq, "abort")
+            deltas.append(
+                RequestDelta(
+                    request_id,
+                    [],
+                    "",
+                    True,
+                    "abort",
+                    seq.num_prompt_tokens,
+                    seq.num_output_tokens,
+                    seq.spec_stats,
+                )
+            )
+        self._aborts.clear()
+        return deltas
+
+
+class _Windows:
+    """The packed target batch of one step, built window by window."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.positions: list[int] = []
+        self.pages: list[list[int]] = []
+        self.starts: list[int] = []
+        self.lens: list[int] = []
+        self.row_offsets: list[int] = []
+        self.logit_offsets: list[int] = []
+        self.logit_rows: list[int] = []
+
+    def add(self, seq: Sequence, tokens: list[int], start: int, logits: str) -> None:
+        """Append a window of `tokens` at positions start.. of `seq`; `logits` says which rows' logits
+        to compute: "all" (a verify window), "last" (a prefill chunk that ends the prompt), "none"."""
+        first = len(self.tokens)
+        self.row_offsets.append(first)
+        self.logit_offsets.append(len(self.logit_rows))
+        self.tokens.extend(tokens)
+        self.positions.extend(range(start, start + len(tokens)))
+        self.pages.append(seq.pages)
+        self.starts.append(start)
+        self.lens.append(len(tokens))
+        if logits == "all":
+            self.logit_rows.extend(range(first, first + len(tokens)))
+        elif logits == "last":
+            self.logit_rows.append(first + len(tokens) - 1)
+
+    def token_tensor(self, device: torch.device) -> torch.Tensor:
+        """[num_tokens] int64."""
+        return torch.tensor(self.tokens, dtype=torch.long, device=device)
+
+    def position_tensor(self, device: torch.device) -> torch.Tensor:
+        """[num_tokens] int64."""
+        return torch.tensor(self.positions, dtype=torch.long, device=device)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda requested but no CUDA device is visible")
+    return torch.device(name)
+
+
+def _error_delta(request_id: str, message: str) -> RequestDelta:
+    return RequestDelta(request_id, [], "", True, "error", 0, 0, SpecStats(), error=message)

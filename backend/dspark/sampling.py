@@ -1,0 +1,51 @@
+"""Turning logits into tokens: temperature / top-k / top-p filtering and seeded per-request sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.kernels import ops
+from dspark.sampling_params import SamplingParams
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampling distribution of one request: softmax(logits / T) restricted to top-k and top-p.
+
+    logits: [num_rows, vocab] (every row uses the same request's params). Returns fp32 [num_rows, vocab].
+    The same function shapes target and draft distributions, which keeps rejection sampling exact.
+    """
+    scaled = logits.float() / params.temperature
+    if params.top_k and params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does.
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `probs` [num_rows, vocab], drawn with the request's generator."""
+    exponentials = torch.empty(probs.shape, dtype=torch.float32, device="cpu").exponential_(
+        generator=generator
+    )
+    return ops.exponential_race_sample(probs, exponentials.to(probs.device))
+
+
+def uniform(generator: torch.Generator | None) -> float:
+    """One U(0, 1) draw from the request's generator."""
+    return float(torch.rand((), generator=generator))
+
+
+def choose_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Greedy argmax or a seeded sample for one request's rows: [num_rows, vocab] -> [num_rows]."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return sample_rows(filtered_probs(logits, params), generator)

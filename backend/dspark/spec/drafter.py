@@ -1,0 +1,124 @@
+"""The DSpark drafter: target-feature KV injection, a non-causal block pass, Markov and confidence heads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.attention_batch import AttentionBatch
+from dspark.distributed import SINGLE
+from dspark.kernels import ops
+from dspark.kv_cache import PagedKVCache
+from dspark.models.layers import RMSNorm, rotary_cos_sin
+from dspark.models.llama import DecoderLayer
+from dspark.spec.draft_config import DraftConfig
+
+
+@dataclass
+class BlockHeads:
+    """What the Markov/confidence decode needs from one block pass.
+
+    hidden: [R, gamma, hidden] final normed drafter states; base_logits: [R, gamma, vocab] fp32.
+    """
+
+    hidden: torch.Tensor
+    base_logits: torch.Tensor
+
+
+class Drafter(nn.Module):
+    """Drafter layers (Qwen3-style) whose context keys/values come from the target's hidden states.
+
+    Embeddings and LM head are the target's (shared, frozen); they are passed in, never owned. The
+    drafter is small and runs on the driver only, replicated rather than tensor-parallel.
+    """
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        layer_cfg = cfg.layer_config
+        h = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(layer_cfg, SINGLE) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        r = cfg.markov_rank
+        self.markov_w1 = nn.Embedding(cfg.vocab_size, r) if r else None
+        self.markov_w2 = nn.Linear(r, cfg.vocab_size, bias=False) if r else None
+        self.confidence = nn.Linear(h + r, 1) if cfg.enable_confidence_head else None
+        self.register_buffer(
+            "confidence_temperatures", torch.tensor(cfg.confidence_temperatures, dtype=torch.float32)
+        )
+        self.register_buffer(
+            "cos_sin",
+            rotary_cos_sin(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta),
+            persistent=False,
+        )
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads of every drafter layer."""
+        return self.config.num_key_value_heads
+
+    def inject_context(
+        self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: PagedKVCache
+    ) -> None:
+        """KV injection: project target features into every drafter layer's keys/values.
+
+        features: [num_tokens, len(target_layer_ids) * hidden] target hidden states of committed
+        positions; positions, slots: [num_tokens]. Writes each layer's k/v at those slots.
+        """
+        ctx, _ = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        n, d = ctx.shape[0], self.config.head_dim
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
+            kv = F.linear(ctx, attn.qkv_proj.weight[q_size:])
+            k, v = kv.split([kv_size, kv_size], dim=-1)
+            k = attn.k_norm(k.reshape(-1, d))[0].view(n, attn.num_kv_heads, d)
+            v = v.reshape(n, attn.num_kv_heads, d)
+            # rotary() rotates q and k together; the context has no queries, so k rides in both seats.
+            k, _ = ops.rotary(k, k, positions, self.cos_sin)
+            k_cache, v_cache = cache.layer(index)
+            ops.store_kv(k, v, k_cache, v_cache, slots)
+
+    def block_pass(
+        self,
+        block_embeddings: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        cache: PagedKVCache,
+        lm_head: nn.Module,
+    ) -> BlockHeads:
+        """One non-causal pass over every request's block [anchor, mask, ..., mask].
+
+        block_embeddings: [R * gamma, hidden]; positions: [R * gamma]; the batch's windows are the
+        blocks, seeing all injected context before them and the whole block.
+        """
+        x, residual = block_embeddings.to(self.fc.weight.dtype), None
+        for index, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, batch, cache.layer(index), self.cos_sin)
+        hidden, _ = self.norm(x, residual)
+        gamma = self.config.block_size
+        base = lm_head(hidden).float()
+        return BlockHeads(hidden.view(-1, gamma, hidden.shape[-1]), base.view(-1, gamma, base.shape[-1]))
+
+    def markov_features(self, previous_tokens: torch.Tensor) -> torch.Tensor | None:
+        """W1[x_{k-1}]: [R, rank] low-rank embedding of the previously chosen tokens (None when r = 0)."""
+        return None if self.markov_w1 is None else self.markov_w1(previous_tokens)
+
+    def corrected_logits(self, base_logits: torch.Tensor, markov: torch.Tensor | None) -> torch.Tensor:
+        """U_k + W2 · W1[x_{k-1}]: [R, vocab] fp32."""
+        if markov is None or self.markov_w2 is None:
+            return base_logits
+        return base_logits + self.markov_w2(markov).float()
+
+    def confidence_at(self, hidden: torch.Tensor, markov: torch.Tensor | None, position: int) -> torch.Tensor:
+        """c_k = sigmoid((w · [h_k ; W1[x_{k-1}]] + b) / T_k): [R]; all ones without a confidence head."""
+        if self.confidence is None:
+            return torch.ones(hidden.shape[0], device=hidden.device)
+        inputs = hidden if markov is None else torch.cat([hidden, markov.to(hidden.dtype)], dim=-1)
+        logit = self.confidence(inputs).float().squeeze(-1)
+        return torch.sigmoid(logit / self.confidence_temperatures[position])

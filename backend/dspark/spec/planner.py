@@ -1,0 +1,155 @@
+"""Verify-length planner: how many drafted tokens each request verifies this step (DESIGN.md §4.2).
+
+Verifying ``ℓ_r`` drafts of request ``r`` costs ``1 + ℓ_r`` target tokens (anchor included) and is
+expected to commit ``1 + Σ_{j≤ℓ_r} a_{r,j}`` tokens, where ``a_{r,j} = c_{r,1}·…·c_{r,j}`` is the
+survival of the first ``j`` drafts. With ``B = Σ(1+ℓ_r)`` and ``τ = Σ(1 + Σ_{j≤ℓ_r} a_{r,j})`` the
+planner maximizes ``τ · SPS(B)``.
+
+All admissible drafts ``(r, j)`` (``j ≤ max_lens[r]``) are ranked once: survival descending, ties by
+position ``j`` ascending, then request ``r`` ascending. Because survivals are non-increasing along
+``j``, every leading slice of that ranking is a contiguous prefix of each request's block, so a plan
+is just "admit the first K ranked drafts" and the verify lengths are per-request counts.
+
+- ``sync``: K is the number of leading admissions that each strictly improve the objective; the first
+  admission that does not stops the scan (no look-ahead: a global argmax over the same step's
+  confidences would make the verify length depend on later drafts' confidences, which is not lossless).
+- ``lagged``: K is the global argmax budget computed from the survivals of ``lag`` steps earlier.
+
+Shapes: ``survivals`` float ``[R, gamma]``, ``max_lens`` int64 ``[R]``, plans int64 ``[R]``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from dspark.config import PLANNER_POLICIES
+from dspark.spec.sps_table import SpsTable
+
+
+def _check_inputs(survivals: torch.Tensor, max_lens: torch.Tensor) -> torch.Tensor:
+    """Validate shapes and values; return ``max_lens`` as int64 on the survivals' device."""
+    if survivals.dim() != 2 or not survivals.is_floating_point():
+        raise ValueError(
+            f"survivals: must be a float [R, gamma] tensor, got {survivals.dtype} {survivals.shape}"
+        )
+    num_requests, gamma = survivals.shape
+    if max_lens.shape != (num_requests,) or max_lens.is_floating_point() or max_lens.dtype == torch.bool:
+        raise ValueError(
+            f"max_lens: must be an integer [{num_requests}] tensor, got {max_lens.dtype} {max_lens.shape}"
+        )
+    max_lens = max_lens.to(device=survivals.device, dtype=torch.int64)
+    if num_requests == 0:
+        return max_lens
+    # Only admissible entries are checked: rows past a request's cap may be padding.
+    pos = torch.arange(gamma, device=survivals.device)
+    admissible = pos[None, :] < max_lens[:, None]
+    next_admissible = admissible[:, 1:]
+    bad_range = (max_lens < 0) | (max_lens > gamma)
+    bad_value = admissible & ~(torch.isfinite(survivals) & (survivals >= 0))
+    increasing = next_admissible & (survivals[:, 1:] > survivals[:, :-1])
+    # One host sync for the common (valid) case; the specific message is worked out only on failure.
+    if bool(bad_range.any() | bad_value.any() | increasing.any()):
+        if bool(bad_range.any()):
+            raise ValueError(f"max_lens: every entry must be in [0, {gamma}], got {max_lens.tolist()}")
+        if bool(bad_value.any()):
+            raise ValueError("survivals: admissible entries must be finite and >= 0")
+        raise ValueError("survivals: must be non-increasing along gamma (a_j = c_1·…·c_j)")
+    return max_lens
+
+
+def _rank(survivals: torch.Tensor, max_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Admissible drafts in admission order: survivals float64 ``[N]`` and their request ids int64 ``[N]``."""
+    num_requests, gamma = survivals.shape
+    device = survivals.device
+    admissible = torch.arange(gamma, device=device)[None, :] < max_lens[:, None]  # [R, gamma]
+    # Flatten position-major (flat index j*R + r): a stable sort then breaks ties by position, then request.
+    mask = admissible.t().reshape(-1)
+    values = survivals.t().reshape(-1)[mask].to(torch.float64)
+    requests = torch.arange(num_requests, device=device).repeat(gamma)[mask]
+    order = torch.sort(values, descending=True, stable=True).indices
+    return values[order], requests[order]
+
+
+def _objective(ranked: torch.Tensor, num_requests: int, sps: SpsTable) -> torch.Tensor:
+    """``τ·SPS(B)`` after admitting the first k ranked drafts, for k = 0..N: float64 ``[N+1]``."""
+    zero = torch.zeros(1, dtype=torch.float64, device=ranked.device)
+    tau = num_requests + torch.cat([zero, torch.cumsum(ranked, 0)])
+    tokens = num_requests + torch.arange(ranked.numel() + 1, device=ranked.device)
+    return tau * sps.at(tokens)
+
+
+def _sync_count(objective: torch.Tensor) -> int:
+    """Number of leading admissions that each strictly improve the objective."""
+    improves = objective[1:] > objective[:-1]
+    # cumprod zeroes everything from the first non-improving admission on.
+    return int(improves.to(torch.int64).cumprod(0).sum())
+
+
+def _split(requests: torch.Tensor, budget: int, num_requests: int) -> torch.Tensor:
+    """Verify lengths ``[R]`` from admitting the first ``budget`` ranked drafts."""
+    return torch.bincount(requests[:budget], minlength=num_requests)
+
+
+def global_argmax_budget(survivals: torch.Tensor, max_lens: torch.Tensor, sps: SpsTable) -> int:
+    """The draft budget K (0..N admissible) maximizing ``τ·SPS(B)`` over top-K splits; smallest K on ties."""
+    max_lens = _check_inputs(survivals, max_lens)
+    ranked, _ = _rank(survivals, max_lens)
+    # torch.argmax returns the first maximum, i.e. the smallest (cheapest) K among equals.
+    return int(torch.argmax(_objective(ranked, survivals.shape[0], sps)))
+
+
+def sync_budget(survivals: torch.Tensor, max_lens: torch.Tensor, sps: SpsTable) -> int:
+    """The draft budget K the ``sync`` policy admits (scan stops at the first non-improving admission)."""
+    max_lens = _check_inputs(survivals, max_lens)
+    ranked, _ = _rank(survivals, max_lens)
+    return _sync_count(_objective(ranked, survivals.shape[0], sps))
+
+
+def split_budget(survivals: torch.Tensor, max_lens: torch.Tensor, budget: int) -> torch.Tensor:
+    """Verify lengths int64 ``[R]`` giving the top-``budget`` admissible drafts (clamped to N) their slots."""
+    max_lens = _check_inputs(survivals, max_lens)
+    if budget < 0:
+        raise ValueError(f"budget: must be >= 0, got {budget}")
+    _, requests = _rank(survivals, max_lens)
+    return _split(requests, budget, survivals.shape[0])
+
+
+class VerifyPlanner:
+    """Chooses per-request verify lengths each step under the ``sync`` or ``lagged`` policy."""
+
+    def __init__(self, policy: str, sps: SpsTable, lag: int = 1) -> None:
+        """``lag`` (>= 1) is how many steps earlier the ``lagged`` policy's budget was computed."""
+        if policy not in PLANNER_POLICIES:
+            raise ValueError(f"policy: must be one of {', '.join(PLANNER_POLICIES)}, got {policy!r}")
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
+            raise ValueError(f"lag: must be an integer >= 1, got {lag!r}")
+        self.policy = policy
+        self.sps = sps
+        self.lag = lag
+        self._verify_all = sps.is_flat  # the table never changes, so decide the fast path once
+        # Budgets computed from the last `lag` steps' survivals, oldest first.
+        self._history: deque[int] = deque(maxlen=lag)
+
+    def plan(self, survivals: torch.Tensor, max_lens: torch.Tensor) -> torch.Tensor:
+        """Verify lengths int64 ``[R]`` (0..max_lens[r]) from survivals ``[R, gamma]`` and caps ``[R]``."""
+        max_lens = _check_inputs(survivals, max_lens)
+        if self._verify_all:
+            return max_lens.clone()
+        num_requests = survivals.shape[0]
+        ranked, requests = _rank(survivals, max_lens)
+        objective = _objective(ranked, num_requests, self.sps)
+        if self.policy == "sync":
+            return _split(requests, _sync_count(objective), num_requests)
+        if len(self._history) == self.lag:
+            # The requests (or their caps) may have changed since; never admit more than exist now.
+            budget = min(self._history[0], ranked.numel())
+        else:
+            budget = _sync_count(objective)  # not enough history yet: plan as sync would
+        self._history.append(int(torch.argmax(objective)))
+        return _split(requests, budget, num_requests)
+
+    def reset(self) -> None:
+        """Forget the lagged budgets (e.g. after the running batch is rebuilt)."""
+        self._history.clear()

@@ -1,0 +1,111 @@
+"""Proposers: what drafts a block for every decoding request. DSparkProposer runs the drafter."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from dspark.attention_batch import AttentionBatch
+from dspark.kv_cache import PagedKVCache
+from dspark.models.llama import CausalLM
+from dspark.sampling import filtered_probs, sample_rows
+from dspark.sequence import Sequence
+from dspark.spec.drafter import Drafter
+
+
+@dataclass
+class DraftProposal:
+    """One block of drafts per request.
+
+    tokens: [R, gamma] int64; confidences: [R, gamma] fp32 (c_k, the chance draft k survives given the
+    earlier ones did); probs[r]: [gamma, vocab] the distributions request r's drafts were sampled
+    from (None for greedy requests, whose drafts are argmax choices).
+    """
+
+    tokens: torch.Tensor
+    confidences: torch.Tensor
+    probs: list[torch.Tensor | None]
+
+
+class Proposer(Protocol):
+    """Drafts blocks and keeps whatever context it needs from the target's committed hidden states."""
+
+    block_size: int
+    target_layer_ids: list[int]
+
+    def propose(self, seqs: Seq[Sequence]) -> DraftProposal:
+        """Draft one block per sequence (each has `num_cached` context positions and an anchor)."""
+        ...
+
+    def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Take the target features [num_tokens, L * hidden] of committed positions into the context."""
+        ...
+
+
+class DSparkProposer:
+    """Runs the DSpark drafter over paged draft KV (same page table as the target's)."""
+
+    def __init__(self, drafter: Drafter, target: CausalLM, num_pages: int, page_size: int) -> None:
+        cfg = drafter.config
+        device = drafter.fc.weight.device
+        self.drafter = drafter
+        self.target = target
+        self.block_size = cfg.block_size
+        self.target_layer_ids = list(cfg.target_layer_ids)
+        self.page_size = page_size
+        self.cache = PagedKVCache(
+            cfg.num_hidden_layers,
+            num_pages,
+            page_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            drafter.fc.weight.dtype,
+            device,
+        )
+        self.device = device
+
+    def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """KV injection of committed target features into every drafter layer."""
+        if features.shape[0]:
+            self.drafter.inject_context(features, positions, slots, self.cache)
+
+    @torch.inference_mode()
+    def propose(self, seqs: Seq[Sequence]) -> DraftProposal:
+        """Block pass, then left-to-right Markov decode with confidences."""
+        gamma = self.block_size
+        mask_id = self.drafter.config.mask_token_id
+        num_requests = len(seqs)
+        block = torch.full((num_requests, gamma), mask_id, dtype=torch.long)
+        block[:, 0] = torch.tensor([s.anchor for s in seqs])
+        starts = [s.num_cached for s in seqs]
+        positions = (torch.tensor(starts)[:, None] + torch.arange(gamma)[None, :]).flatten()
+        batch = AttentionBatch.build(
+            [s.pages for s in seqs], starts, [gamma] * num_requests, self.page_size, False, self.device
+        )
+        embeddings = self.target.embed(block.flatten().to(self.device))
+        heads = self.drafter.block_pass(
+            embeddings, positions.to(self.device), batch, self.cache, self.target.lm_head
+        )
+        tokens = torch.empty(num_requests, gamma, dtype=torch.long)
+        confidences = torch.empty(num_requests, gamma, dtype=torch.float32)
+        sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
+        probs: list[torch.Tensor | None] = [
+            None if s.params.greedy else torch.empty(gamma, heads.base_logits.shape[-1]) for s in seqs
+        ]
+        previous = block[:, 0].to(self.device)
+        for k in range(gamma):
+            markov = self.drafter.markov_features(previous)
+            logits = self.drafter.corrected_logits(heads.base_logits[:, k], markov)
+            confidences[:, k] = self.drafter.confidence_at(heads.hidden[:, k], markov, k).cpu()
+            chosen = logits.argmax(dim=-1)
+            for r in sampled:
+                seq = seqs[r]
+                row = filtered_probs(logits[r : r + 1], seq.params)
+                probs[r][k] = row[0].cpu()  # type: ignore[index]
+                chosen[r] = sample_rows(row, seq.generator)[0]
+            tokens[:, k] = chosen.cpu()
+            previous = chosen
+        return DraftProposal(tokens, confidences, probs)

@@ -1,0 +1,53 @@
+"""Fixtures shared by the whole test suite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct in Hugging Face layout, converted once from its packaged GGUF."""
+    from dspark.config import DEFAULT_TARGET_DIR
+    from dspark.convert_gguf import default_gguf_path, import_gguf
+
+    try:
+        gguf_path = default_gguf_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    # The same directory set-up writes: idempotent, so a converted checkout pays nothing here.
+    return import_gguf(gguf_path, DEFAULT_TARGET_DIR)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama checkpoint with an 8-token vocabulary (see tests/tiny_models.py)."""
+    from tiny_models import write_tiny_target
+
+    return write_tiny_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter_dir(tiny_target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random DSpark drafter (block size 4) for the tiny target."""
+    from tiny_models import write_tiny_drafter
+
+    return write_tiny_drafter(tiny_target_dir, tmp_path_factory.mktemp("tiny-drafter"))
+
+
+@pytest.fixture(scope="session")
+def triton_server(smollm2_dir, tmp_path_factory):
+    """One real tritonserver (`dspark serve` on a repository rendered into tmp with test settings)
+    for the whole session, on free ports; stopped at the end, leaving no tritonserver or stub."""
+    from server_fixtures import start_server
+
+    from dspark.cli import main as dspark_main
+
+    assert dspark_main(["create-draft", "--if-missing"]) == 0
+    server = start_server(tmp_path_factory.mktemp("triton"))
+    yield server
+    server.stop()
+    leftovers = server.leftover_processes()
+    assert not leftovers, f"processes outlived the server: {leftovers}"

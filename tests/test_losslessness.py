@@ -1,0 +1,268 @@
+"""Speculation changes speed, never output: greedy tokens equal plain greedy decoding; sampled tokens
+follow the target's exact distribution."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from proposers import OracleProposer, TrapProposer
+
+from dspark import LLM, EngineConfig, SamplingParams
+from dspark.models.dense import dense_logits
+from dspark.models.loader import load_target_model
+from dspark.spec import planner as planner_module
+from dspark.spec.sps_table import SpsTable
+
+SPEC_SETTINGS = [("static", "sync"), ("compact", "sync"), ("compact", "lagged"), ("cap-accept", "sync")]
+BLOCK = 4
+
+
+def _config(target_dir, draft_dir=None, **changes) -> EngineConfig:
+    base = EngineConfig(
+        model=str(target_dir),
+        draft_model=str(draft_dir or ""),
+        num_kv_pages=96,
+        kv_page_size=4,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+    )
+    return base.replace(**changes)
+
+
+def _decaying_sps(tmp_path) -> str:
+    """An SPS table under which verifying long windows does not always pay: plans get ragged."""
+    path = tmp_path / "sps.json"
+    points = [{"tokens": t, "steps_per_second": 100.0 / (1 + 0.08 * t)} for t in (1, 2, 4, 8, 16, 32, 64)]
+    path.write_text(json.dumps({"version": 1, "points": points}))
+    return str(path)
+
+
+def _prompts(count: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(1, 8) for _ in range(rng.randrange(2, 9))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def greedy_truth(tiny_target_dir):
+    """Plain greedy continuations of a fixed prompt set (the oracle's truth and the expected output)."""
+    rng = random.Random(1234)
+    prompts = _prompts(7, rng)
+    llm = LLM(_config(tiny_target_dir, spec_mode="off"))
+    outs = llm.generate(params=SamplingParams(max_tokens=24, ignore_eos=True), prompt_token_ids=prompts)
+    return prompts, [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize(("mode", "policy"), SPEC_SETTINGS)
+def test_greedy_output_unchanged_by_speculation_for_every_acceptance_pattern(
+    tiny_target_dir, greedy_truth, mode, policy, tmp_path
+) -> None:
+    prompts, expected = greedy_truth
+    truth = {tuple(p): p + out for p, out in zip(prompts, expected, strict=True)}
+    rng = random.Random()
+    # Request 0 always fully accepted, request 1 never (position 0 corrupted), requests 2..4 rejected at
+    # block positions 1..3, the rest at a random position (or none) each step.
+    fixed = {0: None, 1: 0, 2: 1, 3: 2, 4: 3}
+
+    def corrupt(seq, step):
+        index = prompts.index(seq.prompt_token_ids)
+        return fixed[index] if index in fixed else rng.choice([None, *range(BLOCK)])
+
+    confidences = {}
+
+    def confidence(seq, k):
+        return confidences.setdefault((seq.request_id, len(seq.token_ids), k), rng.uniform(0.3, 1.0))
+
+    proposer = OracleProposer(truth, 8, BLOCK, corrupt, confidence)
+    llm = LLM(
+        _config(tiny_target_dir, spec_mode=mode, planner_policy=policy, sps_table=_decaying_sps(tmp_path)),
+        proposer=proposer,
+    )
+    outs = llm.generate(params=SamplingParams(max_tokens=24, ignore_eos=True), prompt_token_ids=prompts)
+    assert [o.token_ids for o in outs] == expected
+    assert outs[0].spec_stats.accepted_tokens > 0
+    assert outs[1].spec_stats.accepted_tokens == 0
+    for position, out in zip((1, 2, 3), outs[2:5], strict=True):
+        per_position = out.spec_stats.accepted_per_position + [0] * BLOCK
+        assert per_position[position:BLOCK] == [0] * (BLOCK - position)
+        if mode == "static":  # every draft is verified, so the one before the corruption is accepted
+            assert per_position[position - 1] > 0
+
+
+@pytest.mark.parametrize(("mode", "policy"), SPEC_SETTINGS)
+def test_greedy_output_unchanged_with_the_real_drafter(
+    tiny_target_dir, tiny_drafter_dir, greedy_truth, mode, policy, tmp_path
+) -> None:
+    prompts, expected = greedy_truth
+    llm = LLM(
+        _config(
+            tiny_target_dir,
+            tiny_drafter_dir,
+            spec_mode=mode,
+            planner_policy=policy,
+            sps_table=_decaying_sps(tmp_path),
+        )
+    )
+    outs = llm.generate(params=SamplingParams(max_tokens=24, ignore_eos=True), prompt_token_ids=prompts)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.spec_stats.drafted_tokens for o in outs) > 0
+
+
+def test_num_draft_tokens_zero_turns_speculation_off_for_that_request(
+    tiny_target_dir, tiny_drafter_dir, greedy_truth
+) -> None:
+    prompts, expected = greedy_truth
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static"))
+    params = [
+        SamplingParams(max_tokens=24, ignore_eos=True, num_draft_tokens=0 if i % 2 else None)
+        for i in range(len(prompts))
+    ]
+    outs = llm.generate(params=params, prompt_token_ids=prompts)
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.spec_stats.verified_tokens == 0 for o in outs[1::2])
+    assert all(o.spec_stats.verified_tokens > 0 for o in outs[0::2])
+
+
+# Sampling -------------------------------------------------------------------------------------------
+
+PROMPT = [3, 5]
+NUM_SAMPLES = 3000
+# Total-variation bound on the joint law of generated tokens 2 and 3 (64 outcomes); sampling noise
+# at NUM_SAMPLES is about 0.05, a look-ahead planner's bias here is several times that.
+TV_BOUND = 0.1
+
+
+def _exact_joint(target_dir, params: SamplingParams) -> torch.Tensor:
+    """P(x2, x3) of the target under `params`, by enumerating x1, x2 and summing x1 out: [8, 8]."""
+    from dspark.sampling import filtered_probs
+
+    model = load_target_model(target_dir)
+
+    def dist(prefix: list[int]) -> torch.Tensor:
+        return filtered_probs(dense_logits(model, prefix)[-1:], params)[0].double()
+
+    joint = torch.zeros(8, 8, dtype=torch.float64)
+    p1 = dist(PROMPT)
+    for x1 in range(8):
+        p2 = dist(PROMPT + [x1])
+        for x2 in range(8):
+            joint[x2] += p1[x1] * p2[x2] * dist(PROMPT + [x1, x2])
+    return joint
+
+
+def _empirical_joint(llm: LLM, params: SamplingParams) -> torch.Tensor:
+    seeds = random.Random().sample(range(10**9), NUM_SAMPLES)
+    batch = [SamplingParams(**{**params.__dict__, "seed": s}) for s in seeds]
+    outs = llm.generate(params=batch, prompt_token_ids=[PROMPT] * NUM_SAMPLES)
+    counts = torch.zeros(8, 8, dtype=torch.float64)
+    for out in outs:
+        counts[out.token_ids[1], out.token_ids[2]] += 1
+    return counts / NUM_SAMPLES
+
+
+def _tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a - b).abs().sum())
+
+
+class LookaheadPlanner:
+    """Deliberately broken: verifies the argmax budget of THIS step's confidences (look-ahead, no early
+    stop). It plans each request as if it ran alone (batch size 1), so that thousands of samples can
+    share a batch without their budgets averaging the bias away."""
+
+    def __init__(self, sps: SpsTable) -> None:
+        self.sps = sps
+
+    def plan(self, survivals: torch.Tensor, max_lens: torch.Tensor) -> torch.Tensor:
+        lens = []
+        for r in range(survivals.shape[0]):
+            one, cap = survivals[r : r + 1], max_lens[r : r + 1]
+            budget = planner_module.global_argmax_budget(one, cap, self.sps)
+            lens.append(planner_module.split_budget(one, cap, budget))
+        return torch.cat(lens)
+
+
+def _sps_file(tmp_path, name: str, points: list[tuple[int, float]]) -> str:
+    path = tmp_path / f"{name}.json"
+    path.write_text(
+        json.dumps({"version": 1, "points": [{"tokens": t, "steps_per_second": s} for t, s in points]})
+    )
+    return str(path)
+
+
+# Verifying one draft never pays and two pay only when the second looks likely: a look-ahead planner
+# then verifies draft 1 exactly when draft 1 is the trigger token, which biases it.
+TRAP_SPS = [(1, 1.0), (2, 0.5), (3, 0.45)]
+# Draft 1 always pays, draft 2 only after a trigger: sync and lagged make ragged, causal plans.
+RAGGED_SPS = [(1, 1.0), (2, 0.8), (3, 0.7)]
+TRIGGER = 5
+
+
+def _sampling_llm(target_dir, tmp_path, sps: list[tuple[int, float]], **changes) -> LLM:
+    cfg = _config(
+        target_dir,
+        spec_mode="compact",
+        max_num_seqs=512,
+        num_kv_pages=1024,
+        max_num_batched_tokens=2048,
+        block_size=2,
+        sps_table=_sps_file(tmp_path, "sps", sps),
+        **changes,
+    )
+    return LLM(cfg, proposer=TrapProposer(load_target_model(target_dir), TRIGGER, block_size=2))
+
+
+# Four tokens: x1 comes from prefill, x2 and x3 are the first speculative block (x4 keeps its window open).
+SAMPLING = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def exact_joint(tiny_target_dir) -> torch.Tensor:
+    return _exact_joint(tiny_target_dir, SAMPLING)
+
+
+@pytest.mark.parametrize(
+    ("policy", "sps"), [("sync", RAGGED_SPS), ("lagged", TRAP_SPS), ("lagged", RAGGED_SPS)]
+)
+def test_sampled_tokens_follow_target_distribution(
+    tiny_target_dir, exact_joint, policy, sps, tmp_path
+) -> None:
+    llm = _sampling_llm(tiny_target_dir, tmp_path, sps, planner_policy=policy)
+    tv = _tv(_empirical_joint(llm, SAMPLING), exact_joint)
+    print(f"total variation {tv:.4f}")
+    assert tv < TV_BOUND
+    stats = llm.engine.total_spec_stats
+    assert 0 < stats.verified_tokens < stats.drafted_tokens
+
+
+def test_lookahead_planner_is_caught_by_the_distribution_test(tiny_target_dir, exact_joint, tmp_path) -> None:
+    llm = _sampling_llm(tiny_target_dir, tmp_path, TRAP_SPS)
+    llm.engine.planner = LookaheadPlanner(SpsTable(TRAP_SPS))
+    tv = _tv(_empirical_joint(llm, SAMPLING), exact_joint)
+    print(f"total variation {tv:.4f}")
+    assert tv > TV_BOUND
+
+
+@pytest.mark.parametrize("mode", ["static", "compact", "cap-accept"])
+def test_sampling_with_the_real_drafter_and_filters_follows_target(
+    tiny_target_dir, tiny_drafter_dir, mode, tmp_path
+) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.8, top_k=6, top_p=0.9, ignore_eos=True)
+    llm = LLM(
+        _config(
+            tiny_target_dir,
+            tiny_drafter_dir,
+            spec_mode=mode,
+            max_num_seqs=512,
+            num_kv_pages=1024,
+            max_num_batched_tokens=4096,
+        )
+    )
+    assert _tv(_empirical_joint(llm, params), _exact_joint(tiny_target_dir, params)) < TV_BOUND
+
+
+def test_seeded_sampling_is_reproducible(tiny_target_dir, tiny_drafter_dir) -> None:
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="compact"))
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    first, second = (llm.generate(params=params, prompt_token_ids=[PROMPT])[0].token_ids for _ in range(2))
+    assert first == second

@@ -1,0 +1,91 @@
+"""Tiny real checkpoints written on the fly: a Llama-family target with a word-level tokenizer, and
+DSpark drafters for it. Small enough that a test can enumerate the target's exact distribution."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from dspark.models.hf_config import ModelConfig
+from dspark.spec.draft_checkpoint import create_random_drafter, fresh_draft_config, save_drafter
+
+
+def write_tiny_target(
+    path: Path,
+    vocab_size: int = 8,
+    hidden: int = 32,
+    layers: int = 2,
+    seed: int = 0,
+    logit_scale: float = 1.5,
+) -> Path:
+    """A random Llama checkpoint (untied head scaled by `logit_scale`: clear greedy choices, yet sampling
+    far from deterministic)
+    plus a word-level tokenizer whose tokens are w0, w1, ... (w0 doubles as EOS)."""
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim, inter = 4, 2, hidden // 4, hidden * 2
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "eos_token_id": 0,
+        "bos_token_id": None,
+        "torch_dtype": "float32",
+    }
+
+    def rand(*shape: int, std: float = 0.3) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    tensors = {
+        "model.embed_tokens.weight": rand(vocab_size, hidden, std=1.0),
+        "model.norm.weight": torch.ones(hidden),
+        "lm_head.weight": rand(vocab_size, hidden, std=logit_scale / hidden**0.5),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": rand(inter, hidden),
+            p + "mlp.up_proj.weight": rand(inter, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, inter),
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+        }
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w0"}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    return path
+
+
+def write_tiny_drafter(
+    target_dir: Path, path: Path, block_size: int = 4, seed: int = 0, std: float = 0.3
+) -> Path:
+    """A randomly initialised DSpark drafter (Markov + confidence heads) for a tiny target."""
+    target = ModelConfig.load(target_dir)
+    cfg = fresh_draft_config(
+        target, block_size=block_size, num_layers=1, markov_rank=4, mask_token_id=1, num_target_features=2
+    )
+    save_drafter(create_random_drafter(cfg, seed=seed, std=std), path, dtype=torch.float32)
+    return path
