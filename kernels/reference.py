@@ -100,7 +100,10 @@ def paged_attention(
 
 
 def greedy_accept(
-    draft_tokens: torch.Tensor, target_tokens: torch.Tensor, cu_windows: torch.Tensor, verify_lens: torch.Tensor
+    draft_tokens: torch.Tensor,
+    target_tokens: torch.Tensor,
+    cu_windows: torch.Tensor,
+    verify_lens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance over ragged verify windows.
 

@@ -53,6 +53,8 @@ class AttentionBatch:
             slot_list.append(table[r, positions // page_size].long() * page_size + positions % page_size)
         cu = torch.zeros(num_requests + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(window_lens, dtype=torch.int32), 0)
-        kv_lens = torch.tensor([s + n for s, n in zip(window_starts, window_lens, strict=True)], dtype=torch.int32)
+        kv_lens = torch.tensor(
+            [s + n for s, n in zip(window_starts, window_lens, strict=True)], dtype=torch.int32
+        )
         slots = torch.cat(slot_list) if slot_list else torch.zeros(0, dtype=torch.long)
         return cls(cu.to(device), kv_lens.to(device), table.to(device), slots.to(device), causal)

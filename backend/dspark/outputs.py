@@ -28,7 +28,9 @@ class SpecStats:
         self.steps += 1
         grow = max(verified - len(self.verified_per_position), 0)
         self.verified_per_position.extend([0] * grow)
-        self.accepted_per_position.extend([0] * (len(self.verified_per_position) - len(self.accepted_per_position)))
+        self.accepted_per_position.extend(
+            [0] * (len(self.verified_per_position) - len(self.accepted_per_position))
+        )
         for k in range(verified):
             self.verified_per_position[k] += 1
         for k in range(accepted):

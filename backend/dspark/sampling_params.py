@@ -74,7 +74,9 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         for key in values:
             if key not in known:
-                raise InvalidParameterError(key, f"unknown sampling parameter (known: {', '.join(sorted(known))})")
+                raise InvalidParameterError(
+                    key, f"unknown sampling parameter (known: {', '.join(sorted(known))})"
+                )
         clean = {k: v for k, v in values.items() if v is not None}
         for name in ("temperature", "top_p"):
             if name in clean and isinstance(clean[name], int) and not isinstance(clean[name], bool):

@@ -19,8 +19,13 @@ def dense_logits(model: CausalLM, token_ids: list[int], page_size: int = 16) -> 
     cfg = model.config
     num_pages = -(-len(token_ids) // page_size)
     cache = PagedKVCache(
-        cfg.num_layers, num_pages, page_size, model.num_local_kv_heads, cfg.head_dim,
-        model.embed_tokens.weight.dtype, device,
+        cfg.num_layers,
+        num_pages,
+        page_size,
+        model.num_local_kv_heads,
+        cfg.head_dim,
+        model.embed_tokens.weight.dtype,
+        device,
     )
     batch = AttentionBatch.build([list(range(num_pages))], [0], [len(token_ids)], page_size, True, device)
     ids = torch.tensor(token_ids, device=device)

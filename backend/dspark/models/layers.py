@@ -44,9 +44,7 @@ class ColumnParallelLinear(nn.Module):
         self.shard_names = list(shard_names) if shard_names else [None]
         out = sum(self.local_sizes)
         self.weight = _attach(nn.Parameter(torch.empty(out, input_size), requires_grad=False), self._load)
-        self.bias = (
-            _attach(nn.Parameter(torch.empty(out), requires_grad=False), self._load) if bias else None
-        )
+        self.bias = _attach(nn.Parameter(torch.empty(out), requires_grad=False), self._load) if bias else None
 
     def _load(self, param: torch.Tensor, full: torch.Tensor, shard_name: str | None) -> None:
         index = self.shard_names.index(shard_name)

@@ -72,7 +72,9 @@ def load_target_model(
         param = params[target]
         param.load(param, tensor.to(device=device, dtype=torch.float32), shard)  # type: ignore[attr-defined]
         loaded.add(target)
-    missing = {n for n in params if n not in loaded and not (n == "lm_head.weight" and cfg.tie_word_embeddings)}
+    missing = {
+        n for n in params if n not in loaded and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+    }
     if missing:
         raise KeyError(f"model: checkpoint lacks {sorted(missing)[:5]}")
     model = model.to(dtype).eval()
@@ -90,5 +92,6 @@ def _map_name(name: str) -> tuple[str, str | None]:
 
 
 def _rope(cfg: ModelConfig, device: str | torch.device) -> torch.Tensor:
-    return rotary_cos_sin(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
-
+    return rotary_cos_sin(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(
+        device
+    )
