@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.attention_batch import AttentionBatch
 from dspark.config import EngineConfig
 from dspark.kernels import ops
-from dspark.kv_cache import PagedKVCache
-from dspark.models.loader import load_target_model, resolve_dtype
+from dspark.model_runner import TargetStep, create_runner
+from dspark.models.loader import resolve_dtype
 from dspark.output_processor import OutputProcessor
 from dspark.outputs import EngineLoad, RequestDelta, SpecStats
 from dspark.page_allocator import PageAllocator
@@ -62,25 +61,18 @@ class LLMEngine:
         self.config = config
         device = _resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        self.target = load_target_model(config.model_path, dtype=dtype, device=device)
+        self.runner = create_runner(config, device, dtype)
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.eos_token_ids = self.tokenizer.eos_token_ids
-        cfg = self.target.config
+        cfg = self.runner.model_config
+        self.model_config = cfg
         page_size = config.kv_page_size
-        self.target_cache = PagedKVCache(
-            cfg.num_layers,
-            config.num_kv_pages,
-            page_size,
-            self.target.num_local_kv_heads,
-            cfg.head_dim,
-            dtype,
-            device,
-        )
         if proposer is None and config.speculative:
             drafter = load_drafter(config.draft_model_path, dtype=dtype, device=device)
             if drafter.config.vocab_size != cfg.vocab_size:
                 raise ValueError("draft_model: vocabulary size differs from the target's")
-            proposer = DSparkProposer(drafter, self.target, config.num_kv_pages, page_size)
+            embedding, lm_head = self.runner.vocab_weights()
+            proposer = DSparkProposer(drafter, embedding, lm_head, config.num_kv_pages, page_size)
         self.proposer = proposer if config.speculative else None
         block_size = 0
         if self.proposer is not None:
@@ -121,7 +113,7 @@ class LLMEngine:
         if prompt_token_ids is not None:
             field = "prompt_token_ids"
             ids = list(prompt_token_ids)
-            vocab = self.target.config.vocab_size
+            vocab = self.model_config.vocab_size
             if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
                 raise InvalidParameterError(field, f"token ids must be integers in [0, {vocab})")
         else:
@@ -174,7 +166,8 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Release what the engine holds (a no-op for a single-process engine)."""
+        """Release what the engine holds (TP worker processes, when there are any)."""
+        self.runner.close()
 
     # The step ---------------------------------------------------------------------------------
 
@@ -189,23 +182,13 @@ class LLMEngine:
         decode = schedule.decode
         plan = self._plan_verification(decode)
         windows = self._build_windows(decode, plan, schedule.prefill)
-        batch = AttentionBatch.build(
-            windows.pages, windows.starts, windows.lens, self.config.kv_page_size, True, self.limits.device
-        )
-        capture = self.proposer.target_layer_ids if self.proposer is not None else ()
-        hidden, features = self.target(
-            windows.token_tensor(self.limits.device),
-            windows.position_tensor(self.limits.device),
-            batch,
-            self.target_cache,
-            capture,
-        )
-        logits = self.target.compute_logits(hidden[windows.logit_rows]).cpu()
-        committed, inject_rows = self._accept(decode, plan, schedule.prefill, logits, windows)
-        if self.proposer is not None and features is not None:
-            rows = torch.tensor(inject_rows, dtype=torch.long, device=self.limits.device)
-            positions = windows.position_tensor(self.limits.device)[rows]
-            self.proposer.inject(features[rows], positions, batch.slots[rows])
+        capture = tuple(self.proposer.target_layer_ids) if self.proposer is not None else ()
+        result = self.runner.run(windows.to_step(capture))
+        committed, inject_rows = self._accept(decode, plan, schedule.prefill, result.logits, windows)
+        if self.proposer is not None and result.features is not None:
+            rows = torch.tensor(inject_rows, dtype=torch.long, device=result.features.device)
+            positions = torch.tensor(windows.positions, dtype=torch.long, device=rows.device)[rows]
+            self.proposer.inject(result.features[rows], positions, result.slots[rows])
         for seq, tokens in committed:
             deltas.append(self._emit(seq, tokens))
         return deltas
@@ -407,13 +390,17 @@ class _Windows:
         elif logits == "last":
             self.logit_rows.append(first + len(tokens) - 1)
 
-    def token_tensor(self, device: torch.device) -> torch.Tensor:
-        """[num_tokens] int64."""
-        return torch.tensor(self.tokens, dtype=torch.long, device=device)
-
-    def position_tensor(self, device: torch.device) -> torch.Tensor:
-        """[num_tokens] int64."""
-        return torch.tensor(self.positions, dtype=torch.long, device=device)
+    def to_step(self, capture_layers: tuple[int, ...]) -> TargetStep:
+        """The packed batch as the runner (and every TP rank) takes it."""
+        return TargetStep(
+            token_ids=torch.tensor(self.tokens, dtype=torch.long),
+            positions=torch.tensor(self.positions, dtype=torch.long),
+            window_starts=self.starts,
+            window_lens=self.lens,
+            pages=self.pages,
+            logit_rows=torch.tensor(self.logit_rows, dtype=torch.long),
+            capture_layers=capture_layers,
+        )
 
 
 def _resolve_device(name: str) -> torch.device:

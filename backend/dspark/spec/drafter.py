@@ -90,7 +90,7 @@ class Drafter(nn.Module):
         positions: torch.Tensor,
         batch: AttentionBatch,
         cache: PagedKVCache,
-        lm_head: nn.Module,
+        lm_head: torch.Tensor,
     ) -> BlockHeads:
         """One non-causal pass over every request's block [anchor, mask, ..., mask].
 
@@ -102,7 +102,7 @@ class Drafter(nn.Module):
             x, residual = layer(x, residual, positions, batch, cache.layer(index), self.cos_sin)
         hidden, _ = self.norm(x, residual)
         gamma = self.config.block_size
-        base = lm_head(hidden).float()
+        base = F.linear(hidden, lm_head).float()
         return BlockHeads(hidden.view(-1, gamma, hidden.shape[-1]), base.view(-1, gamma, base.shape[-1]))
 
     def markov_features(self, previous_tokens: torch.Tensor) -> torch.Tensor | None:

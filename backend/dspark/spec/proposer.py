@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from dspark.attention_batch import AttentionBatch
 from dspark.kv_cache import PagedKVCache
-from dspark.models.llama import CausalLM
 from dspark.sampling import filtered_probs, sample_rows
 from dspark.sequence import Sequence
 from dspark.spec.drafter import Drafter
@@ -48,11 +48,15 @@ class Proposer(Protocol):
 class DSparkProposer:
     """Runs the DSpark drafter over paged draft KV (same page table as the target's)."""
 
-    def __init__(self, drafter: Drafter, target: CausalLM, num_pages: int, page_size: int) -> None:
+    def __init__(
+        self, drafter: Drafter, embedding: torch.Tensor, lm_head: torch.Tensor, num_pages: int, page_size: int
+    ) -> None:
         cfg = drafter.config
         device = drafter.fc.weight.device
         self.drafter = drafter
-        self.target = target
+        # The target's full embedding and LM head [vocab, hidden]: shared, never copied.
+        self.embedding = embedding
+        self.lm_head = lm_head
         self.block_size = cfg.block_size
         self.target_layer_ids = list(cfg.target_layer_ids)
         self.page_size = page_size
@@ -85,9 +89,9 @@ class DSparkProposer:
         batch = AttentionBatch.build(
             [s.pages for s in seqs], starts, [gamma] * num_requests, self.page_size, False, self.device
         )
-        embeddings = self.target.embed(block.flatten().to(self.device))
+        embeddings = F.embedding(block.flatten().to(self.device), self.embedding)
         heads = self.drafter.block_pass(
-            embeddings, positions.to(self.device), batch, self.cache, self.target.lm_head
+            embeddings, positions.to(self.device), batch, self.cache, self.lm_head
         )
         tokens = torch.empty(num_requests, gamma, dtype=torch.long)
         confidences = torch.empty(num_requests, gamma, dtype=torch.float32)
