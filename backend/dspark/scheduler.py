@@ -60,6 +60,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -136,5 +137,6 @@ class Scheduler:
         seq.num_cached = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         plan.preempted.append(seq)

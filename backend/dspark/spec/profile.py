@@ -1,0 +1,68 @@
+"""Profile an SPS table: measured target steps per second by the number of tokens in a step."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from dspark.config import EngineConfig
+from dspark.model_runner import ModelRunner, TargetStep, create_runner
+from dspark.models.loader import resolve_dtype
+from dspark.spec.sps_table import SpsTable
+
+# Each profiled step packs verify-sized windows (at most this many tokens) after this much context,
+# the shape of a decode step with speculation.
+WINDOW = 8
+CONTEXT = 128
+
+
+def profile_sps_table(config: EngineConfig, max_tokens: int = 256, repeats: int = 5) -> SpsTable:
+    """Time the target's forward at 1, 2, 4, ... `max_tokens` tokens and return the table."""
+    device = torch.device("cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(config.dtype, device)
+    runner = create_runner(config, device, dtype)
+    try:
+        sizes = [1 << i for i in range(max_tokens.bit_length()) if (1 << i) <= max_tokens]
+        points = [(n, 1.0 / _median_step_seconds(runner, n, config, repeats)) for n in sizes]
+    finally:
+        runner.close()
+    return SpsTable(
+        points, model=str(config.model_path.name), device=str(device), dtype=str(dtype).split(".")[-1]
+    )
+
+
+def _median_step_seconds(runner: ModelRunner, num_tokens: int, config: EngineConfig, repeats: int) -> float:
+    step = _synthetic_step(num_tokens, config)
+    runner.run(step)  # warm-up
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        runner.run(step)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _synthetic_step(num_tokens: int, config: EngineConfig) -> TargetStep:
+    """Windows of up to WINDOW tokens, each after CONTEXT cached positions, on disjoint pages."""
+    lens = [WINDOW] * (num_tokens // WINDOW) + ([num_tokens % WINDOW] if num_tokens % WINDOW else [])
+    pages_per_request = -(-(CONTEXT + WINDOW) // config.kv_page_size)
+    if len(lens) * pages_per_request > config.num_kv_pages:
+        raise ValueError(f"num_kv_pages: {config.num_kv_pages} pages cannot hold a {num_tokens}-token step")
+    pages = [list(range(r * pages_per_request, (r + 1) * pages_per_request)) for r in range(len(lens))]
+    positions = [p for n in lens for p in range(CONTEXT, CONTEXT + n)]
+    generator = torch.Generator().manual_seed(num_tokens)
+    return TargetStep(
+        token_ids=torch.randint(0, 1000, (num_tokens,), generator=generator),
+        positions=torch.tensor(positions),
+        window_starts=[CONTEXT] * len(lens),
+        window_lens=lens,
+        pages=pages,
+        logit_rows=torch.arange(num_tokens),
+        capture_layers=(),
+    )

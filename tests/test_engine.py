@@ -1,0 +1,181 @@
+"""Engine behaviour: KV page accounting, preemption, chunked prefill, batch invariance, finishing, errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dspark import LLM, EngineConfig, InvalidParameterError, SamplingParams
+from dspark.async_engine import AsyncEngine
+
+
+def _config(target_dir, draft_dir, **changes) -> EngineConfig:
+    base = EngineConfig(
+        model=str(target_dir),
+        draft_model=str(draft_dir),
+        spec_mode="compact",
+        num_kv_pages=128,
+        kv_page_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )
+    return base.replace(**changes)
+
+
+def _prompts(count: int, seed: int | None = None) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 8) for _ in range(rng.randrange(3, 12))] for _ in range(count)]
+
+
+GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target_dir, tiny_drafter_dir):
+    """Greedy outputs of a prompt set with a roomy cache and a large step budget."""
+    prompts = _prompts(6)
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="off"))
+    return prompts, [o.token_ids for o in llm.generate(params=GREEDY, prompt_token_ids=prompts)]
+
+
+def test_pages_are_freed_after_every_request_finishes(tiny_target_dir, tiny_drafter_dir, reference) -> None:
+    prompts, expected = reference
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir))
+    assert [o.token_ids for o in llm.generate(params=GREEDY, prompt_token_ids=prompts)] == expected
+    assert llm.engine.allocator.num_used == 0
+    assert llm.engine.load().num_running == llm.engine.load().num_waiting == 0
+
+
+def test_preemption_recomputes_without_changing_output(tiny_target_dir, tiny_drafter_dir, reference) -> None:
+    prompts, expected = reference
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, num_kv_pages=24))
+    outs = llm.generate(params=GREEDY, prompt_token_ids=prompts)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.allocator.num_used == 0
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny_target_dir, tiny_drafter_dir, reference) -> None:
+    prompts, expected = reference
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, max_num_batched_tokens=6, spec_mode="static"))
+    assert [o.token_ids for o in llm.generate(params=GREEDY, prompt_token_ids=prompts)] == expected
+
+
+def test_request_output_does_not_depend_on_its_neighbours(
+    tiny_target_dir, tiny_drafter_dir, reference
+) -> None:
+    prompts, expected = reference
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir))
+    alone = llm.generate(params=GREEDY, prompt_token_ids=[prompts[0]])[0].token_ids
+    crowd = _prompts(5) + [prompts[0]]
+    params = [SamplingParams(max_tokens=random.randrange(4, 30), ignore_eos=True) for _ in crowd[:-1]] + [
+        GREEDY
+    ]
+    together = llm.generate(params=params, prompt_token_ids=crowd)[-1].token_ids
+    assert alone == together == expected[0]
+
+
+def test_abort_frees_pages_and_ends_with_reason_abort(tiny_target_dir, tiny_drafter_dir) -> None:
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir))
+    engine = llm.engine
+    for i, prompt in enumerate(_prompts(3)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.allocator.num_used > 0
+    engine.abort_request("r1")
+    finished = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if delta.finished:
+                finished[delta.request_id] = delta.finish_reason
+    assert finished == {"r0": "length", "r1": "abort", "r2": "length"}
+    assert engine.allocator.num_used == 0
+
+
+def test_finish_reasons_eos_stop_ids_stop_strings_and_length(
+    tiny_target_dir, tiny_drafter_dir, reference
+) -> None:
+    prompts, expected = reference
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir))
+    output = expected[0]
+    stop_token = output[5]
+    first = output.index(stop_token)
+    by_id = llm.generate(
+        params=SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=[stop_token]),
+        prompt_token_ids=[prompts[0]],
+    )[0]
+    assert (by_id.token_ids, by_id.finish_reason) == (output[: first + 1], "stop")
+    word = f"w{stop_token}"
+    by_text = llm.generate(
+        params=SamplingParams(max_tokens=20, ignore_eos=True, stop=[word]), prompt_token_ids=[prompts[0]]
+    )[0]
+    assert by_text.finish_reason == "stop"
+    assert word not in by_text.text
+    by_length = llm.generate(
+        params=SamplingParams(max_tokens=3, ignore_eos=True), prompt_token_ids=[prompts[0]]
+    )[0]
+    assert (by_length.token_ids, by_length.finish_reason) == (output[:3], "length")
+    eos = llm.generate(params=SamplingParams(max_tokens=200), prompt_token_ids=_prompts(8, seed=3))
+    for out in eos:
+        assert out.finish_reason == "length" or (out.finish_reason == "stop" and out.token_ids[-1] == 0)
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": "x"}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"num_draft_tokens": -1}, "num_draft_tokens"),
+        ({"max_tokns": 4}, "max_tokns"),
+    ],
+)
+def test_bad_sampling_parameter_names_the_field(values, field) -> None:
+    with pytest.raises(InvalidParameterError) as info:
+        SamplingParams.from_dict(values)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_bad_json_names_sampling_parameters() -> None:
+    with pytest.raises(InvalidParameterError) as info:
+        SamplingParams.from_json("{not json")
+    assert info.value.field == "sampling_parameters"
+
+
+def test_bad_prompts_name_the_field(tiny_target_dir, tiny_drafter_dir) -> None:
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, max_model_len=32))
+    cases = [
+        ("", None, "prompt"),
+        (None, [], "prompt_token_ids"),
+        (None, [1, 99], "prompt_token_ids"),
+        ("w1 " * 40, None, "prompt"),
+    ]
+    for prompt, ids, field in cases:
+        with pytest.raises(InvalidParameterError) as info:
+            llm.engine.prepare_prompt(prompt, ids, GREEDY)
+        assert info.value.field == field
+
+
+def test_async_engine_streams_deltas_that_add_up(tiny_target_dir, tiny_drafter_dir, reference) -> None:
+    prompts, expected = reference
+    engine = AsyncEngine(_config(tiny_target_dir, tiny_drafter_dir))
+    engine.start()
+    try:
+        deltas = list(engine.stream("a", GREEDY, prompt_token_ids=prompts[1]))
+        assert [t for d in deltas for t in d.new_token_ids] == expected[1]
+        assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+        assert not any(d.finished for d in deltas[:-1])
+        with pytest.raises(InvalidParameterError):
+            engine.submit("b", GREEDY, lambda d: None, prompt="")
+        assert engine.healthy
+    finally:
+        engine.shutdown()
+    assert not engine.healthy
