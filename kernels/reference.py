@@ -70,33 +70,42 @@ def paged_attention(
     request r's keys are its first kv_lens[r] cache positions, found through page_table [R, max_pages].
     The window is the last q_len positions of those keys; causal: query i sees keys up to its own
     position; otherwise every query sees all kv_lens[r] keys. Returns [num_tokens, num_q_heads, head_dim].
+
+    All requests go through one padded batched attention (no per-request loop): requests are padded
+    to the longest window and the longest key range, and masks hide the padding.
     """
-    out = torch.empty_like(q)
-    page_size = k_cache.shape[1]
-    group = q.shape[1] // k_cache.shape[2]
-    starts = cu_seqlens_q.tolist()
-    lens = kv_lens.tolist()
-    for r, kv_len in enumerate(lens):
-        s, e = starts[r], starts[r + 1]
-        if e == s:
-            continue
-        num_pages = -(-kv_len // page_size)
-        pages = page_table[r, :num_pages].long()
-        k = k_cache[pages].flatten(0, 1)[:kv_len]
-        v = v_cache[pages].flatten(0, 1)[:kv_len]
-        mask = None
-        if causal:
-            q_pos = torch.arange(kv_len - (e - s), kv_len, device=q.device)
-            mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-        attn = F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1).float(),
-            k.transpose(0, 1).float().repeat_interleave(group, dim=0),
-            v.transpose(0, 1).float().repeat_interleave(group, dim=0),
-            attn_mask=mask,
-            scale=scale,
-        )
-        out[s:e] = attn.transpose(0, 1).to(q.dtype)
-    return out
+    num_tokens, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    device = q.device
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    num_requests = q_lens.shape[0]
+    max_q = int(q_lens.max()) if num_requests else 0
+    max_kv = int(kv_lens.max()) if num_requests else 0
+    if num_tokens == 0 or max_kv == 0:
+        return torch.zeros_like(q)
+    max_pages = -(-max_kv // page_size)
+    # Which request and which window slot each packed token is.
+    request_of = torch.repeat_interleave(torch.arange(num_requests, device=device), q_lens)
+    slot_of = torch.arange(num_tokens, device=device) - cu_seqlens_q[:-1].long()[request_of]
+    q_pad = q.new_zeros(num_requests, max_q, num_heads, head_dim)
+    q_pad[request_of, slot_of] = q
+    pages = page_table[:, :max_pages].long()
+    k = k_cache[pages].flatten(1, 2)[:, :max_kv]  # [R, max_kv, num_kv_heads, head_dim]
+    v = v_cache[pages].flatten(1, 2)[:, :max_kv]
+    key_pos = torch.arange(max_kv, device=device)
+    q_pos = (kv_lens.long() - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]
+    mask = key_pos[None, None, :] < kv_lens.long()[:, None, None]
+    if causal:
+        mask = mask & (key_pos[None, None, :] <= q_pos[:, :, None])
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2).float(),
+        k.transpose(1, 2).float().repeat_interleave(group, dim=1),
+        v.transpose(1, 2).float().repeat_interleave(group, dim=1),
+        attn_mask=mask[:, None],
+        scale=scale,
+    )
+    return out.transpose(1, 2)[request_of, slot_of].to(q.dtype)
 
 
 def greedy_accept(

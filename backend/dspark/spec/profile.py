@@ -34,7 +34,7 @@ def profile_sps_table(config: EngineConfig, max_tokens: int = 256, repeats: int 
 
 
 def _median_step_seconds(runner: ModelRunner, num_tokens: int, config: EngineConfig, repeats: int) -> float:
-    step = _synthetic_step(num_tokens, config)
+    step = _synthetic_step(num_tokens, config, runner.model_config.vocab_size)
     runner.run(step)  # warm-up
     times = []
     for _ in range(repeats):
@@ -48,7 +48,7 @@ def _median_step_seconds(runner: ModelRunner, num_tokens: int, config: EngineCon
     return statistics.median(times)
 
 
-def _synthetic_step(num_tokens: int, config: EngineConfig) -> TargetStep:
+def _synthetic_step(num_tokens: int, config: EngineConfig, vocab_size: int) -> TargetStep:
     """Windows of up to WINDOW tokens, each after CONTEXT cached positions, on disjoint pages."""
     lens = [WINDOW] * (num_tokens // WINDOW) + ([num_tokens % WINDOW] if num_tokens % WINDOW else [])
     pages_per_request = -(-(CONTEXT + WINDOW) // config.kv_page_size)
@@ -58,7 +58,7 @@ def _synthetic_step(num_tokens: int, config: EngineConfig) -> TargetStep:
     positions = [p for n in lens for p in range(CONTEXT, CONTEXT + n)]
     generator = torch.Generator().manual_seed(num_tokens)
     return TargetStep(
-        token_ids=torch.randint(0, 1000, (num_tokens,), generator=generator),
+        token_ids=torch.randint(0, vocab_size, (num_tokens,), generator=generator),
         positions=torch.tensor(positions),
         window_starts=[CONTEXT] * len(lens),
         window_lens=lens,
