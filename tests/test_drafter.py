@@ -55,7 +55,7 @@ def test_dspark_checkpoint_keeps_heads_and_temperatures(tiny_drafter_dir) -> Non
 
 
 def test_profiled_sps_table_covers_powers_of_two(tiny_target_dir) -> None:
-    config = EngineConfig(model=str(tiny_target_dir), spec_mode="off", num_kv_pages=64, kv_page_size=4)
+    config = EngineConfig(model=str(tiny_target_dir), spec_mode="off", num_kv_pages=128, kv_page_size=4)
     table = profile_sps_table(config, max_tokens=16, repeats=2)
     assert [p.tokens for p in table.points] == [1, 2, 4, 8, 16]
     assert all(p.steps_per_second > 0 for p in table.points)
