@@ -1,0 +1,145 @@
+"""End-to-end decoding speed, side by side in one run: dspark with speculation off / static / compact,
+and Hugging Face transformers `generate()` on the same checkpoint (the peer a user reaches for first).
+
+    python benchmarks/e2e.py --batch-sizes 1,4 --max-tokens 64 --out benchmarks/results/e2e-cpu.json
+
+Greedy decoding, chat-formatted prompts; every engine run's tokens are checked against plain decoding
+(speculation must not change them) and the table reports output tokens/s and the ratio to plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from dspark import LLM, EngineConfig, SamplingParams
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a hash table works.",
+    "Write a Python function that checks whether a number is prime.",
+    "What are the main causes of the French Revolution?",
+    "Give me three tips for learning a new language.",
+    "Describe the water cycle in simple terms.",
+    "Write a haiku about autumn.",
+    "How do I reverse a list in Python?",
+]
+
+
+def _prompt_ids(llm: LLM, count: int) -> list[list[int]]:
+    tok = llm.tokenizer
+    texts = [PROMPTS[i % len(PROMPTS)] for i in range(count)]
+    return [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
+        for t in texts
+    ]
+
+
+def _time_engine(llm: LLM, ids: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], dict]:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(params=SamplingParams(max_tokens=4), prompt_token_ids=ids[:1])  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(params=params, prompt_token_ids=ids)
+    elapsed = time.perf_counter() - start
+    stats = outs[0].spec_stats
+    for out in outs[1:]:
+        stats.merge(out.spec_stats)
+    return sum(len(o.token_ids) for o in outs) / elapsed, [o.token_ids for o in outs], stats.as_dict()
+
+
+def _time_transformers(model_dir: str, ids: list[list[int]], max_tokens: int, device: str, dtype) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).to(device).eval()
+    width = max(len(p) for p in ids)
+    pad = model.config.pad_token_id or 0
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in ids], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids], device=device)
+    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad)
+    with torch.inference_mode():
+        model.generate(
+            input_ids[:1], attention_mask=mask[:1], max_new_tokens=4, do_sample=False, pad_token_id=pad
+        )
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(input_ids, attention_mask=mask, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return len(ids) * max_tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    """Run the sweep and print a markdown table (and write JSON with --out)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="")
+    parser.add_argument("--draft-model", default="")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch-sizes", default="1,4")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--sps-table", default="")
+    parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    base = EngineConfig(
+        model=args.model,
+        draft_model=args.draft_model,
+        device=args.device,
+        sps_table=args.sps_table,
+        num_kv_pages=1024,
+    )
+    rows = []
+    engines = {mode: LLM(base.replace(spec_mode=mode)) for mode in ("off", "static", "compact")}
+    device = engines["off"].engine.limits.device.type
+    dtype = engines["off"].engine.limits.dtype
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        ids = _prompt_ids(engines["off"], batch)
+        plain_tps, plain_tokens, _ = _time_engine(engines["off"], ids, args.max_tokens)
+        row = {"batch": batch, "off": plain_tps}
+        for mode in ("static", "compact"):
+            tps, tokens, stats = _time_engine(engines[mode], ids, args.max_tokens)
+            if tokens != plain_tokens:
+                raise SystemExit(f"{mode}: speculation changed greedy output at batch {batch}")
+            row[mode] = tps
+            row[f"{mode}_tau"] = stats["mean_committed_per_step"]
+        if not args.no_peer:
+            row["transformers"] = _time_transformers(
+                str(base.model_path), ids, args.max_tokens, device, dtype
+            )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    header = "| batch | off tok/s | static tok/s (τ) | compact tok/s (τ) | transformers tok/s | compact / off | compact / transformers |"
+    print(header)
+    print("|" + "---|" * 7)
+    for r in rows:
+        peer = r.get("transformers")
+        print(
+            f"| {r['batch']} | {r['off']:.1f} | {r['static']:.1f} ({r['static_tau']:.2f}) | "
+            f"{r['compact']:.1f} ({r['compact_tau']:.2f}) | {peer or float('nan'):.1f} | "
+            f"{r['compact'] / r['off']:.2f} | {(r['compact'] / peer) if peer else float('nan'):.2f} |"
+        )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "date": date.today().isoformat(),
+                    "machine": platform.platform(),
+                    "device": device,
+                    "cpu_count": torch.get_num_threads(),
+                    "max_tokens": args.max_tokens,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
