@@ -114,8 +114,10 @@ def main() -> None:
             )
         rows.append(row)
         print(json.dumps(row), flush=True)
-    header = "| batch | off tok/s | static tok/s (τ) | compact tok/s (τ) | transformers tok/s | compact / off | compact / transformers |"
-    print(header)
+    print(
+        "| batch | off tok/s | static tok/s (τ) | compact tok/s (τ) | transformers tok/s "
+        "| compact / off | compact / transformers |"
+    )
     print("|" + "---|" * 7)
     for r in rows:
         peer = r.get("transformers")
