@@ -59,6 +59,12 @@ class EngineConfig:
     max_model_len: int = 0
     # GPUs one instance spreads the model over.
     tensor_parallel_size: int = 1
+    # GPU indices of the tensor-parallel ranks, comma-separated (rank i on the i-th; CUDA only); empty:
+    # GPUs 0 .. tensor_parallel_size-1 of those the instance can see.
+    tensor_parallel_devices: str = ""
+    # Seconds a tensor-parallel rank may take to load, or one step may take, before the engine gives
+    # up: the step's requests get an error and the engine reports itself unhealthy.
+    tensor_parallel_timeout_s: int = 300
     # Seed of the engine's own random streams (requests without a seed).
     seed: int = 0
     # Publish Prometheus metrics through Triton's metrics port.
@@ -82,11 +88,18 @@ class EngineConfig:
             ("max_num_batched_tokens", 1),
             ("max_model_len", 0),
             ("tensor_parallel_size", 1),
+            ("tensor_parallel_timeout_s", 1),
             ("seed", 0),
         ):
             value = getattr(self, name)
             if value < minimum:
                 raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+        devices = self.tensor_parallel_device_ids
+        if devices and len(devices) != self.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_devices: lists {len(devices)} GPUs for tensor_parallel_size "
+                f"{self.tensor_parallel_size}"
+            )
 
     @property
     def model_path(self) -> Path:
@@ -97,6 +110,22 @@ class EngineConfig:
     def draft_model_path(self) -> Path:
         """The drafter directory, the embedded default's drafter when `draft_model` is empty."""
         return Path(self.draft_model) if self.draft_model else DEFAULT_DRAFT_DIR
+
+    @property
+    def tensor_parallel_device_ids(self) -> list[int]:
+        """The GPU index of each rank from `tensor_parallel_devices` ([] when unset)."""
+        text = self.tensor_parallel_devices.strip()
+        if not text:
+            return []
+        try:
+            ids = [int(item) for item in text.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"tensor_parallel_devices: expected comma-separated GPU indices, got {text!r}"
+            ) from None
+        if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"tensor_parallel_devices: GPU indices must be distinct and >= 0, got {text!r}")
+        return ids
 
     @property
     def speculative(self) -> bool:

@@ -62,6 +62,15 @@ class LLMEngine:
         device = _resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         self.runner = create_runner(config, device, dtype)
+        try:
+            self._set_up(config, device, dtype, proposer)
+        except BaseException:
+            self.runner.close()  # no TP worker may outlive a failed start
+            raise
+
+    def _set_up(
+        self, config: EngineConfig, device: torch.device, dtype: torch.dtype, proposer: Proposer | None
+    ) -> None:
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         cfg = self.runner.model_config

@@ -22,6 +22,16 @@ class LLM:
         self.engine = LLMEngine(config, proposer=proposer)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Release the engine (and its TP workers, if any)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self):  # noqa: ANN201 - dspark.tokenizer.Tokenizer
         """The target's tokenizer."""

@@ -2,20 +2,35 @@
 
 The driver builds a `TargetStep` (plain tensors, cheap to broadcast) once per step; every rank turns
 it into the same AttentionBatch and runs the same forward, so ranks never plan anything themselves.
+With tensor_parallel_size > 1, `TensorParallelRunner` is the driver's runner: it hands each step to
+the spawned ranks 1..N-1 (dspark.tp_worker) and runs rank 0's shard itself.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from dspark.attention_batch import AttentionBatch
 from dspark.config import EngineConfig
+from dspark.distributed import (
+    SINGLE,
+    TensorParallel,
+    check_no_group,
+    join_group,
+    leave_group,
+    rendezvous_store,
+)
 from dspark.kv_cache import PagedKVCache
 from dspark.models.hf_config import ModelConfig
 from dspark.models.llama import CausalLM
 from dspark.models.loader import load_target_model
+from dspark.tp_worker import WorkerGroup, collective_timeout_s
 
 
 @dataclass
@@ -55,9 +70,11 @@ class ModelRunner:
         self.device = device
 
     @classmethod
-    def create(cls, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> ModelRunner:
-        """Load the whole target and allocate its KV cache (tensor_parallel_size 1)."""
-        model = load_target_model(config.model_path, dtype=dtype, device=device)
+    def create(
+        cls, config: EngineConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ) -> ModelRunner:
+        """Load this rank's shard of the target (the whole target for SINGLE) and its KV cache shard."""
+        model = load_target_model(config.model_path, dtype=dtype, device=device, tp=tp)
         cfg = model.config
         cache = PagedKVCache(
             cfg.num_layers,
@@ -79,9 +96,15 @@ class ModelRunner:
         """Full (embedding, LM head) weights [vocab, hidden], which the drafter shares."""
         return self.model.embed_tokens.weight, self.model.lm_head.weight
 
-    @torch.inference_mode()
     def run(self, step: TargetStep) -> TargetResult:
         """Forward the step's windows; logits only at `logit_rows`."""
+        result = self.forward(step)
+        result.logits = result.logits.cpu()
+        return result
+
+    @torch.inference_mode()
+    def forward(self, step: TargetStep) -> TargetResult:
+        """`run` with the logits left on the device: what every tensor-parallel rank executes."""
         batch = AttentionBatch.build(
             step.pages, step.window_starts, step.window_lens, self.cache.page_size, True, self.device
         )
@@ -93,14 +116,162 @@ class ModelRunner:
             step.capture_layers,
         )
         logits = self.model.compute_logits(hidden[step.logit_rows.to(self.device)])
-        return TargetResult(logits.cpu(), features, batch.slots)
+        return TargetResult(logits, features, batch.slots)
 
     def close(self) -> None:
         """Nothing to release for a single-process runner."""
 
 
-def create_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> ModelRunner:
-    """The runner for this config: in-process for one rank."""
-    if config.tensor_parallel_size != 1:
-        raise ValueError("tensor_parallel_size: only 1 is supported by this build")
+class TensorParallelRunner:
+    """The driver's runner for tensor_parallel_size > 1: rank 0's shard in this process, ranks
+    1..N-1 in spawned worker processes, every step planned here once and broadcast."""
+
+    def __init__(
+        self,
+        local: ModelRunner,
+        workers: WorkerGroup,
+        config: EngineConfig,
+        dtype: torch.dtype,
+        threads_before: int,
+    ) -> None:
+        self.local = local
+        self.workers = workers
+        self.config = config
+        self.dtype = dtype
+        self.device = local.device
+        self._threads_before = threads_before
+        self._vocab_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._closed = False
+
+    @classmethod
+    def create(cls, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> TensorParallelRunner:
+        """Check the split, spawn ranks 1..N-1, load rank 0's shard meanwhile, then join the group."""
+        size = config.tensor_parallel_size
+        check_shardable(ModelConfig.load(config.model_path), size)
+        devices = rank_devices(config, device)
+        check_no_group()
+        if devices[0].type == "cuda":
+            torch.cuda.set_device(devices[0])  # "cuda" (the drafter's device) now means rank 0's GPU
+        timeout = collective_timeout_s(config)
+        store = rendezvous_store(0, timeout)
+        # The ranks share this host's cores: each (the driver too, on CPU) gets its share of threads.
+        threads_before = torch.get_num_threads()
+        threads = max(1, threads_before // size)
+        workers = WorkerGroup.spawn(config, devices, dtype, store.port, threads)
+        if devices[0].type == "cpu":
+            torch.set_num_threads(threads)
+        try:
+            local = ModelRunner.create(config, devices[0], dtype, tp=TensorParallel(0, size))
+            workers.wait_loaded()
+            join_group(0, size, store, timeout, devices[0])
+        except BaseException:
+            workers.stop(graceful=False)
+            leave_group()
+            torch.set_num_threads(threads_before)
+            raise
+        workers.start_watchdog()
+        runner = cls(local, workers, config, dtype, threads_before)
+        atexit.register(runner.close)
+        return runner
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The target's architecture."""
+        return self.local.model_config
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1."""
+        return self.workers.pids
+
+    def vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full (embedding, LM head) weights [vocab, hidden] for the drafter, read from the checkpoint
+        (this rank's model holds only its vocabulary shard of each)."""
+        if self._vocab_weights is None:
+            self._vocab_weights = read_vocab_weights(
+                self.config.model_path, self.model_config, self.dtype, self.device
+            )
+        return self._vocab_weights
+
+    def run(self, step: TargetStep) -> TargetResult:
+        """Broadcast the step, run rank 0's share; logits gathered over ranks, features are rank 0's
+        (the residual stream is replicated). TensorParallelError, within tensor_parallel_timeout_s,
+        when a rank dies or hangs."""
+        self.workers.broadcast(step)
+        try:
+            with self.workers.step():
+                result = self.local.run(step)
+        except Exception as exc:
+            raise self.workers.fail(f"step failed on rank 0: {exc}") from exc
+        except BaseException:  # interrupted mid-step: the ranks are out of step for good
+            self.workers.fail("step interrupted on rank 0")
+            raise
+        self.workers.check()
+        return result
+
+    def close(self) -> None:
+        """Shut ranks 1..N-1 down and leave the group (idempotent; also runs at exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.workers.stop()
+        leave_group()
+        torch.set_num_threads(self._threads_before)
+        atexit.unregister(self.close)
+
+
+def create_runner(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> ModelRunner | TensorParallelRunner:
+    """The runner for this config: in-process for one rank, a worker group for more."""
+    if config.tensor_parallel_size > 1:
+        return TensorParallelRunner.create(config, device, dtype)
     return ModelRunner.create(config, device, dtype)
+
+
+def check_shardable(cfg: ModelConfig, size: int) -> None:
+    """ValueError naming tensor_parallel_size unless heads, KV heads and the MLP split evenly."""
+    tp = TensorParallel(0, size)
+    tp.shard(cfg.num_heads, "num_attention_heads")
+    tp.shard(cfg.num_kv_heads, "num_key_value_heads")
+    tp.shard(cfg.intermediate_size, "intermediate_size")
+
+
+def rank_devices(config: EngineConfig, device: torch.device) -> list[torch.device]:
+    """The device of each rank: GPU i (or the i-th of tensor_parallel_devices) on CUDA, else the CPU."""
+    size = config.tensor_parallel_size
+    if device.type != "cuda":
+        return [device] * size
+    visible = torch.cuda.device_count()
+    ids = config.tensor_parallel_device_ids or list(range(size))
+    if size > visible:
+        raise ValueError(f"tensor_parallel_size ({size}) needs {size} GPUs, but {visible} are visible")
+    if max(ids) >= visible:
+        raise ValueError(f"tensor_parallel_devices: GPU {max(ids)} is not visible ({visible} GPUs)")
+    return [torch.device("cuda", i) for i in ids]
+
+
+def read_vocab_weights(
+    model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding, LM head) [vocab, hidden] straight from a checkpoint; tied: one tensor twice."""
+    names = {"embed_tokens.weight": "embedding", "lm_head.weight": "lm_head"}
+    found: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(model_dir):
+        with safe_open(str(model_dir / file), framework="pt") as f:
+            for key in f.keys():
+                if key.removeprefix("model.") in names:
+                    found[names[key.removeprefix("model.")]] = f.get_tensor(key).to(device, dtype)
+    if cfg.tie_word_embeddings and "embedding" in found:
+        found["lm_head"] = found["embedding"]
+    missing = sorted({"embedding", "lm_head"} - set(found))
+    if missing:
+        raise KeyError(f"model: checkpoint in {model_dir} lacks the {' and '.join(missing)} weights")
+    return found["embedding"], found["lm_head"]
+
+
+def _safetensors_files(model_dir: Path) -> list[str]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return sorted(p.name for p in model_dir.glob("*.safetensors"))
