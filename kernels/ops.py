@@ -1,23 +1,188 @@
-"""The ops the engine calls. Each name is the one seam where a Triton kernel takes over from its
-torch reference; callers never choose. Until a kernel exists for an op, the reference serves all devices.
+"""The ops the engine calls. Each name is the one seam where a Triton kernel takes over from its torch
+reference: per call, on the data's device, a CUDA tensor goes to the kernel and anything else to the
+reference (reference.py documents each op's contract; the kernel modules match it). Callers never
+choose, and nothing is frozen at construction.
+
+The kernel modules are imported on the first CUDA call only (kernels/runtime.py), so a CPU-only
+install never needs Triton.
 """
 
 from __future__ import annotations
 
-from dspark.kernels import reference
+import torch
 
-rms_norm = reference.rms_norm
-rotary = reference.rotary
-store_kv = reference.store_kv
-paged_attention = reference.paged_attention
-greedy_accept = reference.greedy_accept
-exponential_race_sample = reference.exponential_race_sample
+from dspark.kernels import reference
+from dspark.kernels.runtime import load_kernels
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """See reference.rms_norm."""
+    if _on_gpu(x):
+        return load_kernels().norm.rms_norm(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See reference.rotary."""
+    if _on_gpu(q):
+        return load_kernels().rotary_store.rotary(q, k, positions, cos_sin)
+    return reference.rotary(q, k, positions, cos_sin)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """See reference.store_kv."""
+    if _on_gpu(k):
+        load_kernels().rotary_store.store_kv(k, v, k_cache, v_cache, slots)
+    else:
+        reference.store_kv(k, v, k_cache, v_cache, slots)
+
+
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """See reference.rotary_store_kv."""
+    impl = load_kernels().rotary_store if _on_gpu(q) else reference
+    return impl.rotary_store_kv(
+        q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_norm_weight, k_norm_weight, eps
+    )
+
+
+def inject_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """See reference.inject_kv."""
+    impl = load_kernels().rotary_store if _on_gpu(k) else reference
+    impl.inject_kv(k, v, k_norm_weight, eps, positions, cos_sin, k_cache, v_cache, slots)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """See reference.paged_attention."""
+    impl = load_kernels().attention if _on_gpu(q) else reference
+    return impl.paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale, causal)
+
+
+def greedy_accept(
+    draft_tokens: torch.Tensor,
+    target_tokens: torch.Tensor,
+    cu_windows: torch.Tensor,
+    verify_lens: torch.Tensor,
+    commit_caps: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See reference.greedy_accept."""
+    impl = load_kernels().accept if _on_gpu(target_tokens) else reference
+    return impl.greedy_accept(draft_tokens, target_tokens, cu_windows, verify_lens, commit_caps)
+
+
+def rejection_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    cu_windows: torch.Tensor,
+    verify_lens: torch.Tensor,
+    uniforms: torch.Tensor,
+    exponentials: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See reference.rejection_accept."""
+    impl = load_kernels().accept if _on_gpu(target_probs) else reference
+    return impl.rejection_accept(
+        draft_tokens, draft_probs, target_probs, cu_windows, verify_lens, uniforms, exponentials
+    )
+
+
+def exponential_race_sample(probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
+    """See reference.exponential_race_sample."""
+    if _on_gpu(probs):
+        return load_kernels().sampling.exponential_race_sample(probs, exponentials)
+    return reference.exponential_race_sample(probs, exponentials)
+
+
+def plan_verify_lens(
+    survivals: torch.Tensor,
+    max_lens: torch.Tensor,
+    sps_tokens: torch.Tensor,
+    sps_values: torch.Tensor,
+    budget: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See reference.plan_verify_lens."""
+    impl = load_kernels().planner if _on_gpu(survivals) else reference
+    return impl.plan_verify_lens(survivals, max_lens, sps_tokens, sps_values, budget)
+
+
+def build_window_layout(
+    window_starts: torch.Tensor,
+    window_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See reference.build_window_layout."""
+    impl = load_kernels().layout if _on_gpu(window_lens) else reference
+    return impl.build_window_layout(window_starts, window_lens, page_table, page_size, num_tokens)
+
+
+def pack_verify_tokens(
+    anchors: torch.Tensor, drafts: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """See reference.pack_verify_tokens."""
+    impl = load_kernels().layout if _on_gpu(anchors) else reference
+    return impl.pack_verify_tokens(anchors, drafts, cu_seqlens, num_tokens)
+
+
+def commit_slots(slots: torch.Tensor, cu_seqlens: torch.Tensor, num_committed: torch.Tensor) -> torch.Tensor:
+    """See reference.commit_slots."""
+    impl = load_kernels().layout if _on_gpu(slots) else reference
+    return impl.commit_slots(slots, cu_seqlens, num_committed)
+
 
 __all__ = [
+    "build_window_layout",
+    "commit_slots",
     "exponential_race_sample",
     "greedy_accept",
+    "inject_kv",
+    "pack_verify_tokens",
     "paged_attention",
+    "plan_verify_lens",
+    "rejection_accept",
     "rms_norm",
     "rotary",
+    "rotary_store_kv",
     "store_kv",
 ]

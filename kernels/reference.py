@@ -48,10 +48,59 @@ def store_kv(
     """Write new keys/values into paged caches.
 
     k, v: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_pages, page_size, num_kv_heads,
-    head_dim]; slots: [num_tokens] int64 flat slot = page * page_size + offset.
+    head_dim]; slots: [num_tokens] int64 flat slot = page * page_size + offset; negative slots (padding
+    rows) are skipped.
     """
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k.to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)
+    keep = slots >= 0
+    k_cache.view(-1, *k_cache.shape[2:])[slots[keep]] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots[keep]] = v[keep].to(v_cache.dtype)
+
+
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """The attention prologue: optional per-head RMSNorm of q and k (Qwen3), rotary on both, then k
+    and v stored at slots. q: [T, Hq, D]; k, v: [T, Hkv, D]; positions, slots: [T]. Returns rotated q.
+    """
+    n, num_q_heads, d = q.shape
+    num_kv_heads = k.shape[1]
+    if q_norm_weight is not None:
+        q = rms_norm(q.reshape(-1, d), q_norm_weight, eps)[0].view(n, num_q_heads, d)
+    if k_norm_weight is not None:
+        k = rms_norm(k.reshape(-1, d), k_norm_weight, eps)[0].view(n, num_kv_heads, d)
+    q, k = rotary(q, k, positions, cos_sin)
+    store_kv(k, v, k_cache, v_cache, slots)
+    return q
+
+
+def inject_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """The drafter's KV injection store: k-norm, rotary and store of the context keys, store of the
+    values. k, v: [T, Hkv, D]; positions, slots: [T] (negative slots skipped)."""
+    n, num_kv_heads, d = k.shape
+    if k_norm_weight is not None:
+        k = rms_norm(k.reshape(-1, d), k_norm_weight, eps)[0].view(n, num_kv_heads, d)
+    k, _ = rotary(k, k, positions, cos_sin)
+    store_kv(k, v, k_cache, v_cache, slots)
 
 
 def paged_attention(
@@ -113,22 +162,27 @@ def greedy_accept(
     target_tokens: torch.Tensor,
     cu_windows: torch.Tensor,
     verify_lens: torch.Tensor,
+    commit_caps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance over ragged verify windows.
 
     draft_tokens: [R, gamma]; target_tokens: [num_window_tokens] the target's argmax at each window
-    position, windows packed by cu_windows [R + 1] (window r has 1 + verify_lens[r] positions).
-    Returns (num_accepted [R], bonus [R]): drafts accepted while they equal the target's choice, and the
-    target's token after the last accepted draft.
+    position, windows packed by cu_windows [R + 1] (window r has 1 + verify_lens[r] positions);
+    commit_caps: optional [R] most drafts each request may commit (cap-accept).
+    Returns (num_accepted [R], bonus [R]): drafts accepted while they equal the target's choice (at most
+    the cap), and the target's token after the last accepted draft.
     """
     num_requests = draft_tokens.shape[0]
     accepted = torch.zeros(num_requests, dtype=torch.long, device=draft_tokens.device)
     bonus = torch.empty(num_requests, dtype=torch.long, device=draft_tokens.device)
     starts = cu_windows.tolist()
+    caps = commit_caps.tolist() if commit_caps is not None else None
     for r, length in enumerate(verify_lens.tolist()):
         window = target_tokens[starts[r] : starts[r] + 1 + length]
         matches = (draft_tokens[r, :length] == window[:length]).long()
         n = int(matches.cumprod(0).sum()) if length else 0
+        if caps is not None:
+            n = min(n, caps[r])
         accepted[r] = n
         bonus[r] = window[n]
     return accepted, bonus
@@ -140,3 +194,152 @@ def exponential_race_sample(probs: torch.Tensor, exponentials: torch.Tensor) -> 
     probs, exponentials: [num_rows, vocab]. Returns [num_rows] int64.
     """
     return (probs / exponentials).argmax(dim=-1)
+
+
+def rejection_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    cu_windows: torch.Tensor,
+    verify_lens: torch.Tensor,
+    uniforms: torch.Tensor,
+    exponentials: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless speculative sampling over ragged windows, random numbers passed in.
+
+    draft_tokens: [R, gamma]; draft_probs: [R, gamma, vocab] the drafter's (filtered) distributions;
+    target_probs: [num_window_tokens, vocab] the target's, packed by cu_windows [R + 1] (window r has
+    1 + verify_lens[r] rows); uniforms: [R, gamma] U(0, 1); exponentials: [R, vocab] Exp(1).
+    Draft i is kept while u_i * p_d(d_i) < p_t(d_i) (exactly, in fp64); the first rejected position
+    draws argmax(max(0, p_t - p_d) / E) (unnormalized: argmax is scale-free), or from p_t when the
+    residual is all zero; if every draft passes, the bonus is argmax(p_t / E) at the last row.
+    Returns (num_accepted [R] int64, next_token [R] int64).
+    """
+    num_requests = draft_tokens.shape[0]
+    accepted = torch.empty(num_requests, dtype=torch.long, device=draft_tokens.device)
+    next_token = torch.empty(num_requests, dtype=torch.long, device=draft_tokens.device)
+    starts = cu_windows.tolist()
+    for r, length in enumerate(verify_lens.tolist()):
+        rows = target_probs[starts[r] : starts[r] + 1 + length]
+        n = length
+        for i in range(length):
+            token = int(draft_tokens[r, i])
+            q = draft_probs[r, i, token].double()
+            if not bool(uniforms[r, i].double() * q < rows[i, token].double()):
+                n = i
+                break
+        row = rows[n]
+        if n < length:
+            residual = (rows[n] - draft_probs[r, n].to(rows.dtype)).clamp_min(0.0)
+            if bool(residual.max() > 0):
+                row = residual
+        accepted[r] = n
+        next_token[r] = exponential_race_sample(row[None].float(), exponentials[r : r + 1].float())[0]
+    return accepted, next_token
+
+
+def sps_at(num_tokens: torch.Tensor, sps_tokens: torch.Tensor, sps_values: torch.Tensor) -> torch.Tensor:
+    """SPS [same shape] fp64 at integer token counts: linear between table points [num_points] fp64,
+    clamped outside them (SpsTable.at)."""
+    xs, ys = sps_tokens.to(torch.float64), sps_values.to(torch.float64)
+    n = num_tokens.to(torch.float64).clamp(xs[0], xs[-1])
+    if len(xs) == 1:
+        return ys[0].expand(n.shape).clone()
+    i = (torch.searchsorted(xs, n, right=True) - 1).clamp(0, len(xs) - 2)
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return torch.where(n >= xs[-1], ys[-1], y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+
+
+def plan_verify_lens(
+    survivals: torch.Tensor,
+    max_lens: torch.Tensor,
+    sps_tokens: torch.Tensor,
+    sps_values: torch.Tensor,
+    budget: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The planner's budgets and top-K split (dspark.spec.planner's algorithm, no validation).
+
+    survivals: [R, gamma] non-increasing along gamma; max_lens: [R]; sps_tokens, sps_values:
+    [num_points] fp64; budget: optional [1] draft budget (negative: plan as sync). Drafts rank by
+    survival descending, ties position then request ascending. Returns (verify_lens [R] int64,
+    sync_budget [1] int64: leading admissions that each strictly improve (R + sum a) * SPS(B),
+    argmax_budget [1] int64: that objective's first maximum over budgets 0..N).
+    """
+    num_requests, gamma = survivals.shape
+    device = survivals.device
+    admissible = torch.arange(gamma, device=device)[None, :] < max_lens.to(device)[:, None]
+    mask = admissible.t().reshape(-1)
+    values = survivals.t().reshape(-1)[mask].to(torch.float64)
+    requests = torch.arange(num_requests, device=device).repeat(gamma)[mask]
+    order = torch.sort(values, descending=True, stable=True).indices
+    ranked, ranked_requests = values[order], requests[order]
+    zero = torch.zeros(1, dtype=torch.float64, device=device)
+    tau = num_requests + torch.cat([zero, torch.cumsum(ranked, 0)])
+    tokens = num_requests + torch.arange(ranked.numel() + 1, device=device)
+    objective = tau * sps_at(tokens, sps_tokens.to(device), sps_values.to(device))
+    sync = int((objective[1:] > objective[:-1]).to(torch.int64).cumprod(0).sum())
+    argmax = int(torch.argmax(objective))
+    chosen = sync
+    if budget is not None and int(budget.reshape(-1)[0]) >= 0:
+        chosen = min(int(budget.reshape(-1)[0]), ranked.numel())
+    lens = torch.bincount(ranked_requests[:chosen], minlength=num_requests)
+    as_tensor = lambda k: torch.tensor([k], dtype=torch.int64, device=device)  # noqa: E731
+    return lens.to(torch.int64), as_tensor(sync), as_tensor(argmax)
+
+
+def build_window_layout(
+    window_starts: torch.Tensor,
+    window_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed layout of R windows: window r covers positions [start, start + len) of request r.
+
+    window_starts, window_lens: [R]; page_table: [R, max_pages]; num_tokens >= sum(lens) rows (the
+    rest padding: position 0, slot -1). Returns (positions [num_tokens] int64, slots [num_tokens]
+    int64, cu_seqlens [R + 1] int32, kv_lens [R] int32).
+    """
+    device = window_lens.device
+    lens = window_lens.to(torch.int64)
+    cu = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=device)
+    cu[1:] = torch.cumsum(lens, 0).to(torch.int32)
+    kv_lens = (window_starts.to(torch.int64) + lens).to(torch.int32)
+    positions = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+    owner = torch.repeat_interleave(torch.arange(lens.shape[0], device=device), lens)
+    used = owner.shape[0]
+    offsets = torch.arange(used, device=device) - cu[:-1].to(torch.int64)[owner]
+    positions[:used] = window_starts.to(torch.int64)[owner] + offsets
+    pages = page_table[owner, positions[:used] // page_size].to(torch.int64)
+    slots[:used] = pages * page_size + positions[:used] % page_size
+    return positions, slots, cu, kv_lens
+
+
+def pack_verify_tokens(
+    anchors: torch.Tensor, drafts: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Verify-window tokens packed by cu_seqlens [R + 1]: window r = [anchors[r], drafts[r, :len - 1]].
+
+    anchors: [R]; drafts: [R, gamma]. Returns [num_tokens] int64 (padding rows 0).
+    """
+    tokens = torch.zeros(num_tokens, dtype=torch.int64, device=anchors.device)
+    starts = cu_seqlens.tolist()
+    for r in range(anchors.shape[0]):
+        s, e = starts[r], starts[r + 1]
+        if e > s:
+            tokens[s] = anchors[r]
+            tokens[s + 1 : e] = drafts[r, : e - s - 1]
+    return tokens
+
+
+def commit_slots(slots: torch.Tensor, cu_seqlens: torch.Tensor, num_committed: torch.Tensor) -> torch.Tensor:
+    """KV-injection slots after acceptance: slots [T] kept for the first num_committed[r] rows of each
+    window (cu_seqlens [R + 1]), -1 elsewhere (skipped by the stores). Returns [T] int64."""
+    out = torch.full_like(slots, -1, dtype=torch.int64)
+    starts = cu_seqlens.tolist()
+    for r, kept in enumerate(num_committed.tolist()):
+        s = starts[r]
+        n = max(0, min(kept, starts[r + 1] - s))
+        out[s : s + n] = slots[s : s + n]
+    return out

@@ -1,0 +1,77 @@
+"""Helpers shared by the kernel modules (imported by kernels/runtime.py, in the load's mode)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Fixed when the kernel modules are imported (runtime.load_kernels sets TRITON_INTERPRET around that).
+INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= max(n, 1)."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether a kernel runs its tl.dot in fp32: always in the interpreter (its bf16 dot is wrong), and
+    for fp32 data (exact parity instead of tf32)."""
+    return INTERPRET or dtype == torch.float32
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of the device (a nominal 132, an H100/H200's count, off CUDA)."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+if INTERPRET:
+
+    @triton.jit
+    def round_cast(x, dtype: tl.constexpr):
+        """x (fp32) cast to dtype rounding to nearest even, as torch and the GPU do.
+
+        The interpreter truncates fp32 -> bf16, so the rounding is done on the bits first."""
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            x = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return x.to(dtype)
+
+else:
+
+    @triton.jit
+    def round_cast(x, dtype: tl.constexpr):
+        """x (fp32) cast to dtype (the GPU rounds to nearest even)."""
+        return x.to(dtype)
+
+
+@triton.jit
+def find_window(cu_seqlens_ptr, num_requests, index, num_steps, TILE: tl.constexpr):
+    """For each `index` (scalar or vector): the last request r with first(r) <= index, where
+    first(r) = cu[r] // TILE + r if TILE > 1, else cu[r].
+
+    With TILE = 1 that is the window holding packed token `index` (empty windows are skipped); with TILE
+    a q-tile height, the request owning q-tile program `index` (attention.py). Binary search over
+    cu [R + 1]; num_steps >= R.bit_length() (fixed, so vector lanes stay in step)."""
+    lo = index * 0
+    hi = index * 0 + (num_requests - 1)
+    for _ in range(num_steps):
+        mid = (lo + hi + 1) // 2
+        if TILE == 1:
+            first = tl.load(cu_seqlens_ptr + mid)
+        else:
+            first = tl.load(cu_seqlens_ptr + mid) // TILE + mid
+        lo = tl.where(first <= index, mid, lo)
+        hi = tl.where(first <= index, hi, mid - 1)
+    return lo

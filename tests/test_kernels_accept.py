@@ -1,0 +1,149 @@
+"""Acceptance, sampling and planning kernels == their torch reference twins, exactly, and the twins ==
+the engine's own per-request code (spec.accept, spec.planner) that they replace on the GPU path.
+
+On a machine without CUDA the kernels run in Triton's interpreter (see test_kernels_attention.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.kernels import parity, reference
+from dspark.kernels.runtime import load_kernels
+from dspark.sampling import filtered_probs
+from dspark.sampling_params import SamplingParams
+from dspark.spec.accept import rejection_accept as engine_rejection_accept
+from dspark.spec.planner import global_argmax_budget, split_budget, sync_budget
+from dspark.spec.sps_table import SpsTable
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KERNELS = load_kernels(interpret=DEVICE.type == "cpu")
+CPU = torch.device("cpu")
+FALLING = [(1, 100.0), (8, 96.0), (24, 70.0), (64, 30.0)]
+BUMPY = [(2, 50.0), (5, 58.0), (9, 40.0), (16, 45.0), (30, 20.0)]
+gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="realistic shapes: GPU only")
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    generator, seed = parity.generator(DEVICE)
+    print(f"seed={seed}")  # shown on failure, to replay the case
+    return generator
+
+
+@pytest.fixture
+def cpu_gen(gen) -> torch.Generator:
+    return parity.generator(CPU, int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device=DEVICE)))[0]
+
+
+@pytest.mark.parametrize("caps", [False, True])
+def test_greedy_accept_over_ragged_windows(caps, gen):
+    parity.check_greedy_accept(KERNELS, [0, 7, 3, 1, 7, 5, 0, 2], 7, 4, caps, DEVICE, gen)
+
+
+def test_greedy_accept_of_many_requests(gen):
+    lens = torch.randint(0, 8, (70,), generator=gen, device=DEVICE).tolist()
+    parity.check_greedy_accept(KERNELS, lens, 7, 3, True, DEVICE, gen)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_rejection_accept_matches_its_twin_with_the_same_random_numbers(num_splits, gen):
+    parity.check_rejection_accept(KERNELS, [7, 0, 3, 7, 1], 7, 300, DEVICE, gen, num_splits)
+
+
+def test_rejection_twin_matches_the_engine_per_request_sampler(cpu_gen):
+    """Feeding the twin the numbers the engine's generator would draw gives the engine's result."""
+    vocab, gamma = 50, 5
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+    outcomes = set()
+    for _ in range(30):
+        verified = int(torch.randint(0, gamma + 1, (1,), generator=cpu_gen))
+        draft_logits = torch.randn(gamma, vocab, generator=cpu_gen) * 2
+        draft_probs = filtered_probs(draft_logits, params)
+        drafts = torch.multinomial(draft_probs, 1, generator=cpu_gen)[:, 0]
+        # The target is near the drafter, so that acceptances, rejections and bonus draws all happen.
+        noise = torch.randn(verified + 1, vocab, generator=cpu_gen)
+        target_logits = torch.cat([draft_logits, draft_logits[-1:]])[: verified + 1] + noise
+        seed = int(torch.randint(0, 2**31, (1,), generator=cpu_gen))
+        expected = engine_rejection_accept(
+            drafts[:verified].tolist(),
+            draft_probs[:verified],
+            target_logits,
+            params,
+            torch.Generator().manual_seed(seed),
+        )
+        replay = torch.Generator().manual_seed(seed)
+        draws = expected[0] + 1 if expected[0] < verified else verified  # uniforms the engine consumed
+        uniforms = torch.full((1, gamma), 0.5)
+        for i in range(draws):
+            uniforms[0, i] = torch.rand((), generator=replay)
+        exponentials = torch.empty(1, vocab).exponential_(generator=replay)
+        lens, cu = parity.ragged_windows([verified], CPU)
+        got = reference.rejection_accept(
+            drafts[None],
+            draft_probs[None],
+            filtered_probs(target_logits, params),
+            cu,
+            lens,
+            uniforms,
+            exponentials,
+        )
+        assert (int(got[0][0]), int(got[1][0])) == expected
+        outcomes.add("rejected" if expected[0] < verified else "bonus")
+    assert outcomes == {"rejected", "bonus"}
+
+
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_exponential_race_matches_reference(num_splits, gen):
+    parity.check_exponential_race(KERNELS, 5, 3000, DEVICE, gen, num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_exponential_race_breaks_ties_to_the_lowest_index(num_splits, gen):
+    parity.check_exponential_race(KERNELS, 3, 2500, DEVICE, gen, num_splits, ties=True)
+
+
+@pytest.mark.parametrize("points", [FALLING, BUMPY, [(4, 10.0)]])
+@pytest.mark.parametrize("ties", [False, True])
+def test_device_planner_matches_its_twin(points, ties, gen):
+    parity.check_plan_verify_lens(KERNELS, 9, 7, points, DEVICE, gen, ties=ties)
+
+
+@pytest.mark.parametrize("budget", [-1, 0, 5, 1000])
+def test_device_planner_splits_a_given_budget(budget, gen):
+    parity.check_plan_verify_lens(KERNELS, 6, 7, BUMPY, DEVICE, gen, budget=budget)
+
+
+def test_device_planner_with_one_request_and_many_requests(gen):
+    parity.check_plan_verify_lens(KERNELS, 1, 7, FALLING, DEVICE, gen)
+    parity.check_plan_verify_lens(KERNELS, 40, 4, BUMPY, DEVICE, gen, ties=True)
+
+
+@pytest.mark.parametrize("points", [FALLING, BUMPY])
+@pytest.mark.parametrize("ties", [False, True])
+def test_planner_twin_matches_the_engine_planner(points, ties, cpu_gen):
+    table = SpsTable(points)
+    xs, ys = (torch.tensor(column, dtype=torch.float64) for column in zip(*points, strict=True))
+    for _ in range(10):
+        survivals = parity.make_survivals(12, 7, CPU, cpu_gen, ties)
+        max_lens = torch.randint(0, 8, (12,), generator=cpu_gen)
+        lens, sync, argmax = reference.plan_verify_lens(survivals, max_lens, xs, ys)
+        assert int(sync) == sync_budget(survivals, max_lens, table)
+        assert int(argmax) == global_argmax_budget(survivals, max_lens, table)
+        assert torch.equal(lens, split_budget(survivals, max_lens, int(sync)))
+        budget = torch.tensor([int(argmax)])
+        lagged, _, _ = reference.plan_verify_lens(survivals, max_lens, xs, ys, budget)
+        assert torch.equal(lagged, split_budget(survivals, max_lens, int(argmax)))
+
+
+@gpu_only
+@pytest.mark.gpu
+def test_realistic_shapes(gen):
+    vocab = 151_936
+    lens = torch.randint(0, 8, (256,), generator=gen, device=DEVICE).tolist()
+    parity.check_greedy_accept(KERNELS, lens, 7, 4, True, DEVICE, gen)
+    parity.check_rejection_accept(KERNELS, lens[:32], 7, vocab, DEVICE, gen)
+    parity.check_exponential_race(KERNELS, 1, vocab, DEVICE, gen)
+    parity.check_exponential_race(KERNELS, 256, vocab, DEVICE, gen)
+    parity.check_plan_verify_lens(KERNELS, 256, 7, FALLING, DEVICE, gen, ties=True)

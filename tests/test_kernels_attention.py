@@ -1,0 +1,109 @@
+"""Paged ragged attention kernel == its torch reference: decode, verify windows, prefill chunks and the
+drafter's non-causal block, over shuffled pages, with GQA ratios 1, 3 and 4 and key-range splits.
+
+On a machine without CUDA the kernels run in Triton's interpreter (load_kernels sets TRITON_INTERPRET
+before Triton is imported); the realistic shapes run only on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.kernels import ops, parity, reference
+from dspark.kernels.runtime import load_kernels
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KERNELS = load_kernels(interpret=DEVICE.type == "cpu")
+gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="realistic shapes: GPU only")
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    generator, seed = parity.generator(DEVICE)
+    print(f"seed={seed}")  # shown on failure, to replay the case
+    return generator
+
+
+def case(q_lens, prefixes, heads=(8, 2), head_dim=16, page_size=16, causal=True, dtype=torch.float32, *, gen):
+    return parity.make_attention_case(
+        q_lens, prefixes, heads[0], heads[1], head_dim, page_size, causal, dtype, DEVICE, gen
+    )
+
+
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_decode_single_tokens_match_reference(num_splits, gen):
+    parity.check_attention(KERNELS, case([1, 1, 1, 1], [7, 16, 33, 250], gen=gen), num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_ragged_verify_windows_with_gqa_3_match_reference(num_splits, gen):
+    c = case([1, 8, 3, 8], [0, 15, 16, 300], heads=(6, 2), gen=gen)
+    parity.check_attention(KERNELS, c, num_splits)
+
+
+def test_prefill_chunks_without_gqa_match_reference(gen):
+    c = case([70, 33], [0, 50], heads=(4, 4), page_size=8, gen=gen)
+    parity.check_attention(KERNELS, c, num_splits=1)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_draft_block_is_non_causal_over_context_and_block(num_splits, gen):
+    c = case([7, 7, 7, 7], [0, 9, 16, 121], causal=False, gen=gen)
+    parity.check_attention(KERNELS, c, num_splits)
+
+
+def test_many_requests_with_small_pages_and_an_empty_window(gen):
+    lens = torch.randint(1, 9, (24,), generator=gen, device=DEVICE).tolist()
+    lens[5] = 0
+    prefixes = torch.randint(0, 100, (24,), generator=gen, device=DEVICE).tolist()
+    parity.check_attention(KERNELS, case(lens, prefixes, page_size=4, gen=gen), num_splits=1)
+
+
+def test_long_prefixes_with_head_dim_64_and_gqa_4(gen):
+    c = case([1, 8, 8], [511, 300, 480], heads=(16, 4), head_dim=64, gen=gen)
+    parity.check_attention(KERNELS, c, num_splits=4)
+
+
+def test_one_request_window_one_on_a_page_boundary(gen):
+    parity.check_attention(KERNELS, case([1], [32], heads=(4, 1), gen=gen), num_splits=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_verify_windows(dtype, gen):
+    parity.check_attention(KERNELS, case([8, 2, 5], [40, 0, 17], dtype=dtype, gen=gen), num_splits=2)
+
+
+def test_head_dim_that_is_not_a_power_of_two(gen):
+    parity.check_attention(KERNELS, case([3, 8], [20, 5], heads=(4, 2), head_dim=24, gen=gen), num_splits=1)
+
+
+def test_ops_sends_cpu_tensors_to_the_reference(gen):
+    c = case([2, 1], [3, 4], gen=gen)
+    c = parity.AttentionCase(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in c.__dict__.values()))
+    torch.testing.assert_close(ops.paged_attention(*c.args()), reference.paged_attention(*c.args()))
+
+
+@gpu_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 64, 256])
+def test_realistic_verify_and_decode_shapes(batch, gen):
+    for window in (1, 8):
+        prefixes = torch.randint(1, 4096, (batch,), generator=gen, device=DEVICE).tolist()
+        c = case([window] * batch, prefixes, heads=(32, 8), head_dim=128, dtype=torch.bfloat16, gen=gen)
+        parity.check_attention(KERNELS, c)
+
+
+@gpu_only
+@pytest.mark.gpu
+def test_realistic_prefill_chunk(gen):
+    c = case([2048, 512], [0, 1500], heads=(32, 8), head_dim=128, dtype=torch.bfloat16, gen=gen)
+    parity.check_attention(KERNELS, c)
+
+
+@gpu_only
+@pytest.mark.gpu
+def test_ops_sends_cuda_tensors_to_the_kernel(gen):
+    c = case([8, 3], [100, 7], heads=(32, 8), head_dim=128, dtype=torch.bfloat16, gen=gen)
+    err = parity.rel_err(ops.paged_attention(*c.args()), reference.paged_attention(*c.args()))
+    assert err < parity.tolerance(torch.bfloat16)

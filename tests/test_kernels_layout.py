@@ -1,0 +1,92 @@
+"""Device-side batch layout (positions, slots, cu_seqlens, kv_lens; verify tokens; committed slots) ==
+its torch reference twin, exactly, and the twin == the engine's AttentionBatch.build.
+
+On a machine without CUDA the kernels run in Triton's interpreter (see test_kernels_attention.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dspark.attention_batch import AttentionBatch
+from dspark.kernels import ops, parity, reference
+from dspark.kernels.runtime import load_kernels
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KERNELS = load_kernels(interpret=DEVICE.type == "cpu")
+gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="realistic shapes: GPU only")
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    generator, seed = parity.generator(DEVICE)
+    print(f"seed={seed}")  # shown on failure, to replay the case
+    return generator
+
+
+@pytest.mark.parametrize("padding", [0, 5])
+def test_verify_windows_across_page_boundaries(padding, gen):
+    parity.check_layout(KERNELS, [15, 16, 0, 31, 100], [8, 1, 8, 2, 8], 16, padding, 7, DEVICE, gen)
+
+
+def test_one_window(gen):
+    parity.check_layout(KERNELS, [3], [1], 4, 0, 7, DEVICE, gen)
+
+
+def test_prefill_chunks_with_an_empty_window_and_many_requests(gen):
+    starts = torch.randint(0, 300, (40,), generator=gen, device=DEVICE).tolist()
+    lens = torch.randint(0, 20, (40,), generator=gen, device=DEVICE).tolist()
+    lens[3] = 0
+    parity.check_layout(KERNELS, starts, lens, 4, 3, 7, DEVICE, gen)
+
+
+def test_layout_twin_matches_attention_batch_build(gen):
+    starts, lens, page_size = [0, 17, 5, 64], [12, 8, 1, 3], 8
+    pages = [
+        torch.randperm(50, generator=gen, device=DEVICE)[: -(-(s + n) // page_size)].tolist()
+        for s, n in zip(starts, lens, strict=True)
+    ]
+    batch = AttentionBatch.build(pages, starts, lens, page_size, True, torch.device("cpu"))
+    table = batch.page_table
+    positions, slots, cu, kv_lens = reference.build_window_layout(
+        torch.tensor(starts), torch.tensor(lens), table, page_size, sum(lens)
+    )
+    assert torch.equal(slots, batch.slots)
+    assert torch.equal(cu, batch.cu_seqlens_q)
+    assert torch.equal(kv_lens, batch.kv_lens)
+    expected_positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
+    assert torch.equal(positions, expected_positions)
+
+
+def test_ops_on_cpu_tensors_use_the_references_without_importing_triton():
+    script = (
+        "import sys, torch\n"
+        "from dspark.kernels import ops\n"
+        "lens = torch.tensor([2, 1]); table = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)\n"
+        "out = ops.build_window_layout(torch.tensor([5, 0]), lens, table, 4, 3)\n"
+        "ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6)\n"
+        "assert out[1].tolist() == [5, 6, 0], out\n"
+        "assert 'triton' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_ops_dispatch_cpu_layout_to_the_reference(gen):
+    starts, lens = torch.tensor([3, 9]), torch.tensor([4, 1])
+    table = torch.randperm(12)[:8].view(2, 4).to(torch.int32)
+    got = ops.build_window_layout(starts, lens, table, 4, 6)
+    want = reference.build_window_layout(starts, lens, table, 4, 6)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@gpu_only
+@pytest.mark.gpu
+def test_realistic_shapes(gen):
+    starts = torch.randint(0, 4000, (256,), generator=gen, device=DEVICE).tolist()
+    lens = torch.randint(1, 9, (256,), generator=gen, device=DEVICE).tolist()
+    parity.check_layout(KERNELS, starts, lens, 16, 100, 7, DEVICE, gen)

@@ -1,0 +1,97 @@
+"""Fused RMSNorm, rotary, KV page store, the fused attention prologue and the drafter's KV injection
+store == their torch references (elementwise, within two units in the last place; stores exact).
+
+On a machine without CUDA the kernels run in Triton's interpreter (see test_kernels_attention.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.kernels import ops, parity, reference
+from dspark.kernels.runtime import load_kernels
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KERNELS = load_kernels(interpret=DEVICE.type == "cpu")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="realistic shapes: GPU only")
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    generator, seed = parity.generator(DEVICE)
+    print(f"seed={seed}")  # shown on failure, to replay the case
+    return generator
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [True, False])
+def test_rms_norm_with_and_without_residual(dtype, residual, gen):
+    parity.check_rms_norm(KERNELS, 37, 96, dtype, residual, DEVICE, gen)
+
+
+def test_rms_norm_of_many_short_rows_like_per_head_qk_norm(gen):
+    parity.check_rms_norm(KERNELS, 200, 16, torch.bfloat16, False, DEVICE, gen)
+
+
+def test_rms_norm_keeps_leading_dims_and_strided_input(gen):
+    x = parity.randn((3, 5, 64), torch.float32, DEVICE, gen)[:, :, :48]
+    weight = parity.randn((48,), torch.float32, DEVICE, gen)
+    got, _ = KERNELS.norm.rms_norm(x, weight, 1e-5)
+    assert got.shape == (3, 5, 48)
+    torch.testing.assert_close(
+        got, reference.rms_norm(x, weight, 1e-5)[0], **parity.ulp_tolerance(torch.float32)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_reference(dtype, gen):
+    parity.check_rotary(KERNELS, parity.make_rotary_case(11, 6, 2, 16, 4, dtype, DEVICE, gen))
+
+
+def test_store_kv_writes_exactly_the_given_slots_and_skips_padding(gen):
+    parity.check_store_kv(KERNELS, parity.make_rotary_case(13, 4, 4, 16, 4, torch.bfloat16, DEVICE, gen, 3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_rotary_store_kv_fuses_norms_rotation_and_store(dtype, qk_norm, gen):
+    case = parity.make_rotary_case(9, 8, 2, 32, 8, dtype, DEVICE, gen, padding_rows=2)
+    parity.check_rotary_store_kv(KERNELS, case, qk_norm)
+
+
+@pytest.mark.parametrize("k_norm", [True, False])
+def test_inject_kv_normalizes_rotates_and_stores_context_keys(k_norm, gen):
+    case = parity.make_rotary_case(10, 1, 3, 16, 4, torch.bfloat16, DEVICE, gen, padding_rows=1)
+    parity.check_inject_kv(KERNELS, case, k_norm)
+
+
+def test_head_dim_with_a_non_power_of_two_half(gen):
+    case = parity.make_rotary_case(5, 3, 1, 24, 4, torch.float32, DEVICE, gen)
+    parity.check_rotary_store_kv(KERNELS, case, qk_norm=True)
+
+
+def test_ops_sends_cpu_tensors_to_the_reference(gen):
+    cpu_gen, _ = parity.generator(
+        torch.device("cpu"), int(torch.randint(0, 2**31, (1,), generator=gen, device=DEVICE))
+    )
+    case = parity.make_rotary_case(4, 2, 2, 8, 4, torch.float32, torch.device("cpu"), cpu_gen)
+    q = ops.rotary_store_kv(
+        case.q, case.k, case.v, case.positions, case.cos_sin, case.k_cache, case.v_cache, case.slots
+    )
+    ref_caches = (torch.full_like(case.k_cache, float("nan")), torch.full_like(case.v_cache, float("nan")))
+    ref_q = reference.rotary_store_kv(
+        case.q, case.k, case.v, case.positions, case.cos_sin, *ref_caches, case.slots
+    )
+    assert torch.equal(q, ref_q)
+    torch.testing.assert_close(case.k_cache, ref_caches[0], equal_nan=True, rtol=0, atol=0)
+
+
+@gpu_only
+@pytest.mark.gpu
+def test_realistic_shapes(gen):
+    parity.check_rms_norm(KERNELS, 4096, 4096, torch.bfloat16, True, DEVICE, gen)
+    case = parity.make_rotary_case(2048, 32, 8, 128, 16, torch.bfloat16, DEVICE, gen, padding_rows=5)
+    parity.check_rotary_store_kv(KERNELS, case, qk_norm=True)
+    parity.check_inject_kv(KERNELS, case, k_norm=True)
