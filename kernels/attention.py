@@ -434,7 +434,7 @@ def paged_attention(
         PAGE_SIZE=page_size,
         GROUP=group,
         HEAD_DIM=head_dim,
-        BLOCK_D=next_pow2(head_dim),
+        BLOCK_D=max(16, next_pow2(head_dim)),  # tl.dot needs K >= 16
         CAUSAL=causal,
         SPLIT=split,
         WINDOW_CLASS=window_class,
@@ -453,7 +453,7 @@ def paged_attention(
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
-            BLOCK_D=next_pow2(head_dim),
+            BLOCK_D=max(16, next_pow2(head_dim)),  # tl.dot needs K >= 16
             BLOCK_S=next_pow2(num_splits),
         )
     return out
