@@ -61,11 +61,19 @@ class Attention(nn.Module):
         q = q.reshape(n, self.num_heads, d)
         k = k.reshape(n, self.num_kv_heads, d)
         v = v.reshape(n, self.num_kv_heads, d)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, d))[0].view(n, self.num_heads, d)
-            k = self.k_norm(k.reshape(-1, d))[0].view(n, self.num_kv_heads, d)
-        q, k = ops.rotary(q, k, positions, cos_sin)
-        ops.store_kv(k, v, k_cache, v_cache, batch.slots)
+        q = ops.rotary_store_kv(
+            q,
+            k,
+            v,
+            positions,
+            cos_sin,
+            k_cache,
+            v_cache,
+            batch.slots,
+            self.q_norm.weight if self.q_norm is not None else None,
+            self.k_norm.weight if self.k_norm is not None else None,
+            self.q_norm.eps if self.q_norm is not None else 1e-6,
+        )
         out = ops.paged_attention(
             q, k_cache, v_cache, batch.page_table, batch.cu_seqlens_q, batch.kv_lens, self.scale, batch.causal
         )

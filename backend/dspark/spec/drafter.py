@@ -77,12 +77,18 @@ class Drafter(nn.Module):
             q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
             kv = F.linear(ctx, attn.qkv_proj.weight[q_size:])
             k, v = kv.split([kv_size, kv_size], dim=-1)
-            k = attn.k_norm(k.reshape(-1, d))[0].view(n, attn.num_kv_heads, d)
-            v = v.reshape(n, attn.num_kv_heads, d)
-            # rotary() rotates q and k together; the context has no queries, so k rides in both seats.
-            k, _ = ops.rotary(k, k, positions, self.cos_sin)
             k_cache, v_cache = cache.layer(index)
-            ops.store_kv(k, v, k_cache, v_cache, slots)
+            ops.inject_kv(
+                k.reshape(n, attn.num_kv_heads, d),
+                v.reshape(n, attn.num_kv_heads, d),
+                attn.k_norm.weight,
+                attn.k_norm.eps,
+                positions,
+                self.cos_sin,
+                k_cache,
+                v_cache,
+                slots,
+            )
 
     def block_pass(
         self,
