@@ -48,8 +48,9 @@ def triton_server(smollm2_dir, tmp_path_factory):
     assert dspark_main(["create-draft", "--if-missing"]) == 0
     server = start_server(tmp_path_factory.mktemp("triton"))
     yield server
-    server.stop()
+    status = server.stop()
     leftovers = server.leftover_processes()
+    assert status == 0, f"dspark serve did not stop cleanly ({status}):\n{server.log_tail()}"
     assert not leftovers, f"processes outlived the server: {leftovers}"
 
 

@@ -20,6 +20,11 @@ def main(argv: list[str] | None = None) -> int:
         "create-draft": _create_draft,
         "profile-sps": _profile_sps,
         "serve": _serve,
+        # Training commands (dspark.training.cli), imported only when one of them runs.
+        "distill-data": lambda a: __import__("dspark.training.cli", fromlist=["_"]).distill_data(a),
+        "train-draft": lambda a: __import__("dspark.training.cli", fromlist=["_"]).train_draft(a),
+        "calibrate-draft": lambda a: __import__("dspark.training.cli", fromlist=["_"]).calibrate_draft(a),
+        "eval-acceptance": lambda a: __import__("dspark.training.cli", fromlist=["_"]).eval_acceptance(a),
     }
     if not argv or argv[0] not in commands:
         print(f"usage: dspark {{{','.join(commands)}}} [options]  (dspark COMMAND --help)", file=sys.stderr)

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The embedded default: SmolLM2-135M-Instruct converted from its GGUF by set-up, and its drafter
-# (until a trained one ships in the repository, set-up creates a randomly initialised one here).
+# The embedded default: SmolLM2-135M-Instruct converted from its GGUF by set-up, and its DSpark
+# drafter, trained on an H200 by training/run_h200.sh and kept in the repository.
 DEFAULT_TARGET_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
-DEFAULT_DRAFT_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct-dspark-random"
+DEFAULT_DRAFT_DIR = REPO_ROOT / "drafters" / "SmolLM2-135M-Instruct-dspark"
 
 SPEC_MODES = ("off", "static", "compact", "cap-accept")
 PLANNER_POLICIES = ("sync", "lagged")

@@ -1,0 +1,1 @@
+"""Training the DSpark drafter: self-distillation data, the DSpark objective, calibration, acceptance."""

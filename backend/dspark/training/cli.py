@@ -1,0 +1,305 @@
+"""The training subcommands of `dspark`: distill-data, train-draft, calibrate-draft, eval-acceptance.
+
+`dspark.cli` imports this module only when one of them runs; heavy imports happen inside each command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dspark.config import DEFAULT_TARGET_DIR
+
+if TYPE_CHECKING:
+    import torch
+
+    from dspark.models.llama import CausalLM
+
+
+def distill_data(argv: list[str]) -> int:
+    """`dspark distill-data`: the target's own responses to a prompt set, as token ids."""
+    parser = argparse.ArgumentParser(
+        prog="dspark distill-data", description="Generate self-distillation data with the target."
+    )
+    _target_args(parser)
+    parser.add_argument("--prompts", required=True, help="JSON lines with id, domain, prompt")
+    parser.add_argument("--out-dir", required=True, help="writes distill_train.jsonl and distill_val.jsonl")
+    parser.add_argument("--num-prompts", type=int, default=0, help="use this many prompts (0: all)")
+    parser.add_argument("--val-prompts", type=int, default=64, help="held out for calibration")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    parser.add_argument("--sample-fraction", type=float, default=0.5, help="share answered at temperature 1")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--max-minutes", type=float, default=0.0, help="start no batch after this (0: none)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from dspark.tokenizer import Tokenizer
+    from dspark.training.data import distill, encode_prompt, read_prompts, write_records
+
+    target, device = _load_target(args)
+    tokenizer = Tokenizer.from_dir(args.target)
+    rng = random.Random(args.seed)
+    prompts = read_prompts(args.prompts)
+    rng.shuffle(prompts)
+    wanted = args.num_prompts or len(prompts)
+    encoded: list[tuple[str, str, list[int]]] = []
+    for prompt in prompts:
+        ids = encode_prompt(tokenizer, prompt.prompt)
+        if len(ids) <= args.max_prompt_tokens:
+            encoded.append((prompt.id, prompt.domain, ids))
+        if len(encoded) == wanted:
+            break
+    temperatures = [1.0 if rng.random() < args.sample_fraction else 0.0 for _ in encoded]
+    print(f"distill: {len(encoded)} prompts on {device}", file=sys.stderr, flush=True)
+    records = distill(
+        target,
+        encoded,
+        temperatures,
+        tokenizer.eos_token_ids,
+        args.max_new_tokens,
+        args.batch_size,
+        args.seed,
+        60.0 * args.max_minutes,
+    )
+    out = Path(args.out_dir)
+    val = min(args.val_prompts, len(records) // 2)
+    write_records(out / "distill_val.jsonl", records[:val])
+    write_records(out / "distill_train.jsonl", records[val:])
+    tokens = sum(len(r.response_ids) for r in records)
+    print(
+        f"distill: wrote {len(records) - val} training and {val} held-out responses "
+        f"({tokens} tokens) to {out}"
+    )
+    return 0
+
+
+def train_draft(argv: list[str]) -> int:
+    """`dspark train-draft`: train a DSpark drafter on self-distillation data."""
+    from dspark.training.losses import LossWeights
+    from dspark.training.trainer import TrainConfig
+
+    defaults, weights = TrainConfig(), LossWeights()
+    parser = argparse.ArgumentParser(
+        prog="dspark train-draft", description="Train a DSpark drafter by self-distillation."
+    )
+    _target_args(parser)
+    parser.add_argument("--data", required=True, help="distill_train.jsonl from `dspark distill-data`")
+    parser.add_argument("--out", required=True, help="drafter directory to write (DSpark format, bf16)")
+    parser.add_argument("--work-dir", default=None, help="resumable state and log (default: OUT.work)")
+    parser.add_argument("--restart", action="store_true", help="ignore a saved state in the work dir")
+    parser.add_argument("--block-size", type=int, default=7)
+    parser.add_argument("--num-layers", type=int, default=1)
+    parser.add_argument("--markov-rank", type=int, default=32)
+    parser.add_argument("--num-target-features", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--max-minutes", type=float, default=defaults.max_minutes, help="0: no time limit")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step")
+    parser.add_argument("--anchors", type=int, default=defaults.anchors_per_sequence, help="per sequence")
+    parser.add_argument("--max-length", type=int, default=defaults.max_length)
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    parser.add_argument("--l1-weight", type=float, default=weights.l1)
+    parser.add_argument("--confidence-weight", type=float, default=weights.confidence)
+    parser.add_argument("--decay", type=float, default=weights.decay, help="position weight exp(-k/decay)")
+    parser.add_argument("--log-every", type=int, default=defaults.log_every)
+    parser.add_argument("--save-every", type=int, default=defaults.save_every)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from dspark.spec.draft_checkpoint import save_drafter
+    from dspark.training.data import read_records
+    from dspark.training.trainer import STATE_FILE, Trainer, init_from_target, new_drafter
+
+    torch.manual_seed(args.seed)
+    target, device = _load_target(args)
+    out = Path(args.out)
+    work_dir = Path(args.work_dir) if args.work_dir else out.with_name(out.name + ".work")
+    if args.restart and (work_dir / STATE_FILE).is_file():
+        (work_dir / STATE_FILE).unlink()
+    config = TrainConfig(
+        steps=args.steps,
+        max_minutes=args.max_minutes,
+        batch_size=args.batch_size,
+        anchors_per_sequence=args.anchors,
+        max_length=args.max_length,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
+        log_every=args.log_every,
+        save_every=args.save_every,
+        weights=LossWeights(args.l1_weight, args.confidence_weight, args.decay),
+    )
+    drafter = new_drafter(
+        target.config, args.block_size, args.num_layers, args.markov_rank, args.num_target_features, args.seed
+    )
+    init_from_target(drafter, target)
+    records = read_records(args.data)
+    print(
+        f"train: {len(records)} sequences, drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M "
+        f"parameters, {args.num_layers} layer(s), Markov rank {args.markov_rank}, gamma {args.block_size}, "
+        f"on {device}",
+        file=sys.stderr,
+        flush=True,
+    )
+    trained = Trainer(target, drafter, records, config, work_dir, device).run()
+    save_drafter(trained, out, dtype=torch.bfloat16)
+    print(f"train: wrote the drafter to {out} (state and log in {work_dir})")
+    return 0
+
+
+def calibrate_draft(argv: list[str]) -> int:
+    """`dspark calibrate-draft`: fit per-position confidence temperatures on held-out data."""
+    parser = argparse.ArgumentParser(
+        prog="dspark calibrate-draft",
+        description="Fit the drafter's confidence temperatures, left to right, on held-out data.",
+    )
+    _target_args(parser)
+    parser.add_argument("--draft", required=True, help="drafter directory; its config.json is updated")
+    parser.add_argument("--data", required=True, help="held-out records (distill_val.jsonl)")
+    parser.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--survival", choices=("record", "greedy", "sampled"), default="record")
+    parser.add_argument("--report", default=None, help="write the calibration report (JSON) here")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from dspark.models.loader import resolve_dtype
+    from dspark.spec.draft_checkpoint import load_drafter
+    from dspark.training.calibration import (
+        calibration_report,
+        collect_calibration_data,
+        fit_temperatures,
+        write_temperatures,
+    )
+    from dspark.training.data import read_records
+
+    target, device = _load_target(args)
+    drafter = load_drafter(args.draft, resolve_dtype(args.dtype, device), device)
+    data = collect_calibration_data(
+        target,
+        drafter,
+        read_records(args.data),
+        args.anchors,
+        args.batch_size,
+        args.max_length,
+        args.seed,
+        args.survival,
+    )
+    before = list(drafter.config.confidence_temperatures)
+    after = fit_temperatures(data)
+    report = calibration_report(data, before, after) | {"survival": args.survival}
+    write_temperatures(args.draft, after)
+    if args.report:
+        Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
+    print(
+        f"calibrate: {report['num_blocks']} blocks; "
+        f"ECE {report['ece_before']:.4f} -> {report['ece_after']:.4f}; "
+        f"temperatures {[round(t, 3) for t in after]} written to {Path(args.draft) / 'config.json'}"
+    )
+    print(f"calibrate: measured survival {report['measured_survival']}")
+    print(f"calibrate: predicted before  {report['predicted_survival_before']}")
+    print(f"calibrate: predicted after   {report['predicted_survival_after']}")
+    return 0
+
+
+def eval_acceptance(argv: list[str]) -> int:
+    """`dspark eval-acceptance`: tau, per-position acceptance and calibration through the real engine."""
+    parser = argparse.ArgumentParser(
+        prog="dspark eval-acceptance",
+        description="Measure acceptance of a drafter with the engine, by domain, mode and temperature.",
+    )
+    parser.add_argument("--model", default=str(DEFAULT_TARGET_DIR), help="target directory")
+    parser.add_argument("--draft-model", required=True, help="drafter directory")
+    parser.add_argument("--prompts", required=True, help="evaluation prompts (JSON lines with a domain)")
+    parser.add_argument("--per-domain", type=int, default=32, help="prompts per domain")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=7)
+    parser.add_argument("--modes", default="static,compact")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--sps-table", default="", help="SPS table for compact planning (empty: flat)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--num-kv-pages", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the results (JSON) here")
+    parser.add_argument("--markdown", default=None, help="write the table (markdown) here")
+    args = parser.parse_args(argv)
+
+    from dspark.config import EngineConfig
+    from dspark.spec.draft_config import DraftConfig
+    from dspark.training.acceptance import evaluate_acceptance, markdown_table
+    from dspark.training.data import read_prompts
+
+    by_domain: dict[str, list[str]] = {}
+    for prompt in read_prompts(args.prompts):
+        texts = by_domain.setdefault(prompt.domain, [])
+        if len(texts) < args.per_domain:
+            texts.append(prompt.prompt)
+    config = EngineConfig(
+        model=args.model,
+        draft_model=args.draft_model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        sps_table=args.sps_table,
+        max_num_seqs=args.max_num_seqs,
+        num_kv_pages=args.num_kv_pages,
+        max_num_batched_tokens=max(2048, args.max_num_seqs * (args.block_size + 1)),
+        seed=args.seed,
+    )
+    modes = [m for m in args.modes.split(",") if m]
+    temperatures = [float(t) for t in args.temperatures.split(",") if t]
+    result = {
+        "model": args.model,
+        "draft_model": args.draft_model,
+        "confidence_temperatures": DraftConfig.load(args.draft_model).confidence_temperatures,
+        "block_size": args.block_size,
+        "max_tokens": args.max_tokens,
+        "sps_table": args.sps_table or "flat",
+        "device": args.device,
+        "rows": [],
+    }
+    for row in evaluate_acceptance(config, by_domain, modes, temperatures, args.max_tokens, args.seed):
+        result["rows"].append(row)
+        print(
+            f"eval: {row['domain']} {row['mode']} T={row['temperature']:g}: tau {row['tau']:.3f}, "
+            f"ECE {row['ece']}, {row['steps']} steps, {row['seconds']:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        # Written after every row, so a run stopped early still leaves what it measured.
+        table = markdown_table(result["rows"], args.block_size)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        if args.markdown:
+            Path(args.markdown).write_text(table)
+    print(markdown_table(result["rows"], args.block_size))
+    return 0
+
+
+def _target_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=str(DEFAULT_TARGET_DIR), help="target model directory")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+
+
+def _load_target(args: argparse.Namespace) -> tuple[CausalLM, torch.device]:
+    import torch
+
+    from dspark.models.loader import load_target_model, resolve_dtype
+
+    name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    target = load_target_model(args.target, dtype=resolve_dtype(args.dtype, device), device=device)
+    return target.requires_grad_(False), device

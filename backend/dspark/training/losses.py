@@ -1,0 +1,86 @@
+"""The DSpark objective on one batch of blocks.
+
+Per block position k (0-based; slot k predicts the token after position anchor + k):
+- cross-entropy of the Markov-corrected logits U_k + W2 · W1[x_{k-1}] against the true next token, with
+  teacher forcing (x_{k-1} is the true token at anchor + k; the anchor itself for k = 0);
+- the L1 distance between the draft and target distributions, ‖p_d − p_t‖₁;
+- binary cross-entropy of the confidence head against 1 − ½‖p_d − p_t‖₁, the chance that speculative
+  sampling accepts the draft.
+Each position is weighted by exp(−k / decay): early drafts gate every later one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dspark.spec.drafter import Drafter
+from dspark.training.draft_forward import confidence_logits
+
+
+@dataclass
+class LossWeights:
+    """How the three terms and the block positions are weighted."""
+
+    l1: float = 1.0
+    confidence: float = 0.5
+    decay: float = 4.0
+
+
+@dataclass
+class BlockTargets:
+    """What the drafter is trained against, per block position: all [N, gamma] except target_logits.
+
+    previous: x_{k-1} (true tokens); labels: the true next tokens; target_logits: [N, gamma, vocab] the
+    target's logits for the same next tokens; valid: positions that have a next token.
+    """
+
+    previous: torch.Tensor
+    labels: torch.Tensor
+    target_logits: torch.Tensor
+    valid: torch.Tensor
+
+
+@dataclass
+class LossParts:
+    """The total loss and its parts (weighted means over valid positions); survival: [gamma] the share of
+    whole blocks whose argmax drafts 1..k all equal the target's argmax (teacher forced), so that
+    1 + survival.sum() estimates the greedy tokens committed per step."""
+
+    total: torch.Tensor
+    ce: torch.Tensor
+    l1: torch.Tensor
+    confidence: torch.Tensor
+    survival: torch.Tensor
+
+
+def position_weights(gamma: int, decay: float, device: torch.device) -> torch.Tensor:
+    """exp(−k / decay) for k = 0 .. gamma − 1: [gamma]."""
+    return torch.exp(-torch.arange(gamma, device=device, dtype=torch.float32) / decay)
+
+
+def dspark_loss(
+    drafter: Drafter, hidden: torch.Tensor, lm_head: torch.Tensor, targets: BlockTargets, weights: LossWeights
+) -> LossParts:
+    """The DSpark loss of blocks whose final drafter states are hidden [N, gamma, hidden]."""
+    markov = drafter.markov_features(targets.previous)
+    logits = drafter.corrected_logits(F.linear(hidden, lm_head.to(hidden.dtype)).float(), markov)
+    log_pd = torch.log_softmax(logits, dim=-1)
+    ce = -log_pd.gather(-1, targets.labels[..., None]).squeeze(-1)
+    p_t = torch.softmax(targets.target_logits.float(), dim=-1)
+    l1 = (log_pd.exp() - p_t).abs().sum(-1)
+    # The confidence head reads the drafter without steering it: its inputs and target are detached.
+    acceptance = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
+    conf_logit = confidence_logits(drafter, hidden.detach(), None if markov is None else markov.detach())
+    bce = F.binary_cross_entropy_with_logits(conf_logit, acceptance, reduction="none")
+    w = position_weights(hidden.shape[1], weights.decay, hidden.device)[None, :] * targets.valid
+    norm = w.sum().clamp_min(1e-9)
+    ce_mean, l1_mean, bce_mean = ((w * term).sum() / norm for term in (ce, l1, bce))
+    total = ce_mean + weights.l1 * l1_mean + weights.confidence * bce_mean
+    with torch.no_grad():
+        hit = logits.argmax(-1) == targets.target_logits.argmax(-1)
+        whole = targets.valid.all(dim=-1)
+        survival = hit[whole].float().cumprod(dim=-1).sum(0) / whole.sum().clamp_min(1)
+    return LossParts(total, ce_mean.detach(), l1_mean.detach(), bce_mean.detach(), survival)

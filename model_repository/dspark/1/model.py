@@ -1,0 +1,402 @@
+"""Triton Python backend adapter for the DSpark engine: it translates, and nothing more.
+
+`execute()` turns each request into an `AsyncEngine.submit` and returns at once. The engine calls
+back from its loop thread with `RequestDelta`s, which only get queued; a response thread does every
+blocking `send()`, puts the FINAL flag on the last data response, polls cancellation between sends
+(aborting cancelled requests so their KV pages free at the next step) and refreshes the load gauges.
+
+The interface is Triton's vLLM backend's (text_input, stream, sampling_parameters,
+exclude_input_in_output, return_* flags; text_output, finish_reason, num_*_tokens) plus input_ids,
+output_ids, return_spec_stats/spec_stats and cancel_request_id; see dspark.triton_config.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from dspark import EngineConfig, InvalidParameterError, SamplingParams
+from dspark.async_engine import AsyncEngine, EngineDeadError
+from dspark.metrics import Metrics, TritonMetrics
+from dspark.outputs import RequestDelta
+from dspark.triton_config import INPUTS, OUTPUTS, parameters_from_model_config
+
+POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing, between sends
+CANCEL_ALL = "*"  # cancel_request_id that cancels every request in flight (dspark serve does, to stop)
+RETURN_FLAGS = (
+    "return_finish_reason",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+    "return_spec_stats",
+)
+ENGINE_FIELDS = {"prompt": "text_input", "prompt_token_ids": "input_ids"}
+
+
+@dataclass
+class _Live:
+    """One request in flight: where its responses go and what it asked for."""
+
+    engine_id: str
+    triton_id: str
+    sender: Any
+    stream: bool
+    returns: frozenset[str]
+    prefix: str  # prompt text put before a non-streamed completion ("" when excluded)
+    arrived: float
+    text: list[str] = field(default_factory=list)  # non-streamed: everything so far
+    token_ids: list[int] = field(default_factory=list)
+    last_token_at: float | None = None
+    spec_seen: dict | None = None
+    cancelled: bool = False  # the client went away; the engine was told to abort
+
+
+@dataclass
+class _Reply:
+    """A single final response (an error, or the answer to a cancel request)."""
+
+    sender: Any
+    response: Any
+    outcome: str | None  # counted as a finished request with this reason, when set
+
+
+@dataclass
+class _PendingCancel:
+    """A cancel request, answered once every request it cancelled has sent its final response."""
+
+    sender: Any
+    waiting_on: set[str]
+
+    def settle(self, engine_id: str) -> bool:
+        """Note that engine_id ended; True when that was the last one waited on."""
+        if engine_id not in self.waiting_on:
+            return False
+        self.waiting_on.discard(engine_id)
+        return not self.waiting_on
+
+
+class TritonPythonModel:
+    @classmethod
+    def auto_complete_config(cls, auto_complete_model_config):
+        config = auto_complete_model_config.as_dict()
+        have_inputs = {tensor["name"] for tensor in config["input"]}
+        have_outputs = {tensor["name"] for tensor in config["output"]}
+        for tensor in INPUTS:
+            if tensor["name"] not in have_inputs:
+                auto_complete_model_config.add_input(tensor)
+        for tensor in OUTPUTS:
+            if tensor["name"] not in have_outputs:
+                auto_complete_model_config.add_output(tensor)
+        auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
+        auto_complete_model_config.set_max_batch_size(0)
+        return auto_complete_model_config
+
+    def initialize(self, args: dict) -> None:
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("dspark needs model_transaction_policy { decoupled: true }")
+        config = EngineConfig.from_parameters(parameters_from_model_config(model_config))
+        self._logger = pb_utils.Logger
+        self._metrics = self._make_metrics(config, args)
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()
+        self._next_id = itertools.count()
+        self._outbox: queue.Queue = queue.Queue()
+        self._cancels: list[_PendingCancel] = []
+        self._engine = AsyncEngine(config)
+        self._engine.start()
+        self._responder = threading.Thread(target=self._respond_loop, name="dspark-responses", daemon=True)
+        self._responder.start()
+        self._logger.log_info(
+            f"dspark: engine started (spec_mode={config.spec_mode}, device={config.device})"
+        )
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                cancel_id = _string_input(request, "cancel_request_id")
+                if cancel_id is not None:
+                    self._cancel_by_id(cancel_id, sender)
+                else:
+                    self._submit(request, sender)
+            except InvalidParameterError as exc:
+                self._reply_error(sender, _describe(exc), pb_utils.TritonError.INVALID_ARG, "invalid")
+            except EngineDeadError as exc:
+                self._reply_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE, "error")
+            except Exception as exc:  # a request must never take the model down
+                self._logger.log_error(f"dspark: request failed: {traceback.format_exc()}")
+                self._reply_error(sender, f"internal error: {exc}", pb_utils.TritonError.INTERNAL, "error")
+        return None
+
+    def finalize(self) -> None:
+        self._engine.shutdown()  # in-flight requests end with reason "abort"; their last deltas are queued
+        self._outbox.put(None)
+        self._responder.join()
+        self._logger.log_info("dspark: engine shut down")
+
+    # execute(): hand over ----------------------------------------------------------------------
+
+    def _submit(self, request, sender) -> None:
+        text = _string_input(request, "text_input")
+        token_ids = _ids_input(request)
+        if text is None and token_ids is None:
+            raise InvalidParameterError("text_input", "required (or input_ids)")
+        if text is not None and token_ids is not None:
+            raise InvalidParameterError("input_ids", "give text_input or input_ids, not both")
+        stream = bool(_bool_input(request, "stream"))
+        exclude = _bool_input(request, "exclude_input_in_output")
+        if stream and exclude is False:
+            raise InvalidParameterError("exclude_input_in_output", "must be true (or absent) when streaming")
+        params = _sampling_params(request)
+        prefix = ""
+        if not stream and not exclude:
+            prefix = text if text is not None else self._engine.tokenizer.decode(token_ids)
+        live = _Live(
+            engine_id=f"req-{next(self._next_id)}",
+            triton_id=request.request_id(),
+            sender=sender,
+            stream=stream,
+            returns=frozenset(name for name in RETURN_FLAGS if _bool_input(request, name)),
+            prefix=prefix,
+            arrived=time.monotonic(),
+        )
+        with self._lock:
+            self._live[live.engine_id] = live
+        try:
+            self._engine.submit(
+                live.engine_id, params, partial(self._on_delta, live), prompt=text, prompt_token_ids=token_ids
+            )
+        except BaseException:
+            with self._lock:
+                self._live.pop(live.engine_id, None)
+            raise
+
+    def _cancel_by_id(self, target: str, sender) -> None:
+        """Abort the requests in flight with this Triton request id ("*": all of them); the answer,
+        one final response with finish_reason "cancelled", follows the last of their final responses."""
+        if not target:
+            raise InvalidParameterError("cancel_request_id", "must be the id of a request in flight")
+        with self._lock:
+            matches = [live for live in self._live.values() if target in (CANCEL_ALL, live.triton_id)]
+            if matches:
+                self._cancels.append(_PendingCancel(sender, {live.engine_id for live in matches}))
+        if not matches and target != CANCEL_ALL:
+            message = f"cancel_request_id: no request in flight with id {target!r}"
+            self._reply_error(sender, message, pb_utils.TritonError.NOT_FOUND, None)
+        elif not matches:
+            self._outbox.put(_Reply(sender, _cancelled(), None))
+        for live in matches:
+            self._engine.abort(live.engine_id)
+
+    def _reply_error(self, sender, message: str, code: Any, outcome: str | None) -> None:
+        error = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+        self._outbox.put(_Reply(sender, error, outcome))
+
+    def _on_delta(self, live: _Live, delta: RequestDelta) -> None:
+        """Engine thread: queue and return (never block the step loop)."""
+        self._outbox.put((live, delta, time.monotonic(), delta.spec_stats.as_dict()))
+
+    # The response thread -----------------------------------------------------------------------
+
+    def _respond_loop(self) -> None:
+        next_poll = time.monotonic()
+        while True:
+            try:
+                item = self._outbox.get(timeout=POLL_INTERVAL_S)
+            except queue.Empty:
+                item = ()
+            if item is None:
+                break
+            try:
+                if isinstance(item, _Reply):
+                    self._send(item.sender, item.response, final=True)
+                    if item.outcome is not None:
+                        self._metrics.request_finished(item.outcome)
+                elif item:
+                    self._respond(*item)
+                if time.monotonic() >= next_poll:
+                    self._poll_cancelled()
+                    self._metrics.load(self._engine.load())
+                    self._metrics.flush()
+                    next_poll = time.monotonic() + POLL_INTERVAL_S
+            except Exception:
+                self._logger.log_error(f"dspark: response thread: {traceback.format_exc()}")
+        self._end_abandoned()
+
+    def _respond(self, live: _Live, delta: RequestDelta, at: float, spec: dict) -> None:
+        self._account(live, delta, at, spec)
+        if live.cancelled:
+            if delta.finished:
+                cancelled = pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+                )
+                self._finish(live, cancelled)
+            return
+        if delta.finish_reason == "error":
+            failed = pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"engine error: {delta.error}", pb_utils.TritonError.INTERNAL)
+            )
+            self._finish(live, failed)
+            return
+        if live.stream:
+            response = self._data_response(live, delta, delta.new_text, delta.new_token_ids, spec)
+            if delta.finished:
+                self._finish(live, response)
+            else:
+                self._send(live.sender, response, final=False)
+            return
+        live.text.append(delta.new_text)
+        live.token_ids.extend(delta.new_token_ids)
+        if delta.finished:
+            text = live.prefix + "".join(live.text)
+            self._finish(live, self._data_response(live, delta, text, live.token_ids, spec))
+
+    def _account(self, live: _Live, delta: RequestDelta, at: float, spec: dict) -> None:
+        if live.spec_seen is None:
+            self._metrics.prompt_tokens(delta.num_prompt_tokens)
+        count = len(delta.new_token_ids)
+        if count:
+            first = live.last_token_at is None
+            since_arrival = at - live.arrived if first else None
+            since_last = None if first else at - live.last_token_at
+            self._metrics.tokens_generated(count, since_arrival, since_last)
+            live.last_token_at = at
+        self._metrics.speculation(live.spec_seen, spec)
+        live.spec_seen = spec
+        if delta.finished:
+            self._metrics.request_finished(delta.finish_reason or "stop")
+
+    def _data_response(self, live: _Live, delta: RequestDelta, text: str, token_ids: list[int], spec: dict):
+        outputs = [
+            _strings("text_output", [text]),
+            pb_utils.Tensor("output_ids", np.array(token_ids, np.int32)),
+        ]
+        if "return_finish_reason" in live.returns:
+            outputs.append(_strings("finish_reason", [delta.finish_reason or ""]))
+        if "return_num_input_tokens" in live.returns:
+            outputs.append(
+                pb_utils.Tensor("num_input_tokens", np.array([delta.num_prompt_tokens], np.uint32))
+            )
+        if "return_num_output_tokens" in live.returns:
+            outputs.append(pb_utils.Tensor("num_output_tokens", np.array([len(token_ids)], np.uint32)))
+        if "return_spec_stats" in live.returns:
+            outputs.append(_strings("spec_stats", [json.dumps(spec)]))
+        return pb_utils.InferenceResponse(output_tensors=outputs)
+
+    def _finish(self, live: _Live, response) -> None:
+        with self._lock:
+            self._live.pop(live.engine_id, None)
+            settled = [cancel for cancel in self._cancels if cancel.settle(live.engine_id)]
+            self._cancels = [cancel for cancel in self._cancels if cancel.waiting_on]
+        self._send(live.sender, response, final=True)
+        for cancel in settled:
+            self._send(cancel.sender, _cancelled(), final=True)
+
+    def _send(self, sender, response, final: bool) -> None:
+        try:
+            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        except Exception as exc:  # the client may be gone; the request still ends in the engine
+            self._logger.log_warn(f"dspark: send failed: {exc}")
+
+    def _poll_cancelled(self) -> None:
+        with self._lock:
+            live_now = list(self._live.values())
+        for live in live_now:
+            if not live.cancelled and live.sender.is_cancelled():
+                live.cancelled = True
+                self._engine.abort(live.engine_id)
+
+    def _end_abandoned(self) -> None:
+        """After shutdown: close any request the engine never finished, so Triton can release it."""
+        with self._lock:
+            abandoned, self._live = list(self._live.values()), {}
+            cancels, self._cancels = self._cancels, []
+        for live in abandoned:
+            gone = pb_utils.InferenceResponse(
+                error=pb_utils.TritonError("model is shutting down", pb_utils.TritonError.UNAVAILABLE)
+            )
+            self._send(live.sender, gone, final=True)
+        for cancel in cancels:
+            self._send(cancel.sender, _cancelled(), final=True)
+
+    def _make_metrics(self, config: EngineConfig, args: dict) -> Metrics:
+        if not config.enable_metrics:
+            return Metrics()
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        try:
+            return TritonMetrics(pb_utils.MetricFamily, labels)
+        except pb_utils.TritonModelException as exc:  # the server runs with --allow-metrics=false
+            self._logger.log_warn(f"dspark: metrics unavailable: {exc}")
+            return Metrics()
+
+
+# Request inputs -----------------------------------------------------------------------------------
+
+
+def _string_input(request, name: str) -> str | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    value = tensor.as_numpy().reshape(-1)[0]
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidParameterError(name, "must be UTF-8 text") from None
+    return str(value)
+
+
+def _bool_input(request, name: str) -> bool | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else bool(tensor.as_numpy().reshape(-1)[0])
+
+
+def _ids_input(request) -> list[int] | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
+    return None if tensor is None else [int(token) for token in tensor.as_numpy().reshape(-1)]
+
+
+def _sampling_params(request) -> SamplingParams:
+    """From the `sampling_parameters` JSON input, else from the request parameters (as vLLM's backend)."""
+    tensor = pb_utils.get_input_tensor_by_name(request, "sampling_parameters")
+    try:
+        if tensor is not None:
+            return SamplingParams.from_json(_string_input(request, "sampling_parameters"))
+        values = json.loads(request.parameters() or "{}")
+        values.pop("id", None)  # the generate endpoint copies the request id into the parameters
+        return SamplingParams.from_dict(values)
+    except InvalidParameterError as exc:
+        if exc.field == "sampling_parameters":
+            raise
+        source = "sampling_parameters" if tensor is not None else "parameters"
+        raise InvalidParameterError(f"{source}.{exc.field}", _message(exc)) from None
+
+
+def _describe(exc: InvalidParameterError) -> str:
+    """The error text, naming the request's own input rather than the engine's field."""
+    return f"{ENGINE_FIELDS.get(exc.field, exc.field)}: {_message(exc)}"
+
+
+def _message(exc: InvalidParameterError) -> str:
+    return str(exc).removeprefix(f"{exc.field}: ")
+
+
+def _cancelled():
+    """The answer to a cancel request."""
+    return pb_utils.InferenceResponse(
+        output_tensors=[_strings("text_output", [""]), _strings("finish_reason", ["cancelled"])]
+    )
+
+
+def _strings(name: str, values: list[str]):
+    return pb_utils.Tensor(name, np.array([value.encode("utf-8") for value in values], dtype=np.object_))

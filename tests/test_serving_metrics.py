@@ -1,0 +1,84 @@
+"""Metrics on Triton's metrics port: request and token counters, latency histograms, speculation, load."""
+
+from __future__ import annotations
+
+import pytest
+from server_fixtures import GrpcStream, wait_for
+
+pytestmark = pytest.mark.server
+
+COUNTERS = [
+    "dspark_prompt_tokens_total",
+    "dspark_generation_tokens_total",
+    "dspark_spec_drafted_tokens_total",
+    "dspark_spec_verified_tokens_total",
+    "dspark_spec_steps_total",
+    "dspark_time_to_first_token_seconds_count",
+    "dspark_inter_token_latency_seconds_count",
+]
+
+
+def snapshot(server) -> dict[str, float]:
+    values = {name: server.metric(name, model="dspark") or 0.0 for name in COUNTERS}
+    values["requests_length"] = (
+        server.metric("dspark_requests_total", model="dspark", finish_reason="length") or 0.0
+    )
+    values["requests_invalid"] = (
+        server.metric("dspark_requests_total", model="dspark", finish_reason="invalid") or 0.0
+    )
+    return values
+
+
+def test_counters_and_histograms_move_with_requests(triton_server):
+    before = snapshot(triton_server)
+    with GrpcStream(triton_server) as grpc:
+        outcome = grpc.send(
+            text_input="List three fruits:",
+            stream=True,
+            sampling_parameters={"max_tokens": 6, "ignore_eos": True},
+        ).collect()
+    with GrpcStream(triton_server) as grpc:
+        assert grpc.send(text_input="").collect().error
+    # Counters are published between sends, at most 0.1 s after the event.
+    assert wait_for(lambda: snapshot(triton_server)["requests_invalid"] == before["requests_invalid"] + 1)
+    after = snapshot(triton_server)
+    assert after["dspark_generation_tokens_total"] - before["dspark_generation_tokens_total"] == len(
+        outcome.ids
+    )
+    assert after["dspark_prompt_tokens_total"] > before["dspark_prompt_tokens_total"]
+    assert after["requests_length"] == before["requests_length"] + 1
+    assert after["requests_invalid"] == before["requests_invalid"] + 1
+    assert (
+        after["dspark_time_to_first_token_seconds_count"]
+        == before["dspark_time_to_first_token_seconds_count"] + 1
+    )
+    assert (
+        after["dspark_inter_token_latency_seconds_count"] > before["dspark_inter_token_latency_seconds_count"]
+    )
+    for name in (
+        "dspark_spec_drafted_tokens_total",
+        "dspark_spec_verified_tokens_total",
+        "dspark_spec_steps_total",
+    ):
+        assert after[name] > before[name], name
+
+
+def test_speculation_gauges_are_published(triton_server):
+    with GrpcStream(triton_server) as grpc:
+        grpc.send(
+            text_input="Say hello.", sampling_parameters={"max_tokens": 4, "ignore_eos": True}
+        ).collect()
+
+    def rate() -> float | None:
+        return triton_server.metric("dspark_spec_acceptance_rate", model="dspark", position="1")
+
+    assert wait_for(lambda: rate() is not None), "gauges are published between sends"
+    assert 0.0 <= rate() <= 1.0
+    assert triton_server.metric("dspark_spec_mean_verify_window", model="dspark") >= 1.0
+    assert triton_server.metric("dspark_spec_mean_acceptance_length", model="dspark") >= 1.0
+
+
+def test_load_gauges_report_the_kv_cache_and_request_counts(triton_server):
+    assert triton_server.metric("dspark_kv_pages_total", model="dspark") == 96
+    for name in ("dspark_kv_pages_used", "dspark_num_requests_running", "dspark_num_requests_waiting"):
+        assert triton_server.metric(name, model="dspark") is not None, name

@@ -1,0 +1,123 @@
+"""dspark.metrics without Triton: what each adapter event does to the metric families."""
+
+from __future__ import annotations
+
+from dspark.metrics import Metrics, TritonMetrics
+from dspark.outputs import EngineLoad, SpecStats
+
+
+class FakeFamily:
+    """Stands in for triton_python_backend_utils.MetricFamily; records every sample."""
+
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    created: dict[str, FakeFamily] = {}
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.name, self.kind, self.metrics = name, kind, {}
+        FakeFamily.created[name] = self
+
+    def Metric(self, labels: dict, buckets: list[float] | None = None) -> FakeMetric:  # noqa: N802 - Triton's name
+        metric = FakeMetric(buckets)
+        self.metrics[tuple(sorted(labels.items()))] = metric
+        return metric
+
+
+class FakeMetric:
+    def __init__(self, buckets: list[float] | None) -> None:
+        self.value, self.observed, self.buckets = 0.0, [], buckets
+
+    def increment(self, amount: float) -> None:
+        self.value += amount
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def observe(self, value: float) -> None:
+        self.observed.append(value)
+
+
+def metric(name: str, **labels: str) -> FakeMetric:
+    family = FakeFamily.created[name]
+    for key, value in family.metrics.items():
+        if all((k, v) in key for k, v in labels.items()):
+            return value
+    raise KeyError(name)
+
+
+def make() -> TritonMetrics:
+    FakeFamily.created = {}
+    return TritonMetrics(FakeFamily, {"model": "dspark", "version": "1"})
+
+
+def stats_after(*steps: tuple[int, int, int]) -> dict:
+    stats = SpecStats()
+    for step in steps:
+        stats.record_step(*step)
+    return stats.as_dict()
+
+
+def test_nothing_is_published_before_a_flush():
+    metrics = make()
+    metrics.request_finished("stop")
+    metrics.load(EngineLoad(num_running=1, num_waiting=0, kv_pages_used=2, kv_pages_total=8))
+    assert metric("dspark_kv_pages_used").value == 0
+    metrics.flush()
+    assert metric("dspark_kv_pages_used").value == 2
+    assert metric("dspark_requests_total", finish_reason="stop").value == 1
+
+
+def test_speculation_counters_add_each_request_s_progress_once():
+    metrics = make()
+    first = stats_after((7, 3, 2))
+    metrics.speculation(None, first)
+    metrics.speculation(first, stats_after((7, 3, 2), (7, 2, 0)))
+    metrics.flush()
+    assert metric("dspark_spec_drafted_tokens_total").value == 14
+    assert metric("dspark_spec_verified_tokens_total").value == 5
+    assert metric("dspark_spec_accepted_tokens_total").value == 2
+    assert metric("dspark_spec_steps_total").value == 2
+
+
+def test_gauges_give_mean_window_acceptance_length_and_per_position_rates():
+    metrics = make()
+    metrics.speculation(None, stats_after((7, 3, 2), (7, 2, 0)))
+    metrics.flush()
+    assert metric("dspark_spec_mean_verify_window").value == (5 + 2) / 2
+    assert metric("dspark_spec_mean_acceptance_length").value == (2 + 2) / 2
+    assert metric("dspark_spec_acceptance_rate", position="1").value == 1 / 2
+    assert metric("dspark_spec_acceptance_rate", position="2").value == 1 / 2
+    assert metric("dspark_spec_acceptance_rate", position="3").value == 0.0
+
+
+def test_first_tokens_observe_ttft_and_later_ones_a_per_token_latency():
+    metrics = make()
+    metrics.tokens_generated(1, since_arrival=0.2, since_last=None)
+    metrics.tokens_generated(3, since_arrival=None, since_last=0.09)
+    metrics.flush()
+    assert metric("dspark_time_to_first_token_seconds").observed == [0.2]
+    assert metric("dspark_inter_token_latency_seconds").observed == [0.03, 0.03, 0.03]
+    assert metric("dspark_generation_tokens_total").value == 4
+
+
+def test_requests_are_counted_by_finish_reason_and_load_sets_the_gauges():
+    metrics = make()
+    for reason in ("stop", "length", "stop", "invalid"):
+        metrics.request_finished(reason)
+    metrics.flush()
+    assert metric("dspark_requests_total", finish_reason="stop").value == 2
+    assert metric("dspark_requests_total", finish_reason="invalid").value == 1
+    metrics.load(EngineLoad(num_running=3, num_waiting=1, kv_pages_used=40, kv_pages_total=96))
+    metrics.flush()
+    assert metric("dspark_kv_pages_used").value == 40 and metric("dspark_kv_pages_total").value == 96
+    assert (
+        metric("dspark_num_requests_running").value == 3 and metric("dspark_num_requests_waiting").value == 1
+    )
+
+
+def test_disabled_metrics_accept_every_event_and_record_nothing():
+    metrics = Metrics()
+    metrics.request_finished("stop")
+    metrics.tokens_generated(2, 0.1, None)
+    metrics.speculation(None, stats_after((7, 1, 1)))
+    metrics.load(EngineLoad(0, 0, 0, 1))
+    metrics.flush()

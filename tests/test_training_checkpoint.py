@@ -1,0 +1,64 @@
+"""A trained drafter survives the DSpark checkpoint format: save -> load gives identical weights and
+outputs, bf16 files hold the bf16 rounding of the weights, calibrated temperatures are read back."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from dspark.models.loader import load_target_model
+from dspark.spec.draft_checkpoint import load_drafter, save_drafter
+from dspark.training.calibration import write_temperatures
+from dspark.training.data import distill
+from dspark.training.dense import target_pass
+from dspark.training.draft_forward import block_hidden, confidence_logits
+from dspark.training.trainer import TrainConfig, Trainer, new_drafter
+
+
+def _trained(target_dir, tmp_path):
+    target = load_target_model(target_dir)
+    rng = random.Random(0)
+    prompts = [(str(i), "code", [rng.randrange(1, 8) for _ in range(4)]) for i in range(8)]
+    records = distill(target, prompts, [0.0] * 8, [], 12, 8, seed=0)
+    drafter = new_drafter(target.config, 4, 1, 4, 2, seed=0, mask_token_id=1)
+    config = TrainConfig(steps=3, batch_size=4, anchors_per_sequence=2, warmup_steps=1, save_every=100)
+    Trainer(target, drafter, records, config, tmp_path / "work", torch.device("cpu")).run()
+    return target, drafter.requires_grad_(False)
+
+
+def _outputs(target, drafter) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.tensor([[3, 4, 5, 1, 6, 2, 7, 7, 3, 1, 4]])
+    _, features = target_pass(target, tokens, drafter.config.target_layer_ids)
+    hidden = block_hidden(drafter, target.embed_tokens.weight, features, tokens, torch.tensor([[2, 6]]))
+    markov = drafter.markov_features(torch.tensor([[1, 2, 3, 4], [5, 6, 7, 1]]))
+    return hidden, confidence_logits(drafter, hidden[0], markov)
+
+
+def test_saved_drafter_loads_with_identical_weights_and_outputs(tiny_target_dir, tmp_path) -> None:
+    target, drafter = _trained(tiny_target_dir, tmp_path)
+    save_drafter(drafter, tmp_path / "fp32", dtype=torch.float32)
+    loaded = load_drafter(tmp_path / "fp32", torch.float32, "cpu")
+    assert loaded.config == drafter.config
+    for (name, a), b in zip(drafter.state_dict().items(), loaded.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    for a, b in zip(_outputs(target, drafter), _outputs(target, loaded), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_bf16_checkpoint_holds_the_rounded_weights(tiny_target_dir, tmp_path) -> None:
+    _, drafter = _trained(tiny_target_dir, tmp_path)
+    save_drafter(drafter, tmp_path / "bf16")
+    loaded = load_drafter(tmp_path / "bf16", torch.float32, "cpu")
+    for (name, a), b in zip(drafter.named_parameters(), loaded.parameters(), strict=True):
+        torch.testing.assert_close(a.to(torch.bfloat16).float(), b, atol=0, rtol=0, msg=name)
+
+
+def test_calibrated_temperatures_are_read_back(tiny_drafter_dir, tmp_path) -> None:
+    draft_dir = tmp_path / "drafter"
+    draft_dir.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (draft_dir / name).write_bytes((tiny_drafter_dir / name).read_bytes())
+    write_temperatures(draft_dir, [0.5, 1.25, 2.0, 3.5])
+    loaded = load_drafter(draft_dir, torch.float32, "cpu")
+    assert loaded.confidence_temperatures.tolist() == [0.5, 1.25, 2.0, 3.5]

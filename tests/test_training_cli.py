@@ -1,0 +1,55 @@
+"""The training commands chain into a drafter the engine serves: distill-data -> train-draft ->
+calibrate-draft -> eval-acceptance, on the tiny target, and speculation with it stays lossless."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from dspark import LLM, EngineConfig, SamplingParams
+from dspark.cli import main as dspark
+
+
+def _write_prompts(path) -> None:
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for i in range(18):
+            words = " ".join(f"w{rng.randrange(1, 8)}" for _ in range(rng.randrange(2, 7)))
+            f.write(
+                json.dumps({"id": str(i), "domain": ("chat", "code", "prose")[i % 3], "prompt": words}) + "\n"
+            )
+
+
+def test_training_commands_produce_a_calibrated_drafter_the_engine_serves(tiny_target_dir, tmp_path) -> None:
+    prompts, data, drafter = tmp_path / "prompts.jsonl", tmp_path / "data", tmp_path / "drafter"
+    _write_prompts(prompts)
+    target = f"--target {tiny_target_dir}"
+    commands = [
+        f"distill-data {target} --prompts {prompts} --out-dir {data} --max-new-tokens 16 --val-prompts 6",
+        f"train-draft {target} --data {data}/distill_train.jsonl --out {drafter} --block-size 4 "
+        "--markov-rank 4 --num-target-features 2 --steps 4 --batch-size 4 --anchors 2",
+        f"calibrate-draft {target} --draft {drafter} --data {data}/distill_val.jsonl --anchors 3 "
+        f"--report {tmp_path}/cal.json",
+        f"eval-acceptance --model {tiny_target_dir} --draft-model {drafter} --prompts {prompts} "
+        f"--per-domain 2 --max-tokens 8 --block-size 4 --num-kv-pages 128 --out {tmp_path}/eval.json",
+    ]
+    for command in commands:
+        assert dspark(command.split()) == 0, command
+
+    config = json.loads((drafter / "config.json").read_text())
+    report = json.loads((tmp_path / "cal.json").read_text())
+    assert config["confidence_temperatures"] == [round(t, 6) for t in report["temperatures"]]
+    assert len(report["temperatures"]) == 4 and report["ece_after"] <= report["ece_before"]
+    rows = json.loads((tmp_path / "eval.json").read_text())["rows"]
+    assert {(r["domain"], r["mode"], r["temperature"]) for r in rows} >= {
+        ("all", "compact", 1.0),
+        ("code", "static", 0.0),
+    }
+    assert all(r["steps"] > 0 and r["tau"] >= 1.0 for r in rows)
+
+    base = EngineConfig(model=str(tiny_target_dir), draft_model=str(drafter), num_kv_pages=64, kv_page_size=4)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompt_ids = [[3, 4, 5], [6, 1]]
+    plain = LLM(base.replace(spec_mode="off")).generate(params=params, prompt_token_ids=prompt_ids)
+    spec = LLM(base.replace(spec_mode="compact")).generate(params=params, prompt_token_ids=prompt_ids)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]

@@ -1,0 +1,132 @@
+"""The DSpark objective trains: the loss falls over a few steps on a tiny model and the engine then commits
+more tokens per step, position weights decay, bf16 mixed precision keeps fp32 master gradients, and a run
+stopped and resumed from its saved state ends exactly where an uninterrupted run does."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dspark import LLM, EngineConfig, SamplingParams, SpecStats
+from dspark.models.loader import load_target_model
+from dspark.spec.draft_checkpoint import save_drafter
+from dspark.training.data import AnchorSampler, distill
+from dspark.training.losses import LossWeights, position_weights
+from dspark.training.trainer import TrainConfig, Trainer, drafter_loss, new_drafter
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_target_dir):
+    """The tiny target, loaded once."""
+    return load_target_model(tiny_target_dir)
+
+
+@pytest.fixture(scope="module")
+def records(tiny_target):
+    """Self-distillation data of the tiny target: half greedy, half sampled responses."""
+    rng = random.Random(0)
+    prompts = [(str(i), "chat", [rng.randrange(1, 8) for _ in range(rng.randrange(2, 8))]) for i in range(24)]
+    temperatures = [0.0, 1.0] * 12
+    return distill(tiny_target, prompts, temperatures, [], 20, 24, seed=0)
+
+
+def _drafter(tiny_target):
+    return new_drafter(tiny_target.config, BLOCK, 1, 4, 2, seed=0, mask_token_id=1)
+
+
+def _config(steps: int, **changes) -> TrainConfig:
+    base = TrainConfig(
+        steps=steps,
+        batch_size=8,
+        anchors_per_sequence=4,
+        lr=3e-3,
+        warmup_steps=2,
+        log_every=100,
+        save_every=100,
+    )
+    for name, value in changes.items():
+        setattr(base, name, value)
+    return base
+
+
+def test_position_weights_decay_from_one() -> None:
+    weights = position_weights(4, 2.0, torch.device("cpu"))
+    assert weights[0] == 1.0 and bool((weights[1:] < weights[:-1]).all())
+    torch.testing.assert_close(weights[1], torch.exp(torch.tensor(-0.5)))
+
+
+def test_loss_decreases_over_a_few_steps(tiny_target, records, tmp_path) -> None:
+    fixed = next(AnchorSampler(records, 16, 4, 64, seed=123))
+    drafter = _drafter(tiny_target)
+    with torch.no_grad():
+        before = drafter_loss(tiny_target, drafter, fixed, LossWeights(), autocast=False)
+    Trainer(tiny_target, drafter, records, _config(30), tmp_path, torch.device("cpu")).run()
+    with torch.no_grad():
+        after = drafter_loss(tiny_target, drafter, fixed, LossWeights(), autocast=False)
+    assert float(after.total) < 0.8 * float(before.total)
+    assert float(after.ce) < float(before.ce) and float(after.l1) < float(before.l1)
+
+
+def test_resumed_run_ends_where_an_uninterrupted_run_does(tiny_target, records, tmp_path) -> None:
+    cpu = torch.device("cpu")
+    straight = _drafter(tiny_target)
+    Trainer(tiny_target, straight, records, _config(6), tmp_path / "straight", cpu).run()
+    interrupted = Trainer(tiny_target, _drafter(tiny_target), records, _config(6), tmp_path / "resumed", cpu)
+    for _ in range(3):
+        interrupted.train_step()
+    interrupted.save_state()
+    resumed = Trainer(tiny_target, _drafter(tiny_target), records, _config(6), tmp_path / "resumed", cpu)
+    finished = resumed.run()
+    assert resumed.step == 6
+    for (name, a), b in zip(straight.state_dict().items(), finished.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_bf16_mixed_precision_step_keeps_fp32_master_gradients(tiny_target_dir, records) -> None:
+    bf16_target = load_target_model(tiny_target_dir, dtype=torch.bfloat16)
+    drafter = _drafter(bf16_target)
+    batch = next(AnchorSampler(records, 4, 3, 64, seed=0))
+    parts = drafter_loss(bf16_target, drafter, batch, LossWeights(), autocast=True)
+    parts.total.backward()
+    assert torch.isfinite(parts.total)
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in drafter.parameters())
+
+
+def test_trained_drafter_commits_more_tokens_per_step_in_the_engine(
+    tiny_target, tiny_target_dir, tmp_path
+) -> None:
+    rng = random.Random(1)
+    prompts = [
+        (str(i), "chat", [rng.randrange(1, 8) for _ in range(rng.randrange(2, 8))]) for i in range(136)
+    ]
+    greedy = distill(tiny_target, prompts[:128], [0.0] * 128, [], 24, 128, seed=0)
+    drafter = _drafter(tiny_target)
+
+    def tau(name: str) -> float:
+        save_drafter(drafter, tmp_path / name, dtype=torch.float32)
+        config = EngineConfig(
+            model=str(tiny_target_dir), draft_model=str(tmp_path / name), spec_mode="static", num_kv_pages=128
+        )
+        outs = LLM(config).generate(
+            params=SamplingParams(max_tokens=24, ignore_eos=True),
+            prompt_token_ids=[p[2] for p in prompts[128:]],
+        )
+        stats = SpecStats()
+        for out in outs:
+            stats.merge(out.spec_stats)
+        return stats.mean_committed_per_step
+
+    untrained = tau("untrained")
+    Trainer(
+        tiny_target,
+        drafter,
+        greedy,
+        _config(150, batch_size=16, anchors_per_sequence=8),
+        tmp_path / "work",
+        torch.device("cpu"),
+    ).run()
+    assert tau("trained") > untrained + 0.5
