@@ -112,6 +112,20 @@ def render_config_pbtxt(config: EngineConfig | None = None, name: str = "dspark"
     return "\n".join(parts)
 
 
+def add_missing_io(auto_complete_model_config, inputs: list[dict], outputs: list[dict]):  # noqa: ANN001, ANN201
+    """Add to a model's auto-complete config every input and output it does not declare itself."""
+    config = auto_complete_model_config.as_dict()
+    have_inputs = {tensor["name"] for tensor in config["input"]}
+    have_outputs = {tensor["name"] for tensor in config["output"]}
+    for tensor in inputs:
+        if tensor["name"] not in have_inputs:
+            auto_complete_model_config.add_input(tensor)
+    for tensor in outputs:
+        if tensor["name"] not in have_outputs:
+            auto_complete_model_config.add_output(tensor)
+    return auto_complete_model_config
+
+
 def parameters_from_model_config(model_config: dict) -> dict[str, str]:
     """The `parameters` of a model-config JSON (as Triton hands it to initialize) as plain strings."""
     return {key: entry["string_value"] for key, entry in model_config.get("parameters", {}).items()}

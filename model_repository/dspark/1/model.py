@@ -29,7 +29,7 @@ from dspark import EngineConfig, InvalidParameterError, SamplingParams
 from dspark.async_engine import AsyncEngine, EngineDeadError
 from dspark.metrics import Metrics, TritonMetrics
 from dspark.outputs import RequestDelta
-from dspark.triton_config import INPUTS, OUTPUTS, parameters_from_model_config
+from dspark.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
 
 POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing, between sends
 CANCEL_ALL = "*"  # cancel_request_id that cancels every request in flight (dspark serve does, to stop)
@@ -87,15 +87,7 @@ class _PendingCancel:
 class TritonPythonModel:
     @classmethod
     def auto_complete_config(cls, auto_complete_model_config):
-        config = auto_complete_model_config.as_dict()
-        have_inputs = {tensor["name"] for tensor in config["input"]}
-        have_outputs = {tensor["name"] for tensor in config["output"]}
-        for tensor in INPUTS:
-            if tensor["name"] not in have_inputs:
-                auto_complete_model_config.add_input(tensor)
-        for tensor in OUTPUTS:
-            if tensor["name"] not in have_outputs:
-                auto_complete_model_config.add_output(tensor)
+        add_missing_io(auto_complete_model_config, INPUTS, OUTPUTS)
         auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
         auto_complete_model_config.set_max_batch_size(0)
         return auto_complete_model_config

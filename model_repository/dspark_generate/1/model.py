@@ -12,7 +12,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from dspark.triton_config import INPUTS, OUTPUTS, parameters_from_model_config
+from dspark.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
 
 FORWARDED_INPUTS = [tensor for tensor in INPUTS if tensor["name"] != "stream"]
 OUTPUT_NAMES = [tensor["name"] for tensor in OUTPUTS]
@@ -21,15 +21,7 @@ OUTPUT_NAMES = [tensor["name"] for tensor in OUTPUTS]
 class TritonPythonModel:
     @classmethod
     def auto_complete_config(cls, auto_complete_model_config):
-        config = auto_complete_model_config.as_dict()
-        have_inputs = {tensor["name"] for tensor in config["input"]}
-        have_outputs = {tensor["name"] for tensor in config["output"]}
-        for tensor in FORWARDED_INPUTS:
-            if tensor["name"] not in have_inputs:
-                auto_complete_model_config.add_input(tensor)
-        for tensor in OUTPUTS:
-            if tensor["name"] not in have_outputs:
-                auto_complete_model_config.add_output(tensor)
+        add_missing_io(auto_complete_model_config, FORWARDED_INPUTS, OUTPUTS)
         auto_complete_model_config.set_max_batch_size(0)
         return auto_complete_model_config
 
