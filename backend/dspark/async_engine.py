@@ -177,17 +177,5 @@ class AsyncEngine:
 
     def _fail_all(self, message: str) -> None:
         for request_id, callback in list(self._callbacks.items()):
-            callback(
-                RequestDelta(
-                    request_id=request_id,
-                    new_token_ids=[],
-                    new_text="",
-                    finished=True,
-                    finish_reason="error",
-                    num_prompt_tokens=0,
-                    num_output_tokens=0,
-                    spec_stats=SpecStats(),
-                    error=message,
-                )
-            )
+            callback(RequestDelta.failed(request_id, message))
         self._callbacks.clear()

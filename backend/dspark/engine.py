@@ -17,7 +17,7 @@ import torch
 from dspark.config import EngineConfig
 from dspark.kernels import ops
 from dspark.model_runner import TargetStep, create_runner
-from dspark.models.loader import resolve_dtype
+from dspark.models.loader import resolve_device, resolve_dtype
 from dspark.output_processor import OutputProcessor
 from dspark.outputs import EngineLoad, RequestDelta, SpecStats
 from dspark.page_allocator import PageAllocator
@@ -59,7 +59,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, proposer: Proposer | None = None) -> None:
         self.config = config
-        device = _resolve_device(config.device)
+        device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         self.runner = create_runner(config, device, dtype)
         try:
@@ -141,7 +141,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a validated request (see `prepare_prompt`)."""
         if request_id in self._seqs:
-            self._pending.append(_error_delta(request_id, f"request_id: {request_id!r} is already running"))
+            self._pending.append(
+                RequestDelta.failed(request_id, f"request_id: {request_id!r} is already running")
+            )
             return
         seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**63)
         seq = Sequence(
@@ -410,15 +412,3 @@ class _Windows:
             logit_rows=torch.tensor(self.logit_rows, dtype=torch.long),
             capture_layers=capture_layers,
         )
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda requested but no CUDA device is visible")
-    return torch.device(name)
-
-
-def _error_delta(request_id: str, message: str) -> RequestDelta:
-    return RequestDelta(request_id, [], "", True, "error", 0, 0, SpecStats(), error=message)

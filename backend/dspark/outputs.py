@@ -83,6 +83,11 @@ class RequestDelta:
     spec_stats: SpecStats
     error: str | None = None
 
+    @classmethod
+    def failed(cls, request_id: str, message: str) -> RequestDelta:
+        """The last delta of a request that ended on an error."""
+        return cls(request_id, [], "", True, "error", 0, 0, SpecStats(), error=message)
+
 
 @dataclass
 class CompletionOutput:

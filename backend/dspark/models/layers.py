@@ -69,16 +69,11 @@ class RowParallelLinear(nn.Module):
             nn.Parameter(torch.empty(output_size, self.local_input), requires_grad=False), self._load
         )
         self.bias = (
-            _attach(nn.Parameter(torch.empty(output_size), requires_grad=False), self._load_bias)
-            if bias
-            else None
+            _attach(nn.Parameter(torch.empty(output_size), requires_grad=False), _copy) if bias else None
         )
 
     def _load(self, param: torch.Tensor, full: torch.Tensor, shard_name: str | None) -> None:
         param.data.copy_(full.narrow(1, self.tp.rank * self.local_input, self.local_input))
-
-    def _load_bias(self, param: torch.Tensor, full: torch.Tensor, shard_name: str | None) -> None:
-        param.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[num_tokens, local input] -> [num_tokens, output], summed over ranks."""

@@ -26,6 +26,15 @@ _FUSED = (
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_device(name: str) -> torch.device:
+    """The torch device for a config device name; `auto` is CUDA when visible, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda requested but no CUDA device is visible")
+    return torch.device(name)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The torch dtype for a config dtype name; `auto` is bfloat16 on CUDA, float32 on CPU."""
     if name == "auto":

@@ -9,7 +9,7 @@ import torch
 
 from dspark.config import EngineConfig
 from dspark.model_runner import ModelRunner, TargetStep, create_runner
-from dspark.models.loader import resolve_dtype
+from dspark.models.loader import resolve_device, resolve_dtype
 from dspark.spec.sps_table import SpsTable
 
 # Each profiled step packs verify-sized windows (at most this many tokens) after this much context,
@@ -20,7 +20,7 @@ CONTEXT = 128
 
 def profile_sps_table(config: EngineConfig, max_tokens: int = 256, repeats: int = 5) -> SpsTable:
     """Time the target's forward at 1, 2, 4, ... `max_tokens` tokens and return the table."""
-    device = torch.device("cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu")
+    device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     runner = create_runner(config, device, dtype)
     try:

@@ -295,11 +295,8 @@ def _target_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_target(args: argparse.Namespace) -> tuple[CausalLM, torch.device]:
-    import torch
+    from dspark.models.loader import load_target_model, resolve_device, resolve_dtype
 
-    from dspark.models.loader import load_target_model, resolve_dtype
-
-    name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    device = resolve_device(args.device)
     target = load_target_model(args.target, dtype=resolve_dtype(args.dtype, device), device=device)
     return target.requires_grad_(False), device
