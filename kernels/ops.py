@@ -3,6 +3,10 @@ reference: per call, on the data's device, a CUDA tensor goes to the kernel and 
 reference (reference.py documents each op's contract; the kernel modules match it). Callers never
 choose, and nothing is frozen at construction.
 
+The kernels are inference-only (no backward): a call that autograd must differentiate through (grad
+mode on and an input that requires grad, as in drafter training) takes the reference on any device, so
+training on a GPU trains every weight instead of silently cutting the graph at the first kernel.
+
 The kernel modules are imported on the first CUDA call only (kernels/runtime.py), so a CPU-only
 install never needs Triton.
 """
@@ -15,15 +19,21 @@ from dspark.kernels import reference
 from dspark.kernels.runtime import load_kernels
 
 
-def _on_gpu(t: torch.Tensor) -> bool:
-    return t.is_cuda
+def _on_gpu(t: torch.Tensor, *differentiable: torch.Tensor | None) -> bool:
+    """Whether this call runs the kernel: `t` is on CUDA and autograd needs no gradient through
+    `t` or `differentiable`."""
+    if not t.is_cuda:
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    return not any(x is not None and x.requires_grad for x in (t, *differentiable))
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """See reference.rms_norm."""
-    if _on_gpu(x):
+    if _on_gpu(x, weight, residual):
         return load_kernels().norm.rms_norm(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
 
@@ -32,7 +42,7 @@ def rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See reference.rotary."""
-    if _on_gpu(q):
+    if _on_gpu(q, k):
         return load_kernels().rotary_store.rotary(q, k, positions, cos_sin)
     return reference.rotary(q, k, positions, cos_sin)
 

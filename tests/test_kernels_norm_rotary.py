@@ -90,6 +90,26 @@ def test_ops_sends_cpu_tensors_to_the_reference(gen):
 
 @gpu_only
 @pytest.mark.gpu
+def test_ops_differentiate_through_the_reference_when_autograd_needs_it(gen):
+    # The kernels have no backward: a call that needs gradients must take the reference on CUDA too.
+    x = torch.randn(6, 64, device=DEVICE, generator=gen, requires_grad=True)
+    weight = torch.rand(64, device=DEVICE, generator=gen) + 0.5
+    out, _ = ops.rms_norm(x, weight, 1e-6)
+    out.sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    reference.rms_norm(x_ref, weight, 1e-6)[0].sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    case = parity.make_rotary_case(4, 2, 2, 16, 4, torch.float32, DEVICE, gen)
+    q = case.q.clone().requires_grad_(True)
+    q_rot, _ = ops.rotary(q, case.k, case.positions, case.cos_sin)
+    assert q_rot.grad_fn is not None
+    with torch.no_grad():
+        q_fast, _ = ops.rotary(q, case.k, case.positions, case.cos_sin)
+    torch.testing.assert_close(q_fast, q_rot.detach())
+
+
+@gpu_only
+@pytest.mark.gpu
 def test_realistic_shapes(gen):
     parity.check_rms_norm(KERNELS, 4096, 4096, torch.bfloat16, True, DEVICE, gen)
     case = parity.make_rotary_case(2048, 32, 8, 128, 16, torch.bfloat16, DEVICE, gen, padding_rows=5)

@@ -130,3 +130,28 @@ def test_trained_drafter_commits_more_tokens_per_step_in_the_engine(
         torch.device("cpu"),
     ).run()
     assert tau("trained") > untrained + 0.5
+
+
+def _assert_every_trunk_weight_learns(target, records, device: torch.device, autocast: bool) -> None:
+    # W1 of the Markov head is left out: W2 starts at zero, so W1's first gradient is zero by design.
+    drafter = _drafter(target).to(device)
+    batch = next(AnchorSampler(records, 4, 3, 64, seed=0)).to(device)
+    drafter_loss(target, drafter, batch, LossWeights(), autocast=autocast).total.backward()
+    silent = [
+        name
+        for name, p in drafter.named_parameters()
+        if name != "markov_w1.weight" and (p.grad is None or not bool(p.grad.abs().sum() > 0))
+    ]
+    assert not silent, f"no gradient reaches {silent}"
+
+
+def test_every_drafter_weight_gets_a_gradient(tiny_target, records) -> None:
+    _assert_every_trunk_weight_learns(tiny_target, records, torch.device("cpu"), autocast=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_drafter_weight_gets_a_gradient_on_the_gpu(tiny_target_dir, records) -> None:
+    # The serving kernels have no backward: on CUDA, training must route around them (kernels/ops.py).
+    target = load_target_model(tiny_target_dir, dtype=torch.bfloat16, device="cuda")
+    _assert_every_trunk_weight_learns(target, records, torch.device("cuda"), autocast=True)

@@ -28,7 +28,7 @@ ROOT=$(pwd)
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/dspark-out}
 WORK=${WORK:-/tmp/dspark-train}
-TRAIN_MINUTES=${TRAIN_MINUTES:-5}
+TRAIN_MINUTES=${TRAIN_MINUTES:-7}
 START=$(date +%s)
 export PYTHONUNBUFFERED=1
 
@@ -46,14 +46,14 @@ if (( TINY )); then
   EVAL_ARGS=(--per-domain 1 --max-tokens 8 --num-kv-pages 256 --max-num-seqs 4)
   EVAL_RESERVE_S=0
 else
-  BUDGET_S=${BUDGET_S:-555}
+  BUDGET_S=${BUDGET_S:-585}
   NUM_PROMPTS=4000; VAL_PROMPTS=96; MAX_NEW=256; GEN_BATCH=512
   TRAIN_ARGS=(--steps 100000 --batch-size 32 --anchors 48 --log-every 50 --save-every 500)
   CAL_ARGS=(--anchors 32 --batch-size 16)
   SPS_ARGS=(--max-tokens 512 --repeats 5 --num-kv-pages 4096)
-  EVAL_ARGS=(--per-domain 32 --max-tokens 96)
+  EVAL_ARGS=(--per-domain 24 --max-tokens 96)
   # What calibration, profiling and evaluation take after training, with some slack.
-  EVAL_RESERVE_S=180
+  EVAL_RESERVE_S=150
 fi
 
 run() {

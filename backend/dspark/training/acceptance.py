@@ -165,36 +165,47 @@ def evaluate_acceptance(
     max_tokens: int,
     seed: int,
 ) -> Iterator[dict]:
-    """Run every (mode, temperature, domain) through `dspark.LLM`, yielding each result row as it is
-    measured, and an "all" row per (mode, temperature) pooling the domains."""
+    """Run every (temperature, mode, domain) through `dspark.LLM`, yielding each result row as it is
+    measured, and an "all" row per (mode, temperature) pooling the domains. Temperatures are the outer
+    loop, so a run cut short still has every mode at the first temperature (greedy, as listed first)."""
     from dspark.llm import LLM
     from dspark.training.data import encode_prompt
 
-    for mode in modes:
-        llm = LLM(config.replace(spec_mode=mode))
-        if llm.engine.proposer is None:
-            raise ValueError("eval: speculation is off; give a static or compact mode")
-        recorder = RecordingProposer(llm.engine.proposer, llm.engine.limits.block_size)
-        # The engine's own proposer keeps drafting; the wrapper only watches what it returns.
-        llm.engine.proposer = recorder
-        encoded = {d: [encode_prompt(llm.tokenizer, p) for p in texts] for d, texts in prompts.items()}
+    engines: dict[str, tuple[LLM, RecordingProposer]] = {}
+
+    def engine(mode: str) -> tuple[LLM, RecordingProposer]:
+        if mode not in engines:
+            llm = LLM(config.replace(spec_mode=mode))
+            if llm.engine.proposer is None:
+                raise ValueError("eval: speculation is off; give a static or compact mode")
+            # The engine's own proposer keeps drafting; the wrapper only watches what it returns.
+            llm.engine.proposer = RecordingProposer(llm.engine.proposer, llm.engine.limits.block_size)
+            engines[mode] = (llm, llm.engine.proposer)
+        return engines[mode]
+
+    try:
         for temperature in temperatures:
-            pooled = RunTally()
-            calibrated = "all" if temperature == 0 else ("verified" if mode == "static" else "none")
-            for domain, ids in encoded.items():
-                recorder.blocks.clear()
-                params = [
-                    SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i)
-                    for i in range(len(ids))
-                ]
-                start = time.perf_counter()
-                outputs = llm.generate(params=params, prompt_token_ids=ids)
-                tally = tally_run(outputs, recorder.blocks, calibrated, time.perf_counter() - start)
-                yield tally.row(domain, mode, temperature)
-                pooled.add(tally)
-            yield pooled.row("all", mode, temperature)
-        llm.engine.close()
-        del llm
+            for mode in modes:
+                llm, recorder = engine(mode)
+                encoded = {d: [encode_prompt(llm.tokenizer, p) for p in texts] for d, texts in prompts.items()}
+                pooled = RunTally()
+                calibrated = "all" if temperature == 0 else ("verified" if mode == "static" else "none")
+                for domain, ids in encoded.items():
+                    recorder.blocks.clear()
+                    params = [
+                        SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i)
+                        for i in range(len(ids))
+                    ]
+                    start = time.perf_counter()
+                    outputs = llm.generate(params=params, prompt_token_ids=ids)
+                    tally = tally_run(outputs, recorder.blocks, calibrated, time.perf_counter() - start)
+                    yield tally.row(domain, mode, temperature)
+                    pooled.add(tally)
+                yield pooled.row("all", mode, temperature)
+    finally:
+        for llm, _ in engines.values():
+            llm.engine.close()
+        engines.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
