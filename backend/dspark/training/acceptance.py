@@ -187,7 +187,9 @@ def evaluate_acceptance(
         for temperature in temperatures:
             for mode in modes:
                 llm, recorder = engine(mode)
-                encoded = {d: [encode_prompt(llm.tokenizer, p) for p in texts] for d, texts in prompts.items()}
+                encoded = {
+                    d: [encode_prompt(llm.tokenizer, p) for p in texts] for d, texts in prompts.items()
+                }
                 pooled = RunTally()
                 calibrated = "all" if temperature == 0 else ("verified" if mode == "static" else "none")
                 for domain, ids in encoded.items():
