@@ -43,7 +43,8 @@ def _prompt_ids(llm: LLM, count: int) -> list[list[int]]:
 
 def _time_engine(llm: LLM, ids: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], dict]:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(params=SamplingParams(max_tokens=4), prompt_token_ids=ids[:1])  # warm-up
+    # Warm-up on the same batch: compiles kernels and captures the CUDA graphs of the step sizes it meets.
+    llm.generate(params=SamplingParams(max_tokens=min(32, max_tokens), ignore_eos=True), prompt_token_ids=ids)
     start = time.perf_counter()
     outs = llm.generate(params=params, prompt_token_ids=ids)
     elapsed = time.perf_counter() - start
@@ -75,7 +76,7 @@ def _time_transformers(model_dir: str, ids: list[list[int]], max_tokens: int, de
     return len(ids) * max_tokens / (time.perf_counter() - start)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Run the sweep and print a markdown table (and write JSON with --out)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="")
@@ -86,19 +87,21 @@ def main() -> None:
     parser.add_argument("--sps-table", default="")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--out", default="")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     base = EngineConfig(
         model=args.model,
         draft_model=args.draft_model,
         device=args.device,
         sps_table=args.sps_table,
-        num_kv_pages=1024,
+        num_kv_pages=max(1024, 16 * max(batch_sizes)),
+        max_num_seqs=max(32, max(batch_sizes)),
     )
     rows = []
     engines = {mode: LLM(base.replace(spec_mode=mode)) for mode in ("off", "static", "compact")}
     device = engines["off"].engine.limits.device.type
     dtype = engines["off"].engine.limits.dtype
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+    for batch in batch_sizes:
         ids = _prompt_ids(engines["off"], batch)
         plain_tps, plain_tokens, _ = _time_engine(engines["off"], ids, args.max_tokens)
         row = {"batch": batch, "off": plain_tps}

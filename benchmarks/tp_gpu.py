@@ -3,13 +3,27 @@
 A randomly initialised Qwen3-8B-shaped target (hidden 4096, 36 layers, 32 heads, 8 KV heads, head dim
 128, intermediate 12288, vocab 151936, q/k norm) is written once as a Hugging Face checkpoint of bf16
 weights (each tensor generated from its own seed, so the weights are the same on every run), then
-driven through `dspark.model_runner.create_runner` at each TP size, the engine's own runner seam:
+driven through `dspark.model_runner.create_runner` at each TP size, the engine's own runner seam.
 
-- agreement with TP=1: teacher-forced logits over prompts plus their TP=1 greedy continuation
-  (relative error per row, argmax agreement per position) and greedy decoding itself (the share of
-  prompts whose whole continuation is identical, and the mean length of the identical prefix);
+bf16 differs from exact arithmetic by itself, so "TP=2 differs from TP=1 bf16" alone cannot tell TP's
+error from rounding. First, unless `--no-fp32-reference`, the same bf16 checkpoint runs at TP=1 in
+float32 (float64 with `--tiny`, whose plan is float32 already) as an exact reference: its greedy
+continuation of the prompts defines the teacher-forced sequences (otherwise TP=1 bf16's does). Then,
+for every TP size in the plan's dtype:
+
+- agreement with the reference (`vs_fp32`) and with the first TP size, TP=1 bf16 (`agreement`):
+  teacher-forced logits over the sequences (relative error per row, argmax agreement per position) and
+  greedy decoding itself (the share of prompts whose whole continuation is identical, and the mean
+  length of the identical prefix). A TP size passes (`tp_adds_no_error`) when its logits' relative
+  error vs the reference, mean and max, is at most FP32_ERROR_RATIO_LIMIT times that of TP=1 bf16: TP
+  then adds no error beyond bf16's own rounding. The old absolute bound vs TP=1 stays as
+  `logits_within_tolerance` (LOGITS_REL_TOLERANCE);
+- near-ties (`vs_fp32_margins`): a random model's top logits are often nearly tied, so an argmax that
+  differs may be a tie broken by rounding. Reported: the median top-1 minus top-2 margin of the
+  reference over the teacher-forced rows, and the share of rows whose argmax differs among the rows
+  whose reference margin exceeds MARGIN_FACTOR times the mean absolute logit error (not near-ties);
 - decode: the time of one target step (broadcast to the ranks included) at several batch sizes, every
-  request with `--context` cached tokens, and the tokens/s that gives.
+  request with `--context` cached tokens, and the tokens/s that gives (not for the reference).
 
 Writes results.json and results.md to --out. `--tiny` runs the same logic on the CPU (gloo) with a tiny
 model, which is how CI-less machines check it; the full run takes a few minutes on 4 H200s.
@@ -21,6 +35,7 @@ model, which is how CI-less machines check it; the full run takes a few minutes 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -65,6 +80,11 @@ INIT_STD = 0.02
 SHARD_BYTES = 4 << 30
 # bf16 keeps 8 bits of mantissa; TP changes the order of every row-parallel sum, over 36 layers.
 LOGITS_REL_TOLERANCE = {"bfloat16": 5e-2, "float16": 1e-2, "float32": 1e-4}
+# A TP size adds no error of its own when its logits are at most this much further from the exact
+# reference than TP=1's in the same dtype (row-parallel sums round in another order, not worse).
+FP32_ERROR_RATIO_LIMIT = 1.25
+# A reference margin above this many mean absolute logit errors is no near-tie: rounding cannot flip it.
+MARGIN_FACTOR = 4.0
 # NVLink multicast stays off on shared hosts (the device notes say why); ranks inherit this.
 NCCL_SAFETY = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -85,14 +105,19 @@ class Plan:
     device: str
     dtype: str
     page_size: int = 16
+    # dtype of the exact TP=1 reference run (None: no reference); wider than `dtype`.
+    reference_dtype: str | None = None
 
 
 def full_plan(args: argparse.Namespace) -> Plan:
-    return Plan(QWEN3_8B, (1, 2, 4), (1, 8, 32, 128), 1024, 3, 10, 8, 32, 32, "cuda", "bfloat16")
+    return Plan(
+        QWEN3_8B, (1, 2, 4), (1, 8, 32, 128), 1024, 3, 10, 8, 32, 32, "cuda", "bfloat16", 16, "float32"
+    )
 
 
 def tiny_plan(args: argparse.Namespace) -> Plan:
-    return Plan(TINY, (1, 2), (1, 4), 32, 1, 3, 3, 8, 6, "cpu", "float32")
+    # float32 already, so the reference is float64: the same logic, one step wider.
+    return Plan(TINY, (1, 2), (1, 4), 32, 1, 3, 3, 8, 6, "cpu", "float32", 16, "float64")
 
 
 # The checkpoint --------------------------------------------------------------------------------------
@@ -170,20 +195,42 @@ def random_tensor(name: str, shape: tuple[int, ...], dtype: str, seed: int) -> t
 # Driving the runner ----------------------------------------------------------------------------------
 
 
-def make_runner(checkpoint: Path, tp: int, plan: Plan, num_pages: int):
-    from dspark.config import EngineConfig
+def make_runner(checkpoint: Path, tp: int, plan: Plan, num_pages: int, dtype: str | None = None):
+    """The engine's runner for `checkpoint` at TP size `tp`, computing in `dtype` (plan.dtype if None)."""
+    from dspark.config import DTYPES, EngineConfig
     from dspark.model_runner import create_runner
 
+    dtype = dtype or plan.dtype
     config = EngineConfig(
         model=str(checkpoint),
         spec_mode="off",
-        dtype=plan.dtype,
+        # The config only names the engine's dtypes; the runner computes in the torch dtype passed to
+        # it, so a float64 reference names float32 here.
+        dtype=dtype if dtype in DTYPES else "float32",
         device=plan.device,
         num_kv_pages=num_pages,
         kv_page_size=plan.page_size,
         tensor_parallel_size=tp,
     )
-    return create_runner(config, torch.device(plan.device), getattr(torch, plan.dtype))
+    return create_runner(config, torch.device(plan.device), getattr(torch, dtype))
+
+
+@contextlib.contextmanager
+def opened_runner(checkpoint: Path, tp: int, plan: Plan, num_pages: int, dtype: str | None = None):
+    """Yield (runner, seconds it took to load); the runner is closed and its memory freed after."""
+    started = time.perf_counter()
+    runner = make_runner(checkpoint, tp, plan, num_pages, dtype)
+    loaded_s = time.perf_counter() - started
+    try:
+        yield runner, loaded_s
+    finally:
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()
+        del runner
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def step(tokens: list[list[int]], starts: list[int], pages: list[list[int]], all_logits: bool):
@@ -250,7 +297,7 @@ def agreement(
     greedy: list[list[int]],
     tolerance: float,
 ) -> dict:
-    """How far one TP size's results are from TP=1's."""
+    """How far one TP size's results are from a reference run's (TP=1 in the plan dtype, or exact)."""
     rel = (logits - reference).norm(dim=-1) / reference.norm(dim=-1)
     same_prefix = [
         next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
@@ -259,6 +306,8 @@ def agreement(
     return {
         "logits_rel_error_max": float(rel.max()),
         "logits_rel_error_mean": float(rel.mean()),
+        # The old pass criterion: an absolute bound on the max relative error, per plan dtype.
+        "logits_abs_tolerance": tolerance,
         "logits_within_tolerance": bool(rel.max() <= tolerance),
         "teacher_forced_argmax_agreement": float((logits.argmax(-1) == reference.argmax(-1)).float().mean()),
         "greedy_identical_rate": sum(n == len(g) for n, g in zip(same_prefix, greedy_ref, strict=True))
@@ -267,64 +316,119 @@ def agreement(
     }
 
 
+def near_ties(reference: torch.Tensor, logits: torch.Tensor) -> dict:
+    """Whether argmax disagreements with the exact reference are near-ties that rounding breaks."""
+    top2 = reference.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    abs_error = float((logits - reference).abs().mean())
+    differs = logits.argmax(-1) != reference.argmax(-1)
+    clear = margin > MARGIN_FACTOR * abs_error
+    return {
+        "reference_margin_median": float(margin.double().quantile(0.5)),
+        "logits_abs_error_mean": abs_error,
+        "rows": len(margin),
+        "argmax_differs_rows": int(differs.sum()),
+        "clear_rows": int(clear.sum()),
+        "clear_argmax_differs_rows": int((differs & clear).sum()),
+        # None when every row is a near-tie (nothing to judge)
+        "clear_argmax_differs_share": float((differs & clear).sum() / clear.sum()) if clear.any() else None,
+    }
+
+
+def adds_no_error(vs_reference: dict, baseline: dict) -> dict:
+    """TP's own error: the ratio of its logits error vs the exact reference to the baseline's (TP=1 in
+    the same dtype), and whether both mean and max stay within FP32_ERROR_RATIO_LIMIT."""
+    fields = {}
+    passes = True
+    for stat in ("mean", "max"):
+        error = vs_reference[f"logits_rel_error_{stat}"]
+        base = baseline[f"logits_rel_error_{stat}"]
+        fields[f"fp32_error_ratio_{stat}"] = error / base if base > 0 else None
+        passes = passes and error <= FP32_ERROR_RATIO_LIMIT * base
+    return fields | {"tp_adds_no_error": passes}
+
+
 # The run ---------------------------------------------------------------------------------------------
 
 
-def measure(plan: Plan, checkpoint: Path) -> dict:
+def measure(plan: Plan, checkpoint: Path) -> tuple[dict, dict | None]:
+    """Results per TP size, and the exact reference run's summary (None without one)."""
     generator = torch.Generator().manual_seed(1234)
     prompts = torch.randint(
         0, plan.arch["vocab_size"], (plan.num_prompts, plan.prompt_len), generator=generator
     )
     prompts_list = prompts.tolist()
+    agreement_pages = (
+        len(request_pages(1, plan.prompt_len + plan.new_tokens, plan.page_size)[0]) * plan.num_prompts
+    )
     num_pages = max(
-        len(request_pages(1, plan.context + 1, plan.page_size)[0]) * max(plan.batch_sizes),
-        len(request_pages(1, plan.prompt_len + plan.new_tokens, plan.page_size)[0]) * plan.num_prompts,
+        len(request_pages(1, plan.context + 1, plan.page_size)[0]) * max(plan.batch_sizes), agreement_pages
     )
     tolerance = LOGITS_REL_TOLERANCE[plan.dtype]
-    results: dict[str, dict] = {}
-    reference: dict = {}
-    for tp in plan.tp_sizes:
-        started = time.perf_counter()
-        runner = make_runner(checkpoint, tp, plan, num_pages)
-        loaded_s = time.perf_counter() - started
-        try:
+    exact: dict = {}
+    summary = None
+    if plan.reference_dtype is not None:
+        # TF32 matmuls (off by default) would make a float32 reference hardly more exact than bf16.
+        torch.set_float32_matmul_precision("highest")
+        # Agreement only, so the KV cache needs no room for the decode batches.
+        with opened_runner(checkpoint, 1, plan, agreement_pages, plan.reference_dtype) as (runner, loaded_s):
             greedy = greedy_decode(runner, prompts_list, plan.new_tokens, plan.page_size)
-            if not reference:
-                sequences = [p + g for p, g in zip(prompts_list, greedy, strict=True)]
-                reference = {"greedy": greedy, "sequences": sequences}
-            logits = teacher_forced_logits(runner, reference["sequences"], plan.page_size)
-            reference.setdefault("logits", logits)
+            sequences = [p + g for p, g in zip(prompts_list, greedy, strict=True)]
+            # The runner hands logits back in float32 even from a float64 model: that last rounding
+            # (2^-24 relative) stays below a float32 model's own error.
+            logits = teacher_forced_logits(runner, sequences, plan.page_size)
+        exact = {"greedy": greedy, "sequences": sequences, "logits": logits}
+        summary = {"dtype": plan.reference_dtype, "tp": 1, "load_s": loaded_s}
+        print(f"reference TP=1 {plan.reference_dtype}: loaded in {loaded_s:.1f}s", flush=True)
+    results: dict[str, dict] = {}
+    # The first TP size's greedy output and logits; its sequences too when there is no exact reference.
+    baseline: dict = {"sequences": exact["sequences"]} if exact else {}
+    for tp in plan.tp_sizes:
+        with opened_runner(checkpoint, tp, plan, num_pages) as (runner, loaded_s):
+            greedy = greedy_decode(runner, prompts_list, plan.new_tokens, plan.page_size)
+            baseline.setdefault("greedy", greedy)
+            baseline.setdefault("sequences", [p + g for p, g in zip(prompts_list, greedy, strict=True)])
+            logits = teacher_forced_logits(runner, baseline["sequences"], plan.page_size)
+            baseline.setdefault("logits", logits)
             decode = []
             for batch in plan.batch_sizes:
                 seconds = decode_step_seconds(runner, batch, plan)
                 decode.append({"batch": batch, "step_ms": seconds * 1e3, "tokens_per_s": batch / seconds})
-        finally:
-            close = getattr(runner, "close", None)
-            if close is not None:
-                close()
-            del runner
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        results[str(tp)] = {
+        result = {
             "load_s": loaded_s,
-            "agreement": agreement(reference["logits"], logits, reference["greedy"], greedy, tolerance),
+            "agreement": agreement(baseline["logits"], logits, baseline["greedy"], greedy, tolerance),
             "decode": decode,
         }
-        print(f"TP={tp}: loaded in {loaded_s:.1f}s; {json.dumps(results[str(tp)])}", flush=True)
-    return results
+        if exact:
+            vs_exact = agreement(exact["logits"], logits, exact["greedy"], greedy, tolerance)
+            first = results[str(plan.tp_sizes[0])]["vs_fp32"] if results else vs_exact
+            result |= {
+                "vs_fp32": vs_exact,
+                "vs_fp32_margins": near_ties(exact["logits"], logits),
+                **adds_no_error(vs_exact, first),
+            }
+        results[str(tp)] = result
+        print(f"TP={tp}: loaded in {loaded_s:.1f}s; {json.dumps(result)}", flush=True)
+    return results, summary
 
 
 def markdown(plan: Plan, report: dict) -> str:
     results = report["results"]
+    first = next(iter(results))
+    reference = report.get("reference")
+    sequences = f"TP=1 {reference['dtype']}" if reference else f"TP={first} {plan.dtype}"
     lines = [
         f"# Tensor parallelism: {report['model']} on {report['device']}",
         "",
         f"dtype {plan.dtype}; {plan.num_prompts} random prompts of {plan.prompt_len} tokens, "
-        f"{plan.new_tokens} greedy tokens each; decode with {plan.context} cached tokens per request.",
+        f"{plan.new_tokens} greedy tokens each (teacher-forced sequences: prompts plus the greedy "
+        f"continuation of {sequences}); decode with {plan.context} cached tokens per request.",
         "",
-        "| TP | load s | logits rel. err. max / mean | within tolerance | teacher-forced argmax agree "
-        "| greedy identical | identical prefix (mean) |",
+        f"## vs TP={first} {plan.dtype}",
+        "",
+        "| TP | load s | logits rel. err. max / mean | max within abs. tol. "
+        f"{LOGITS_REL_TOLERANCE[plan.dtype]:.0e} | teacher-forced argmax agree | greedy identical "
+        "| identical prefix (mean) |",
         "|---:|---:|---:|:---:|---:|---:|---:|",
     ]
     for tp, r in results.items():
@@ -334,12 +438,13 @@ def markdown(plan: Plan, report: dict) -> str:
             f"{r['load_s']:.1f}",
             f"{a['logits_rel_error_max']:.2e} / {a['logits_rel_error_mean']:.2e}",
             "yes" if a["logits_within_tolerance"] else "NO",
-            f"{a['teacher_forced_argmax_agreement']:.1%}",
-            f"{a['greedy_identical_rate']:.0%}",
-            f"{a['greedy_identical_prefix_mean']:.1f} / {plan.new_tokens}",
+            *agreement_cells(a, plan),
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| batch | " + " | ".join(f"TP={tp} step ms (tok/s)" for tp in results) + " |"]
+    if reference:
+        lines += reference_table(plan, results, reference, first)
+    lines += ["", "## Decode", ""]
+    lines += ["| batch | " + " | ".join(f"TP={tp} step ms (tok/s)" for tp in results) + " |"]
     lines.append("|---:|" + "---:|" * len(results))
     base = {d["batch"]: d["step_ms"] for d in next(iter(results.values()))["decode"]}
     for i, batch in enumerate(plan.batch_sizes):
@@ -350,6 +455,51 @@ def markdown(plan: Plan, report: dict) -> str:
         lines.append(f"| {batch} | " + " | ".join(cells) + " |")
     lines += ["", "x: speed-up of the step over the first TP size."]
     return "\n".join(lines) + "\n"
+
+
+def agreement_cells(a: dict, plan: Plan) -> list[str]:
+    """Markdown cells of the argmax and greedy agreement, shared by both agreement tables."""
+    return [
+        f"{a['teacher_forced_argmax_agreement']:.1%}",
+        f"{a['greedy_identical_rate']:.0%}",
+        f"{a['greedy_identical_prefix_mean']:.1f} / {plan.new_tokens}",
+    ]
+
+
+def reference_table(plan: Plan, results: dict, reference: dict, first: str) -> list[str]:
+    """Markdown lines of the agreement with the exact reference, TP's own error and the near-ties."""
+    exact = f"TP=1 {reference['dtype']}"
+    lines = [
+        "",
+        f"## vs {reference['dtype']} reference ({exact}, same checkpoint, "
+        f"loaded in {reference['load_s']:.1f}s)",
+        "",
+        f"TP adds no error: its logits rel. error vs {exact}, max and mean, is at most "
+        f"{FP32_ERROR_RATIO_LIMIT}x that of TP={first} {plan.dtype}. Clear rows: the reference's top-1 "
+        f"minus top-2 logit margin exceeds {MARGIN_FACTOR:g}x the mean absolute logit error (no near-tie).",
+        "",
+        "| TP | logits rel. err. max / mean | x TP=" + first + " max / mean | TP adds no error "
+        "| teacher-forced argmax agree | greedy identical | identical prefix (mean) | reference margin "
+        "(median) | mean abs. logit err. | clear rows | argmax differs in clear rows |",
+        "|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for tp, r in results.items():
+        a, m = r["vs_fp32"], r["vs_fp32_margins"]
+        ratios = [r[f"fp32_error_ratio_{stat}"] for stat in ("max", "mean")]
+        share = m["clear_argmax_differs_share"]
+        cells = [
+            tp,
+            f"{a['logits_rel_error_max']:.2e} / {a['logits_rel_error_mean']:.2e}",
+            " / ".join("-" if x is None else f"{x:.2f}" for x in ratios),
+            "yes" if r["tp_adds_no_error"] else "NO",
+            *agreement_cells(a, plan),
+            f"{m['reference_margin_median']:.3g}",
+            f"{m['logits_abs_error_mean']:.2e}",
+            f"{m['clear_rows']} / {m['rows']}",
+            f"{m['clear_argmax_differs_rows']} ({'-' if share is None else f'{share:.1%}'})",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def make_dspark_importable() -> None:
@@ -377,8 +527,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json and results.md")
     parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU (checks the logic)")
     parser.add_argument("--checkpoint", type=Path, default=None, help="where the random checkpoint lives")
-    parser.add_argument("--tp", type=int, nargs="+", default=None, help="TP sizes (first is the reference)")
+    parser.add_argument(
+        "--tp", type=int, nargs="+", default=None, help="TP sizes (the first is the baseline, normally 1)"
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None)
+    parser.add_argument(
+        "--no-fp32-reference",
+        dest="fp32_reference",
+        action="store_false",
+        help="skip the exact TP=1 reference run (float32; float64 with --tiny)",
+    )
     args = parser.parse_args(argv)
     for key, value in NCCL_SAFETY.items():
         os.environ.setdefault(key, value)
@@ -387,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {
         "tp_sizes": tuple(args.tp or plan.tp_sizes),
         "batch_sizes": tuple(args.batch_sizes or plan.batch_sizes),
+        "reference_dtype": plan.reference_dtype if args.fp32_reference else None,
     }
     plan = Plan(**(asdict(plan) | overrides))
     if plan.device == "cuda" and torch.cuda.device_count() < max(plan.tp_sizes):
@@ -401,12 +560,14 @@ def main(argv: list[str] | None = None) -> int:
         args.checkpoint or default_dir, plan.arch, "bfloat16" if not args.tiny else "float32"
     )
     print(f"checkpoint {checkpoint} ready in {time.perf_counter() - started:.1f}s", flush=True)
+    results, reference = measure(plan, checkpoint)
     report = {
         "model": "Qwen3-8B-shaped, random weights" if not args.tiny else "tiny Qwen3, random weights",
         "device": torch.cuda.get_device_name(0) if plan.device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "plan": asdict(plan),
-        "results": measure(plan, checkpoint),
+        "reference": reference,
+        "results": results,
         "total_s": time.perf_counter() - started,
     }
     args.out.mkdir(parents=True, exist_ok=True)

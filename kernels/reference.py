@@ -118,7 +118,8 @@ def paged_attention(
     q: [num_tokens, num_q_heads, head_dim], windows packed back to back by cu_seqlens_q [R + 1];
     request r's keys are its first kv_lens[r] cache positions, found through page_table [R, max_pages].
     The window is the last q_len positions of those keys; causal: query i sees keys up to its own
-    position; otherwise every query sees all kv_lens[r] keys. Returns [num_tokens, num_q_heads, head_dim].
+    position; otherwise every query sees all kv_lens[r] keys. Returns [num_tokens, num_q_heads, head_dim]
+    (rows past cu_seqlens_q[R], padding, are zeros; the kernel leaves them unwritten).
 
     All requests go through one padded batched attention (no per-request loop): requests are padded
     to the longest window and the longest key range, and masks hide the padding.
@@ -131,8 +132,12 @@ def paged_attention(
     num_requests = q_lens.shape[0]
     max_q = int(q_lens.max()) if num_requests else 0
     max_kv = int(kv_lens.max()) if num_requests else 0
+    # Rows past cu_seqlens_q[R] are padding (a captured step's fixed token count): left as zeros.
+    result = torch.zeros_like(q)
+    num_tokens = int(cu_seqlens_q[-1]) if num_requests else 0
     if num_tokens == 0 or max_kv == 0:
-        return torch.zeros_like(q)
+        return result
+    q = q[:num_tokens]
     max_pages = -(-max_kv // page_size)
     # Which request and which window slot each packed token is.
     request_of = torch.repeat_interleave(torch.arange(num_requests, device=device), q_lens)
@@ -154,7 +159,8 @@ def paged_attention(
         attn_mask=mask[:, None],
         scale=scale,
     )
-    return out.transpose(1, 2)[request_of, slot_of].to(q.dtype)
+    result[:num_tokens] = out.transpose(1, 2)[request_of, slot_of].to(q.dtype)
+    return result
 
 
 def greedy_accept(

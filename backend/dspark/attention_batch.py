@@ -37,24 +37,39 @@ class AttentionBatch:
         page_size: int,
         causal: bool,
         device: torch.device,
+        num_tokens: int = 0,
+        num_requests: int = 0,
     ) -> AttentionBatch:
         """Lay out windows: request r's window covers positions [window_starts[r], +window_lens[r]).
 
         pages[r] lists request r's cache pages in order; a window's keys are every position before
-        its end.
+        its end. num_tokens / num_requests (0: exact) pad the layout to a fixed size, as a captured
+        step needs: padding tokens get slot -1 (never stored), padding windows are empty with no keys.
+        Vectorised: a handful of tensor ops whatever the number of requests.
         """
-        num_requests = len(window_lens)
-        max_pages = max((len(p) for p in pages), default=1) or 1
+        count = len(window_lens)
+        lens = torch.tensor(window_lens, dtype=torch.int64)
+        starts = torch.tensor(window_starts, dtype=torch.int64)
+        total = int(lens.sum())
+        num_tokens = max(num_tokens, total)
+        num_requests = max(num_requests, count)
+        page_counts = torch.tensor([len(p) for p in pages], dtype=torch.int64)
+        max_pages = max(int(page_counts.max()) if count else 1, 1)
         table = torch.zeros(num_requests, max_pages, dtype=torch.int32)
-        slot_list: list[torch.Tensor] = []
-        for r, page_ids in enumerate(pages):
-            table[r, : len(page_ids)] = torch.tensor(page_ids, dtype=torch.int32)
-            positions = torch.arange(window_starts[r], window_starts[r] + window_lens[r])
-            slot_list.append(table[r, positions // page_size].long() * page_size + positions % page_size)
+        flat_pages = torch.tensor([page for p in pages for page in p], dtype=torch.int32)
+        if flat_pages.numel():
+            rows = torch.repeat_interleave(torch.arange(count), page_counts)
+            first = torch.cumsum(page_counts, 0) - page_counts
+            cols = torch.arange(flat_pages.numel()) - torch.repeat_interleave(first, page_counts)
+            table[rows, cols] = flat_pages
         cu = torch.zeros(num_requests + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(window_lens, dtype=torch.int32), 0)
-        kv_lens = torch.tensor(
-            [s + n for s, n in zip(window_starts, window_lens, strict=True)], dtype=torch.int32
-        )
-        slots = torch.cat(slot_list) if slot_list else torch.zeros(0, dtype=torch.long)
+        cu[1 : count + 1] = torch.cumsum(lens, 0).to(torch.int32)
+        cu[count + 1 :] = total
+        kv_lens = torch.zeros(num_requests, dtype=torch.int32)
+        kv_lens[:count] = (starts + lens).to(torch.int32)
+        slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+        if total:
+            owner = torch.repeat_interleave(torch.arange(count), lens)
+            positions = torch.arange(total) - (cu[:count].long())[owner] + starts[owner]
+            slots[:total] = table[owner, positions // page_size].long() * page_size + positions % page_size
         return cls(cu.to(device), kv_lens.to(device), table.to(device), slots.to(device), causal)

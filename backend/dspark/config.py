@@ -57,6 +57,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     # Longest prompt plus completion; 0 takes the model's max_position_embeddings.
     max_model_len: int = 0
+    # On CUDA with tensor_parallel_size 1, target steps of up to this many tokens replay captured CUDA
+    # graphs (one per power-of-two token and request count, captured on first use); 0 runs every step
+    # eagerly. A Python-driven forward launches hundreds of kernels a step and is bound by the host.
+    cuda_graph_max_tokens: int = 256
     # GPUs one instance spreads the model over.
     tensor_parallel_size: int = 1
     # GPU indices of the tensor-parallel ranks, comma-separated (rank i on the i-th; CUDA only); empty:
@@ -87,6 +91,7 @@ class EngineConfig:
             ("max_num_seqs", 1),
             ("max_num_batched_tokens", 1),
             ("max_model_len", 0),
+            ("cuda_graph_max_tokens", 0),
             ("tensor_parallel_size", 1),
             ("tensor_parallel_timeout_s", 1),
             ("seed", 0),

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from dspark.attention_batch import AttentionBatch
 from dspark.config import EngineConfig
+from dspark.cuda_graphs import CudaGraphs
 from dspark.distributed import (
     SINGLE,
     TensorParallel,
@@ -64,10 +65,14 @@ class TargetResult:
 class ModelRunner:
     """Owns the target shard and its KV cache on one device."""
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache, device: torch.device) -> None:
+    def __init__(
+        self, model: CausalLM, cache: PagedKVCache, device: torch.device, graphs: CudaGraphs | None = None
+    ) -> None:
         self.model = model
         self.cache = cache
         self.device = device
+        # Captured forwards for steps that fit them (CUDA, one rank); None: every step runs eagerly.
+        self.graphs = graphs
 
     @classmethod
     def create(
@@ -85,7 +90,11 @@ class ModelRunner:
             dtype,
             device,
         )
-        return cls(model, cache, device)
+        graphs = None
+        if device.type == "cuda" and tp.size == 1 and config.cuda_graph_max_tokens > 0:
+            max_tokens = min(config.cuda_graph_max_tokens, config.max_num_batched_tokens)
+            graphs = CudaGraphs(model, cache, device, max_tokens, config.max_num_seqs)
+        return cls(model, cache, device, graphs)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -105,6 +114,18 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: TargetStep) -> TargetResult:
         """`run` with the logits left on the device: what every tensor-parallel rank executes."""
+        if self.graphs is not None:
+            replayed = self.graphs.run(
+                step.token_ids,
+                step.positions,
+                step.pages,
+                step.window_starts,
+                step.window_lens,
+                step.capture_layers,
+            )
+            if replayed is not None:
+                logits = self.model.compute_logits(replayed.hidden[step.logit_rows.to(self.device)])
+                return TargetResult(logits, replayed.features, replayed.slots)
         batch = AttentionBatch.build(
             step.pages, step.window_starts, step.window_lens, self.cache.page_size, True, self.device
         )

@@ -1,0 +1,335 @@
+"""The GPU engine on one H200: one target step against its bandwidth floor, and end-to-end decoding side
+by side (dspark off / static / compact and Hugging Face transformers `generate()`).
+
+    python3 benchmarks/gpu_e2e.py --out $OUT/e2e --parts step,e2e8b    # Qwen3-8B shape, random bf16
+    python3 benchmarks/gpu_e2e.py --out $OUT/e2e --parts smollm2       # the embedded default + drafter
+
+Parts:
+- `step`: one target forward of `batch` windows of `window` tokens (1 = decode, 2..8 = verify), each
+  request with --context cached tokens, replayed from a CUDA graph and run eagerly; its floor is the
+  bytes it must read (weights + the KV cache it attends to) over the device-to-device copy bandwidth
+  measured in the same run.
+- `e2e8b`: end to end on the Qwen3-8B shape with random weights, where a real drafter accepts nothing.
+  BENCHMARK-ONLY forced acceptance: the engine's own (random) drafter still runs every step, then its
+  tokens are replaced by the target's known greedy continuation for the first --accept drafts of each
+  block (a wrong token after), so speculation does real work at a chosen acceptance length. The
+  serving path never does this. Outputs are checked equal to plain decoding.
+- `smollm2`: end to end on SmolLM2-135M-Instruct with its shipped drafter (benchmarks/e2e.py's run).
+
+Writes results.json and results.md to --out; every part writes what it measured even if a later one
+fails or the --budget-s runs out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from datetime import date
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import e2e  # noqa: E402
+import tp_gpu  # noqa: E402
+
+from dspark import LLM, EngineConfig  # noqa: E402
+from dspark.model_runner import ModelRunner  # noqa: E402
+from dspark.spec.proposer import DraftProposal  # noqa: E402
+
+
+def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (GB/s), best of several."""
+    src = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(8):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best / 1e9
+
+
+def make_step(batch: int, window: int, context: int, page_size: int, vocab: int, seed: int):
+    """`batch` windows of `window` tokens after `context` cached positions, logits at every window row."""
+    tokens_each = context + window
+    pages = tp_gpu.request_pages(batch, tokens_each, page_size)
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, window), generator=generator).tolist()
+    return tp_gpu.step(tokens, [context] * batch, pages, all_logits=True)
+
+
+def time_forward(runner: ModelRunner, step, repeats: int) -> float:
+    """Median seconds of runner.forward (logits stay on the device), after two warm-ups (captures)."""
+    for _ in range(2):
+        runner.forward(step)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.forward(step)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def part_step(args: argparse.Namespace, checkpoint: Path, report: dict) -> None:
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth_gbs(device)
+    report["copy_bandwidth_GBs"] = bandwidth
+    batches = [int(b) for b in args.step_batches.split(",")]
+    windows = [int(w) for w in args.step_windows.split(",")]
+    max_tokens = max(batches) * max(windows)
+    pages_needed = max(batches) * -(-(args.context + max(windows)) // 16)
+    config = EngineConfig(
+        model=str(checkpoint),
+        spec_mode="off",
+        dtype="bfloat16",
+        device="cuda",
+        num_kv_pages=pages_needed,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=max_tokens,
+        cuda_graph_max_tokens=max_tokens,
+    )
+    runner = ModelRunner.create(config, device, torch.bfloat16)
+    cfg = runner.model_config
+    weight_bytes = sum(
+        p.numel() * p.element_size() for n, p in runner.model.named_parameters() if "embed_tokens" not in n
+    )
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    graphs = runner.graphs
+    rows = report.setdefault("step", [])
+    for batch in batches:
+        for window in windows:
+            step = make_step(batch, window, args.context, 16, cfg.vocab_size, batch * 31 + window)
+            floor_s = (weight_bytes + batch * (args.context + window) * kv_bytes_per_token) / (
+                bandwidth * 1e9
+            )
+            graph_s = time_forward(runner, step, args.repeats)
+            runner.graphs = None
+            eager_s = time_forward(runner, step, max(3, args.repeats // 3))
+            runner.graphs = graphs
+            row = {
+                "batch": batch,
+                "window": window,
+                "tokens": batch * window,
+                "floor_ms": floor_s * 1e3,
+                "graph_ms": graph_s * 1e3,
+                "eager_ms": eager_s * 1e3,
+                "graph_vs_floor": graph_s / floor_s,
+            }
+            rows.append(row)
+            print("step", json.dumps(row), flush=True)
+    del runner, graphs
+    torch.cuda.empty_cache()
+
+
+class ForcedAcceptance:
+    """BENCHMARK-ONLY proposer wrapper: runs the real drafter, then drafts the target's known greedy
+    continuation for the first `accept` positions of each block and a wrong token after them.
+    Confidences say the same (high, then low), so compact plans verify about `accept` + 1 drafts."""
+
+    def __init__(self, inner, truth: dict[tuple[int, ...], list[int]], accept: int, vocab: int) -> None:
+        self.inner = inner
+        self.truth = truth
+        self.accept = accept
+        self.vocab = vocab
+        self.block_size = inner.block_size
+        self.target_layer_ids = inner.target_layer_ids
+
+    def propose(self, seqs) -> DraftProposal:
+        """The real drafter's work, then the forced block."""
+        proposal = self.inner.propose(seqs)
+        gamma = self.block_size
+        for r, seq in enumerate(seqs):
+            full = self.truth[tuple(seq.prompt_token_ids)]
+            start = len(seq.token_ids)
+            block = (full[start : start + gamma] + [0] * gamma)[:gamma]
+            if self.accept < gamma:
+                block[self.accept] = (block[self.accept] + 1) % self.vocab
+            proposal.tokens[r] = torch.tensor(block)
+            proposal.confidences[r] = torch.tensor([0.95 if k < self.accept else 0.05 for k in range(gamma)])
+        return proposal
+
+    def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """The real drafter keeps its context as usual."""
+        self.inner.inject(features, positions, slots)
+
+
+def part_e2e8b(args: argparse.Namespace, checkpoint: Path, report: dict) -> None:
+    from dspark.models.hf_config import ModelConfig
+    from dspark.spec.draft_checkpoint import create_random_drafter, fresh_draft_config, save_drafter
+
+    target_cfg = ModelConfig.load(checkpoint)
+    draft_dir = Path(args.work) / "qwen3-8b-random-drafter"
+    if not (draft_dir / "config.json").is_file():
+        save_drafter(create_random_drafter(fresh_draft_config(target_cfg, 7, 1)), draft_dir)
+    batches = [int(b) for b in args.e2e_batches.split(",")]
+    base = EngineConfig(
+        model=str(checkpoint),
+        draft_model=str(draft_dir),
+        dtype="bfloat16",
+        device="cuda",
+        num_kv_pages=max(batches) * -(-(args.prompt_len + args.max_tokens + 16) // 16) + 64,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=max(512, max(batches) * 8),
+    )
+    rows = report.setdefault("e2e8b", [])
+    gen = torch.Generator().manual_seed(7)
+    prompts = torch.randint(0, target_cfg.vocab_size, (max(batches), args.prompt_len), generator=gen).tolist()
+    engines = {mode: LLM(base.replace(spec_mode=mode)) for mode in ("off", "static", "compact")}
+    for mode in ("static", "compact"):
+        engine = engines[mode].engine
+        engine.proposer = ForcedAcceptance(engine.proposer, {}, args.accept, target_cfg.vocab_size)
+    for batch in batches:
+        ids = prompts[:batch]
+        plain_tps, plain_tokens, _ = e2e._time_engine(engines["off"], ids, args.max_tokens)
+        truth = {tuple(p): p + out for p, out in zip(ids, plain_tokens, strict=True)}
+        row = {"batch": batch, "off": plain_tps, "accept": args.accept}
+        for mode in ("static", "compact"):
+            engines[mode].engine.proposer.truth = truth
+            # The warm-up request of _time_engine is the first prompt too; its truth is known.
+            tps, tokens, stats = e2e._time_engine(engines[mode], ids, args.max_tokens)
+            if tokens != plain_tokens:
+                raise SystemExit(f"e2e8b {mode}: speculation changed greedy output at batch {batch}")
+            row[mode] = tps
+            row[f"{mode}_tau"] = stats["mean_committed_per_step"]
+        rows.append(row)
+        print("e2e8b", json.dumps(row), flush=True)
+    for llm in engines.values():
+        llm.engine.close()
+    del engines
+    torch.cuda.empty_cache()
+    if not args.no_peer:
+        for row in rows:
+            ids = prompts[: row["batch"]]
+            row["transformers"] = e2e._time_transformers(
+                str(checkpoint), ids, args.max_tokens, "cuda", torch.bfloat16
+            )
+            print("e2e8b transformers", json.dumps(row), flush=True)
+
+
+def part_smollm2(args: argparse.Namespace, report: dict) -> None:
+    out = Path(args.work) / "smollm2-e2e.json"
+    e2e.main(
+        [
+            "--device",
+            "cuda",
+            "--batch-sizes",
+            args.e2e_batches,
+            "--max-tokens",
+            str(args.max_tokens),
+            "--out",
+            str(out),
+        ]
+    )
+    report["smollm2"] = json.loads(out.read_text())["rows"]
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# GPU engine on {report['device']} ({report['date']})", ""]
+    if "copy_bandwidth_GBs" in report:
+        lines.append(
+            f"Device-to-device copy bandwidth (read + write): {report['copy_bandwidth_GBs']:.0f} GB/s."
+        )
+        lines.append("")
+    if report.get("step"):
+        lines += [
+            f"## One target step, Qwen3-8B shape, bf16, {report['args']['context']} cached tokens a request",
+            "",
+            "| batch | window | tokens | floor ms | graph ms | eager ms | graph / floor |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in report["step"]:
+            lines.append(
+                f"| {r['batch']} | {r['window']} | {r['tokens']} | {r['floor_ms']:.2f} | {r['graph_ms']:.2f} "
+                f"| {r['eager_ms']:.2f} | {r['graph_vs_floor']:.2f} |"
+            )
+        lines.append("")
+    for key, title in (
+        ("e2e8b", "Qwen3-8B shape, random weights, forced acceptance"),
+        ("smollm2", "SmolLM2"),
+    ):
+        if not report.get(key):
+            continue
+        lines += [
+            f"## End to end: {title}, {report['args']['max_tokens']} greedy tokens per request (tok/s)",
+            "",
+            "| batch | off | static (τ) | compact (τ) | transformers | compact / off "
+            "| compact / transformers |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in report[key]:
+            peer = r.get("transformers")
+            lines.append(
+                f"| {r['batch']} | {r['off']:.1f} | {r['static']:.1f} ({r['static_tau']:.2f}) | "
+                f"{r['compact']:.1f} ({r['compact_tau']:.2f}) | {peer or float('nan'):.1f} | "
+                f"{r['compact'] / r['off']:.2f} | {(r['compact'] / peer) if peer else float('nan'):.2f} |"
+            )
+        lines.append("")
+    for part, error in report.get("errors", {}).items():
+        lines += [f"{part}: FAILED: {error.splitlines()[-1]}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--parts", default="step,e2e8b,smollm2")
+    parser.add_argument("--work", default="/tmp/dspark-gpu-e2e")
+    parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/dspark-qwen3-8b-random"))
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--step-batches", default="1,8,32,128,256")
+    parser.add_argument("--step-windows", default="1,2,4,8")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--e2e-batches", default="1,4,16,64")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--accept", type=int, default=4, help="e2e8b: forced accepted drafts per block")
+    parser.add_argument("--no-peer", action="store_true")
+    args = parser.parse_args(argv)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {
+        "date": date.today().isoformat(),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "errors": {},
+    }
+    parts = args.parts.split(",")
+    checkpoint = None
+    if {"step", "e2e8b"} & set(parts):
+        started = time.perf_counter()
+        checkpoint = tp_gpu.write_checkpoint(args.checkpoint, tp_gpu.QWEN3_8B, "bfloat16")
+        print(f"checkpoint ready in {time.perf_counter() - started:.0f} s", flush=True)
+    for part in parts:
+        started = time.perf_counter()
+        try:
+            if part == "step":
+                part_step(args, checkpoint, report)
+            elif part == "e2e8b":
+                part_e2e8b(args, checkpoint, report)
+            elif part == "smollm2":
+                part_smollm2(args, report)
+            else:
+                raise ValueError(f"unknown part {part}")
+        except BaseException:  # noqa: BLE001 - keep what the other parts measured
+            report["errors"][part] = traceback.format_exc()
+            print(report["errors"][part], flush=True)
+        print(f"part {part}: {time.perf_counter() - started:.0f} s", flush=True)
+        (args.out / "results.json").write_text(json.dumps(report, indent=1))
+        (args.out / "results.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

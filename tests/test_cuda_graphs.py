@@ -1,0 +1,120 @@
+"""Captured steps: padding a step to a graph's fixed size changes nothing (checked eagerly on any machine),
+and on a GPU the engine with CUDA graphs gives exactly the tokens of the eager engine, spec on and off."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dspark import LLM, EngineConfig, SamplingParams
+from dspark.attention_batch import AttentionBatch
+from dspark.cuda_graphs import next_pow2, step_tiers
+from dspark.model_runner import ModelRunner
+
+PAGE = 4
+
+
+def test_tiers_are_powers_of_two_and_refuse_what_does_not_fit() -> None:
+    assert [next_pow2(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert step_tiers(1, 1, 256, 32) == (1, 1)
+    assert step_tiers(3, 3, 256, 32) == (4, 4)
+    assert step_tiers(8, 1, 256, 32) == (8, 1)  # one verify window of 8 tokens
+    assert step_tiers(200, 30, 256, 32) == (256, 32)
+    assert step_tiers(257, 1, 256, 32) is None
+    assert step_tiers(40, 33, 256, 32) is None
+
+
+def _random_step(rng: random.Random, vocab: int, num_requests: int) -> tuple:
+    """Windows of 1..6 tokens after 0..9 cached positions, each request on its own shuffled pages."""
+    free = list(range(64))
+    rng.shuffle(free)
+    pages, starts, lens = [], [], []
+    for _ in range(num_requests):
+        start, length = rng.randrange(0, 10), rng.randrange(1, 7)
+        needed = -(-(start + length) // PAGE)
+        pages.append([free.pop() for _ in range(needed)])
+        starts.append(start)
+        lens.append(length)
+    tokens = torch.tensor([rng.randrange(vocab) for _ in range(sum(lens))])
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
+    return tokens, positions, pages, starts, lens
+
+
+@pytest.mark.parametrize("num_requests", [1, 3, 5])
+def test_a_padded_step_gives_the_same_logits_and_cache(tiny_target_dir, num_requests) -> None:
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    config = EngineConfig(model=str(tiny_target_dir), spec_mode="off", num_kv_pages=64, kv_page_size=PAGE)
+    runner = ModelRunner.create(config, torch.device("cpu"), torch.float32)
+    cache, vocab = runner.cache, runner.model_config.vocab_size
+    cache.k.normal_()
+    cache.v.normal_()
+    before = (cache.k.clone(), cache.v.clone())
+    tokens, positions, pages, starts, lens = _random_step(rng, vocab, num_requests)
+
+    def forward(num_tokens: int, num_windows: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        cache.k.copy_(before[0])
+        cache.v.copy_(before[1])
+        batch = AttentionBatch.build(
+            pages, starts, lens, PAGE, True, torch.device("cpu"), num_tokens, num_windows
+        )
+        extra = batch.slots.shape[0] - len(tokens)
+        ids = torch.cat([tokens, torch.randint(0, vocab, (extra,))])
+        pos = torch.cat([positions, torch.randint(0, 16, (extra,))])
+        with torch.inference_mode():
+            hidden, features = runner.model(ids, pos, batch, cache, (0,))
+        logits = runner.model.compute_logits(hidden[: len(tokens)])
+        return logits, features[: len(tokens)], (cache.k.clone(), cache.v.clone())
+
+    exact = forward(0, 0)
+    # Padding rows (random ids and positions) and empty windows, as a captured step has them.
+    padded = forward(next_pow2(len(tokens) + 1), num_requests + 2)
+    torch.testing.assert_close(padded[0], exact[0])
+    torch.testing.assert_close(padded[1], exact[1])
+    # The step's own keys agree to rounding (BLAS may block a matmul differently for more rows); every
+    # other cache slot is untouched, bit for bit: padding stored nothing.
+    written = torch.zeros(cache.k.shape[1] * PAGE, dtype=torch.bool)
+    written[AttentionBatch.build(pages, starts, lens, PAGE, True, torch.device("cpu")).slots] = True
+    for after_padded, after_exact, untouched in zip(padded[2], exact[2], before, strict=True):
+        flat_padded = after_padded.flatten(1, 2)
+        torch.testing.assert_close(flat_padded[:, written], after_exact.flatten(1, 2)[:, written])
+        assert torch.equal(flat_padded[:, ~written], untouched.flatten(1, 2)[:, ~written]), "padding wrote"
+
+
+def test_padded_layout_marks_padding_tokens_and_windows() -> None:
+    batch = AttentionBatch.build([[3, 1], [0]], [5, 0], [2, 1], PAGE, True, torch.device("cpu"), 8, 4)
+    assert batch.cu_seqlens_q.tolist() == [0, 2, 3, 3, 3]
+    assert batch.kv_lens.tolist() == [7, 1, 0, 0]
+    assert batch.slots.tolist() == [1 * PAGE + 1, 1 * PAGE + 2, 0, -1, -1, -1, -1, -1]
+    assert batch.page_table.shape == (4, 2)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("spec_mode", ["off", "static", "compact"])
+def test_graphs_give_the_eager_engines_tokens(smollm2_dir, smollm2_drafter_dir, spec_mode) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
+    base = EngineConfig(
+        model=str(smollm2_dir), draft_model=str(smollm2_drafter_dir), spec_mode=spec_mode, device="cuda"
+    )
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    outputs = {}
+    for graphs in (0, 256):
+        llm = LLM(base.replace(cuda_graph_max_tokens=graphs))
+        assert (llm.engine.runner.graphs is not None) == bool(graphs)
+        # One by one (batch 1, verify windows alone) and all together (mixed steps).
+        alone = [llm.generate(params=params, prompt_token_ids=[p])[0].token_ids for p in prompts]
+        together = [o.token_ids for o in llm.generate(params=params, prompt_token_ids=prompts)]
+        outputs[graphs] = (alone, together)
+        if graphs:
+            assert llm.engine.runner.graphs.captured, "no step replayed a graph"
+        llm.engine.close()
+    assert outputs[256] == outputs[0]
