@@ -105,7 +105,7 @@ class CudaGraphs:
         self.token_ids[:n].copy_(token_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slots[:tokens].copy_(layout.slots, non_blocking=True)
-        self.cu_seqlens[: requests + 1].copy_(layout.cu_seqlens, non_blocking=True)
+        self.cu_seqlens[: requests + 1].copy_(layout.cu_seqlens_q, non_blocking=True)
         self.kv_lens[:requests].copy_(layout.kv_lens, non_blocking=True)
         width = layout.page_table.shape[1]
         self.page_table[:requests, :width].copy_(layout.page_table, non_blocking=True)
