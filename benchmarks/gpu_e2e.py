@@ -164,11 +164,25 @@ class ForcedAcceptance:
         self.inner.inject(features, positions, slots)
 
 
+def write_placeholder_tokenizer(checkpoint: Path, vocab_size: int) -> None:
+    """A word-level tokenizer naming every id ("t0", "t1", ...): the random model has no text, but the
+    engine detokenizes what it streams."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = checkpoint / "tokenizer.json"
+    if path.is_file():
+        return
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path))
+
+
 def part_e2e8b(args: argparse.Namespace, checkpoint: Path, report: dict) -> None:
     from dspark.models.hf_config import ModelConfig
     from dspark.spec.draft_checkpoint import create_random_drafter, fresh_draft_config, save_drafter
 
     target_cfg = ModelConfig.load(checkpoint)
+    write_placeholder_tokenizer(checkpoint, target_cfg.vocab_size)
     draft_dir = Path(args.work) / "qwen3-8b-random-drafter"
     if not (draft_dir / "config.json").is_file():
         save_drafter(create_random_drafter(fresh_draft_config(target_cfg, 7, 1)), draft_dir)
