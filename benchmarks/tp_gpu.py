@@ -175,7 +175,10 @@ def write_checkpoint(path: Path, arch: dict, dtype: str, seed: int = 0) -> Path:
         tensors = {name: random_tensor(name, shape, dtype, seed) for name, shape in shard}
         save_file(tensors, str(path / file), metadata={"format": "pt"})
         weight_map |= {name: file for name in tensors}
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    total = sum(math.prod(shape) * element for shape in tensor_shapes(arch).values())
+    # transformers wants the metadata block of the index too.
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
     config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "torch_dtype": dtype, **arch}
     (path / "config.json").write_text(json.dumps(config, indent=1))
     marker.write_text(json.dumps(recipe))
