@@ -194,8 +194,14 @@ class LLMEngine:
         plan = self._plan_verification(decode)
         windows = self._build_windows(decode, plan, schedule.prefill)
         capture = tuple(self.proposer.target_layer_ids) if self.proposer is not None else ()
-        result = self.runner.run(windows.to_step(capture))
-        committed, inject_rows = self._accept(decode, plan, schedule.prefill, result.logits, windows)
+        sampling = any(not s.params.greedy for s in decode) or any(
+            not chunk.seq.params.greedy for chunk in schedule.prefill
+        )
+        result = self.runner.run(windows.to_step(capture, host_logits=sampling))
+        assert result.argmax is not None
+        committed, inject_rows = self._accept(
+            decode, plan, schedule.prefill, result.logits, result.argmax, windows
+        )
         if self.proposer is not None and result.features is not None:
             rows = torch.tensor(inject_rows, dtype=torch.long, device=result.features.device)
             positions = torch.tensor(windows.positions, dtype=torch.long, device=rows.device)[rows]
@@ -252,21 +258,26 @@ class LLMEngine:
         decode: list[Sequence],
         plan: _VerifyPlan,
         prefill: list[PrefillChunk],
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
+        argmax: torch.Tensor,
         windows: _Windows,
     ) -> tuple[list[tuple[Sequence, list[int]]], list[int]]:
-        """Decide committed tokens; return them per sequence and the packed rows to inject."""
+        """Decide committed tokens; return them per sequence and the packed rows to inject.
+
+        logits: the logit rows on the host (None when every request of the step is greedy); argmax:
+        their argmax, which is all greedy requests need."""
         committed: list[tuple[Sequence, list[int]]] = []
         inject_rows: list[int] = []
         greedy_rows = [r for r, s in enumerate(decode) if s.params.greedy]
-        num_accepted, bonus = self._greedy_accept(decode, plan, logits, windows, greedy_rows)
+        num_accepted, bonus = self._greedy_accept(plan, argmax, windows, greedy_rows)
         for r, seq in enumerate(decode):
             verified = plan.verify_lens[r]
             drafts = plan.proposal.tokens[r, :verified].tolist() if plan.proposal is not None else []
-            window_logits = logits[windows.logit_offsets[r] : windows.logit_offsets[r] + 1 + verified]
             if seq.params.greedy:
                 accepted, next_token = num_accepted[r], bonus[r]
             else:
+                assert logits is not None
+                window_logits = logits[windows.logit_offsets[r] : windows.logit_offsets[r] + 1 + verified]
                 limit = plan.commit_caps[r]
                 probs = plan.proposal.probs[r] if plan.proposal is not None else None
                 accepted, next_token = rejection_accept(
@@ -289,17 +300,17 @@ class LLMEngine:
             inject_rows.extend(range(first_row, first_row + chunk.length))
             seq.num_cached += chunk.length
             if chunk.completes_prefill and seq.num_output_tokens == 0:
-                row = logits[windows.logit_offsets[len(decode) + i]][None]
-                committed.append((seq, [int(choose_tokens(row, seq.params, seq.generator)[0])]))
+                offset = windows.logit_offsets[len(decode) + i]
+                if seq.params.greedy:
+                    committed.append((seq, [int(argmax[offset])]))
+                else:
+                    assert logits is not None
+                    row = logits[offset][None]
+                    committed.append((seq, [int(choose_tokens(row, seq.params, seq.generator)[0])]))
         return committed, inject_rows
 
     def _greedy_accept(
-        self,
-        decode: list[Sequence],
-        plan: _VerifyPlan,
-        logits: torch.Tensor,
-        windows: _Windows,
-        rows: list[int],
+        self, plan: _VerifyPlan, argmax: torch.Tensor, windows: _Windows, rows: list[int]
     ) -> tuple[dict[int, int], dict[int, int]]:
         if not rows:
             return {}, {}
@@ -309,10 +320,10 @@ class LLMEngine:
             drafts = plan.proposal.tokens[rows]
         lens = [plan.verify_lens[r] for r in rows]
         pieces = [
-            logits[windows.logit_offsets[r] : windows.logit_offsets[r] + 1 + lens[i]]
+            argmax[windows.logit_offsets[r] : windows.logit_offsets[r] + 1 + lens[i]]
             for i, r in enumerate(rows)
         ]
-        target_tokens = torch.cat(pieces).argmax(dim=-1)
+        target_tokens = torch.cat(pieces)
         cu = torch.zeros(len(rows) + 1, dtype=torch.long)
         cu[1:] = torch.cumsum(torch.tensor([n + 1 for n in lens]), 0)
         accepted, bonus = ops.greedy_accept(drafts, target_tokens, cu, torch.tensor(lens))
@@ -401,7 +412,7 @@ class _Windows:
         elif logits == "last":
             self.logit_rows.append(first + len(tokens) - 1)
 
-    def to_step(self, capture_layers: tuple[int, ...]) -> TargetStep:
+    def to_step(self, capture_layers: tuple[int, ...], host_logits: bool) -> TargetStep:
         """The packed batch as the runner (and every TP rank) takes it."""
         return TargetStep(
             token_ids=torch.tensor(self.tokens, dtype=torch.long),
@@ -411,4 +422,5 @@ class _Windows:
             pages=self.pages,
             logit_rows=torch.tensor(self.logit_rows, dtype=torch.long),
             capture_layers=capture_layers,
+            host_logits=host_logits,
         )

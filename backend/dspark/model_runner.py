@@ -50,16 +50,22 @@ class TargetStep:
     pages: list[list[int]]
     logit_rows: torch.Tensor
     capture_layers: tuple[int, ...]
+    # Whether the driver needs the logit rows themselves on the host (a sampling request is in the
+    # step); greedy-only steps move just the argmax, not [rows, vocab] floats, off the device.
+    host_logits: bool = True
 
 
 @dataclass
 class TargetResult:
-    """What the driver gets back: logits [num_logit_rows, vocab] fp32 on CPU, captured features
-    [num_tokens, len(capture_layers) * hidden] on the device (or None), and each token's cache slot."""
+    """What the driver gets back: logits [num_logit_rows, vocab] (fp32, on CPU after `run`; None when
+    the step asked for no host logits), their argmax [num_logit_rows] int64 (on CPU after `run`),
+    captured features [num_tokens, len(capture_layers) * hidden] on the device (or None), and each
+    token's cache slot."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     features: torch.Tensor | None
     slots: torch.Tensor
+    argmax: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -108,7 +114,11 @@ class ModelRunner:
     def run(self, step: TargetStep) -> TargetResult:
         """Forward the step's windows; logits only at `logit_rows`."""
         result = self.forward(step)
-        result.logits = result.logits.cpu()
+        logits = result.logits
+        assert logits is not None
+        # The argmax is taken where the logits are: [rows] ids cross to the host, not [rows, vocab].
+        result.argmax = logits.argmax(dim=-1).cpu()
+        result.logits = logits.cpu() if step.host_logits else None
         return result
 
     @torch.inference_mode()

@@ -93,8 +93,10 @@ class DSparkProposer:
         heads = self.drafter.block_pass(
             embeddings, positions.to(self.device), batch, self.cache, self.lm_head
         )
-        tokens = torch.empty(num_requests, gamma, dtype=torch.long)
-        confidences = torch.empty(num_requests, gamma, dtype=torch.float32)
+        # Filled on the drafter's device and moved to the host once: a copy per block position would
+        # make the host wait for the device gamma times a step.
+        tokens = torch.empty(num_requests, gamma, dtype=torch.long, device=self.device)
+        confidences = torch.empty(num_requests, gamma, dtype=torch.float32, device=self.device)
         sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
         probs: list[torch.Tensor | None] = [
             None if s.params.greedy else torch.empty(gamma, heads.base_logits.shape[-1]) for s in seqs
@@ -103,13 +105,13 @@ class DSparkProposer:
         for k in range(gamma):
             markov = self.drafter.markov_features(previous)
             logits = self.drafter.corrected_logits(heads.base_logits[:, k], markov)
-            confidences[:, k] = self.drafter.confidence_at(heads.hidden[:, k], markov, k).cpu()
+            confidences[:, k] = self.drafter.confidence_at(heads.hidden[:, k], markov, k)
             chosen = logits.argmax(dim=-1)
             for r in sampled:
                 seq = seqs[r]
                 row = filtered_probs(logits[r : r + 1], seq.params)
                 probs[r][k] = row[0].cpu()  # type: ignore[index]
                 chosen[r] = sample_rows(row, seq.generator)[0]
-            tokens[:, k] = chosen.cpu()
+            tokens[:, k] = chosen
             previous = chosen
-        return DraftProposal(tokens, confidences, probs)
+        return DraftProposal(tokens.cpu(), confidences.cpu(), probs)
