@@ -178,20 +178,22 @@ def greedy_accept(
     Returns (num_accepted [R], bonus [R]): drafts accepted while they equal the target's choice (at most
     the cap), and the target's token after the last accepted draft.
     """
-    num_requests = draft_tokens.shape[0]
-    accepted = torch.zeros(num_requests, dtype=torch.long, device=draft_tokens.device)
-    bonus = torch.empty(num_requests, dtype=torch.long, device=draft_tokens.device)
-    starts = cu_windows.tolist()
-    caps = commit_caps.tolist() if commit_caps is not None else None
-    for r, length in enumerate(verify_lens.tolist()):
-        window = target_tokens[starts[r] : starts[r] + 1 + length]
-        matches = (draft_tokens[r, :length] == window[:length]).long()
-        n = int(matches.cumprod(0).sum()) if length else 0
-        if caps is not None:
-            n = min(n, caps[r])
-        accepted[r] = n
-        bonus[r] = window[n]
-    return accepted, bonus
+    num_requests, gamma = draft_tokens.shape
+    device = draft_tokens.device
+    if num_requests == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return empty, empty.clone()
+    # All windows at once (no per-request loop): position k of window r is target_tokens[cu[r] + k].
+    starts = cu_windows[:-1].long()
+    lens = verify_lens.long()
+    k = torch.arange(gamma, device=device)
+    inside = k[None, :] < lens[:, None]
+    index = (starts[:, None] + k[None, :]).clamp(max=max(target_tokens.shape[0] - 1, 0))
+    matches = (draft_tokens == target_tokens[index]) & inside
+    accepted = matches.long().cumprod(dim=1).sum(dim=1)
+    if commit_caps is not None:
+        accepted = torch.minimum(accepted, commit_caps.long())
+    return accepted, target_tokens[starts + accepted].long()
 
 
 def exponential_race_sample(probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
