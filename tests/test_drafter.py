@@ -59,3 +59,27 @@ def test_profiled_sps_table_covers_powers_of_two(tiny_target_dir) -> None:
     table = profile_sps_table(config, max_tokens=16, repeats=2)
     assert [p.tokens for p in table.points] == [1, 2, 4, 8, 16]
     assert all(p.steps_per_second > 0 for p in table.points)
+
+
+def test_engine_profiles_its_own_sps_table_at_start_and_stays_lossless(
+    tiny_target_dir, tiny_drafter_dir
+) -> None:
+    base = EngineConfig(
+        model=str(tiny_target_dir),
+        draft_model=str(tiny_drafter_dir),
+        num_kv_pages=128,
+        kv_page_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+    )
+    llm = LLM(base.replace(sps_table="profile"))
+    table = llm.engine.planner.sps
+    # 4 requests x (block 4 + 1) = 20 tokens at most per decoding step: profiled up to 16.
+    assert [p.tokens for p in table.points] == [1, 2, 4, 8, 16]
+    assert all(p.steps_per_second > 0 for p in table.points)
+    assert llm.engine.allocator.num_used == 0  # profiling borrowed the cache, not its pages
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [2, 2]]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain = LLM(base.replace(spec_mode="off")).generate(params=params, prompt_token_ids=prompts)
+    spec = llm.generate(params=params, prompt_token_ids=prompts)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]

@@ -15,6 +15,8 @@ DEFAULT_DRAFT_DIR = REPO_ROOT / "drafters" / "SmolLM2-135M-Instruct-dspark"
 
 SPEC_MODES = ("off", "static", "compact", "cap-accept")
 PLANNER_POLICIES = ("sync", "lagged")
+# The sps_table value that measures the table when the engine starts.
+SPS_PROFILE = "profile"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -45,7 +47,8 @@ class EngineConfig:
     planner_lag: int = 1
     # Drafted tokens per step (gamma); 0 takes the drafter checkpoint's block_size.
     block_size: int = 0
-    # JSON file of measured target steps/s by batch tokens; empty means flat (verify everything).
+    # JSON file of measured target steps/s by batch tokens; "profile": measure it when the engine starts
+    # (a few seconds; compact and cap-accept only); empty means flat (verify everything).
     sps_table: str = ""
     # Tokens per KV-cache page.
     kv_page_size: int = 16

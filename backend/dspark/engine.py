@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.config import EngineConfig
+from dspark.config import SPS_PROFILE, EngineConfig
 from dspark.kernels import ops
 from dspark.model_runner import TargetStep, create_runner
 from dspark.models.loader import resolve_device, resolve_dtype
@@ -102,7 +102,7 @@ class LLMEngine:
             window,
             self.limits.max_model_len,
         )
-        sps = SpsTable.load(config.sps_table) if config.sps_table else SpsTable.flat()
+        sps = self._sps_table(config, block_size)
         self.planner = VerifyPlanner(config.planner_policy, sps, config.planner_lag)
         self.total_spec_stats = SpecStats()
         self._seqs: dict[str, Sequence] = {}
@@ -111,6 +111,28 @@ class LLMEngine:
         self._aborts: list[str] = []
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
+
+    def _sps_table(self, config: EngineConfig, block_size: int) -> SpsTable:
+        """The planner's steps/s table: flat, loaded from a file, or measured now on this runner."""
+        if config.sps_table != SPS_PROFILE:
+            return SpsTable.load(config.sps_table) if config.sps_table else SpsTable.flat()
+        if config.spec_mode not in ("compact", "cap-accept"):
+            return SpsTable.flat()  # no planner reads it
+        from dspark.spec.profile import profile_runner, startup_max_tokens
+
+        limits = self.limits
+        table = profile_runner(
+            self.runner,
+            config,
+            startup_max_tokens(config, block_size),
+            repeats=3,
+            device=str(limits.device),
+            dtype=str(limits.dtype).split(".")[-1],
+        )
+        logger.info(
+            "profiled SPS table: %s", [(p.tokens, round(p.steps_per_second, 1)) for p in table.points]
+        )
+        return table
 
     # Requests ---------------------------------------------------------------------------------
 

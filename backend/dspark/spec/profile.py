@@ -24,13 +24,27 @@ def profile_sps_table(config: EngineConfig, max_tokens: int = 256, repeats: int 
     dtype = resolve_dtype(config.dtype, device)
     runner = create_runner(config, device, dtype)
     try:
-        sizes = [1 << i for i in range(max_tokens.bit_length()) if (1 << i) <= max_tokens]
-        points = [(n, 1.0 / _median_step_seconds(runner, n, config, repeats)) for n in sizes]
+        return profile_runner(runner, config, max_tokens, repeats, str(device), str(dtype).split(".")[-1])
     finally:
         runner.close()
-    return SpsTable(
-        points, model=str(config.model_path.name), device=str(device), dtype=str(dtype).split(".")[-1]
-    )
+
+
+def profile_runner(
+    runner: ModelRunner, config: EngineConfig, max_tokens: int, repeats: int, device: str, dtype: str
+) -> SpsTable:
+    """The SPS table of an already loaded runner (its KV cache is scribbled on: call it before serving).
+
+    Sizes are capped by what the cache can hold, so any engine configuration can profile itself."""
+    per_request = -(-(CONTEXT + WINDOW) // config.kv_page_size)
+    max_tokens = min(max_tokens, max(1, config.num_kv_pages // per_request) * WINDOW)
+    sizes = [1 << i for i in range(max_tokens.bit_length()) if (1 << i) <= max_tokens]
+    points = [(n, 1.0 / _median_step_seconds(runner, n, config, repeats)) for n in sizes]
+    return SpsTable(points, model=str(config.model_path.name), device=device, dtype=dtype)
+
+
+def startup_max_tokens(config: EngineConfig, block_size: int) -> int:
+    """The largest step a decoding batch makes: every running request verifying a whole block."""
+    return min(config.max_num_batched_tokens, config.max_num_seqs * (block_size + 1))
 
 
 def _median_step_seconds(runner: ModelRunner, num_tokens: int, config: EngineConfig, repeats: int) -> float:
