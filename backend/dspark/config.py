@@ -63,7 +63,7 @@ class EngineConfig:
     # On CUDA with tensor_parallel_size 1, target steps of up to this many tokens replay captured CUDA
     # graphs (one per power-of-two token and request count, captured on first use); 0 runs every step
     # eagerly. A Python-driven forward launches hundreds of kernels a step and is bound by the host.
-    cuda_graph_max_tokens: int = 256
+    cuda_graph_max_tokens: int = 512
     # GPUs one instance spreads the model over.
     tensor_parallel_size: int = 1
     # GPU indices of the tensor-parallel ranks, comma-separated (rank i on the i-th; CUDA only); empty:
