@@ -17,6 +17,9 @@ def rms_norm(
     if residual is not None:
         x = x + residual
         residual = x
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # The same arithmetic as below in one fused op (the CPU serving path is fp32).
+        return F.rms_norm(x, (x.shape[-1],), weight, eps), residual
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (normed.to(x.dtype) * weight), residual
@@ -31,15 +34,14 @@ def rotary(
     positions: [num_tokens] int; cos_sin: [max_positions, head_dim] (cos halves, then sin halves).
     """
     half = q.shape[-1] // 2
-    cs = cos_sin[positions]
-    cos = cs[:, None, :half].float()
-    sin = cs[:, None, half:].float()
-
-    def apply(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-    return apply(q), apply(k)
+    cs = cos_sin[positions].float()
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    # q and k heads rotate together: half the ops of rotating each (this is the CPU serving path).
+    num_q_heads = q.shape[1]
+    x = torch.cat((q, k.to(q.dtype)), dim=1).float()
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out[:, :num_q_heads].to(q.dtype), out[:, num_q_heads:].to(k.dtype)
 
 
 def store_kv(
@@ -121,8 +123,9 @@ def paged_attention(
     position; otherwise every query sees all kv_lens[r] keys. Returns [num_tokens, num_q_heads, head_dim]
     (rows past cu_seqlens_q[R], padding, are zeros; the kernel leaves them unwritten).
 
-    All requests go through one padded batched attention (no per-request loop): requests are padded
-    to the longest window and the longest key range, and masks hide the padding.
+    One window is attended unpadded; more go through one padded batched attention (no per-request
+    loop): requests are padded to the longest window and the longest key range, and masks hide the
+    padding.
     """
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -138,6 +141,12 @@ def paged_attention(
     if num_tokens == 0 or max_kv == 0:
         return result
     q = q[:num_tokens]
+    if num_requests == 1:
+        # One window (the common batch-1 step): no padding to build or undo.
+        result[:num_tokens] = _one_request_attention(
+            q, k_cache, v_cache, page_table[0], max_kv, scale, causal
+        )
+        return result
     max_pages = -(-max_kv // page_size)
     # Which request and which window slot each packed token is.
     request_of = torch.repeat_interleave(torch.arange(num_requests, device=device), q_lens)
@@ -154,13 +163,45 @@ def paged_attention(
         mask = mask & (key_pos[None, None, :] <= q_pos[:, :, None])
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2).float(),
-        k.transpose(1, 2).float().repeat_interleave(group, dim=1),
-        v.transpose(1, 2).float().repeat_interleave(group, dim=1),
+        k.transpose(1, 2).float(),
+        v.transpose(1, 2).float(),
         attn_mask=mask[:, None],
         scale=scale,
+        enable_gqa=group > 1,
     )
     result[:num_tokens] = out.transpose(1, 2)[request_of, slot_of].to(q.dtype)
     return result
+
+
+def _one_request_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,
+    kv_len: int,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """paged_attention of a single window (the common batch-1 step): no padding to build or undo."""
+    q_len, num_heads, _ = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    used = pages[: -(-kv_len // page_size)].long()
+    k = k_cache[used].flatten(0, 1)[:kv_len]  # [kv_len, num_kv_heads, head_dim]
+    v = v_cache[used].flatten(0, 1)[:kv_len]
+    mask = None
+    if causal and q_len > 1:
+        # Query i sits at position kv_len - q_len + i and sees keys up to it.
+        key_pos = torch.arange(kv_len, device=q.device)
+        mask = key_pos[None, :] <= (kv_len - q_len + torch.arange(q_len, device=q.device))[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).float()[None],
+        k.transpose(0, 1).float()[None],
+        v.transpose(0, 1).float()[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=num_heads > num_kv_heads,
+    )
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
 def greedy_accept(
