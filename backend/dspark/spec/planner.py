@@ -25,6 +25,7 @@ from collections import deque
 import torch
 
 from dspark.config import PLANNER_POLICIES
+from dspark.kernels import ops
 from dspark.spec.sps_table import SpsTable
 
 
@@ -133,22 +134,22 @@ class VerifyPlanner:
         self._history: deque[int] = deque(maxlen=lag)
 
     def plan(self, survivals: torch.Tensor, max_lens: torch.Tensor) -> torch.Tensor:
-        """Verify lengths int64 ``[R]`` (0..max_lens[r]) from survivals ``[R, gamma]`` and caps ``[R]``."""
+        """Verify lengths int64 ``[R]`` (0..max_lens[r]) from survivals ``[R, gamma]`` and caps ``[R]``,
+        on the survivals' device (the planner kernel there on CUDA: ``ops.plan_verify_lens``)."""
         max_lens = _check_inputs(survivals, max_lens)
         if self._verify_all:
             return max_lens.clone()
-        num_requests = survivals.shape[0]
-        ranked, requests = _rank(survivals, max_lens)
-        objective = _objective(ranked, num_requests, self.sps)
-        if self.policy == "sync":
-            return _split(requests, _sync_count(objective), num_requests)
-        if len(self._history) == self.lag:
-            # The requests (or their caps) may have changed since; never admit more than exist now.
-            budget = min(self._history[0], ranked.numel())
-        else:
-            budget = _sync_count(objective)  # not enough history yet: plan as sync would
-        self._history.append(int(torch.argmax(objective)))
-        return _split(requests, budget, num_requests)
+        device = survivals.device
+        budget = None
+        if self.policy == "lagged" and len(self._history) == self.lag:
+            # The requests (or their caps) may have changed since; the op never admits more than exist.
+            budget = torch.tensor([self._history[0]], dtype=torch.int64, device=device)
+        # Without a budget the op admits the sync count: the sync policy, and lagged until its history
+        # is full.
+        lens, _, argmax_budget = ops.plan_verify_lens(survivals, max_lens, *self.sps.tensors(device), budget)
+        if self.policy == "lagged":
+            self._history.append(int(argmax_budget[0]))
+        return lens
 
     def reset(self) -> None:
         """Forget the lagged budgets (e.g. after the running batch is rebuilt)."""

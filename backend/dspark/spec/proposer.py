@@ -20,9 +20,10 @@ from dspark.spec.drafter import Drafter
 class DraftProposal:
     """One block of drafts per request.
 
-    tokens: [R, gamma] int64; confidences: [R, gamma] fp32 (c_k, the chance draft k survives given the
-    earlier ones did); probs[r]: [gamma, vocab] the distributions request r's drafts were sampled
-    from (None for greedy requests, whose drafts are argmax choices).
+    tokens: [R, gamma] int64 on the host; confidences: [R, gamma] fp32 on the drafter's device (c_k,
+    the chance draft k survives given the earlier ones did; the planner reads them there); probs[r]:
+    [gamma, vocab] the distributions request r's drafts were sampled from (None for greedy requests,
+    whose drafts are argmax choices).
     """
 
     tokens: torch.Tensor
@@ -114,4 +115,4 @@ class DSparkProposer:
                 chosen[r] = sample_rows(row, seq.generator)[0]
             tokens[:, k] = chosen
             previous = chosen
-        return DraftProposal(tokens.cpu(), confidences.cpu(), probs)
+        return DraftProposal(tokens.cpu(), confidences, probs)

@@ -78,6 +78,7 @@ class SpsTable:
         # perturbed by the table's rounding.
         self._xs = torch.tensor([p.tokens for p in self.points], dtype=torch.float64)
         self._ys = torch.tensor([p.steps_per_second for p in self.points], dtype=torch.float64)
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def flat(cls) -> SpsTable:
@@ -145,6 +146,14 @@ class SpsTable:
         i = bisect_right([p.tokens for p in pts], num_tokens)  # pts[i-1].tokens <= n < pts[i].tokens
         (x0, y0), (x1, y1) = pts[i - 1], pts[i]
         return y0 + (y1 - y0) * (float(num_tokens) - x0) / (x1 - x0)
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The points as float64 (tokens, steps_per_second) tensors on `device`, as the planner op takes
+        them (copied once per device)."""
+        cached = self._on_device.get(device)
+        if cached is None:
+            cached = self._on_device[device] = (self._xs.to(device), self._ys.to(device))
+        return cached
 
     def at(self, num_tokens: torch.Tensor) -> torch.Tensor:
         """Vectorized ``__call__``: float64 SPS for an integer tensor of token counts (any shape)."""
