@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device call that re-validates the GPU path and refreshes the GPU tables of benchmarks/RESULTS.md.
+#
+#   bash benchmarks/gpu_check.sh            # on an nvidia-h200 machine, through the `device` tool
+#
+# Stages (each under its own time limit, each writing into $OUT even when a later one fails):
+#   1. the SmolLM2 target: converted from .carry/ GGUF parts (parked in /tmp/carry by earlier calls, as
+#      training/README.md describes) unless models/SmolLM2-135M-Instruct already exists;
+#   2. the GPU tests: CUDA graphs == eager, training gradients, kernel parity, losslessness, engine;
+#   3. benchmarks/gpu_e2e.py: SmolLM2 end to end, the Qwen3-8B-shaped step against its floor, and the
+#      8B forced-acceptance end to end (see that script).
+# Limits (seconds): TESTS_S (default 200), E2E_S (default 330). Results: $OUT/gpu-tests.log,
+# $OUT/e2e/results.{json,md}, $OUT/e2e.log.
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/dspark-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
+
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+if [[ ! -f models/SmolLM2-135M-Instruct/config.json ]]; then
+  cp /tmp/carry/"$GGUF_NAME".part-* .carry/ 2>/dev/null || true
+  if compgen -G ".carry/$GGUF_NAME.part-*" >/dev/null; then
+    cat .carry/"$GGUF_NAME".part-* > /tmp/"$GGUF_NAME"
+    python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-deps --no-index .carry/gguf-*.whl
+    python3 training/run_dspark.py import-gguf --gguf /tmp/"$GGUF_NAME" | tail -1
+  else
+    echo "no SmolLM2 GGUF parts in .carry/ or /tmp/carry: SmolLM2 tests and benchmarks will fail"
+  fi
+fi
+
+echo "=== GPU tests"
+timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
+  tests/test_training_loss.py tests/test_kernels_norm_rotary.py tests/test_kernels_attention.py \
+  tests/test_kernels_accept.py tests/test_kernels_layout.py tests/test_planner.py \
+  tests/test_losslessness.py tests/test_engine.py > "$OUT/gpu-tests.log" 2>&1
+echo "pytest exit $?"
+tail -5 "$OUT/gpu-tests.log"
+
+echo "=== benchmarks/gpu_e2e.py"
+timeout "${E2E_S:-330}" python3 benchmarks/gpu_e2e.py --out "$OUT/e2e" --parts step,smollm2,e2e8b \
+  --step-batches 1,8,64,256 --repeats 9 --e2e-batches 1,8,64 --max-tokens 96 --accept 4 \
+  > "$OUT/e2e.log" 2>&1
+echo "gpu_e2e exit $?"
+grep -v "^step \|Loading" "$OUT/e2e.log" | tail -40
