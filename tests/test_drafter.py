@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -83,3 +84,15 @@ def test_engine_profiles_its_own_sps_table_at_start_and_stays_lossless(
     plain = LLM(base.replace(spec_mode="off")).generate(params=params, prompt_token_ids=prompts)
     spec = llm.generate(params=params, prompt_token_ids=prompts)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_profiling_in_a_cache_too_small_for_it_is_a_clear_error(tiny_target_dir, tiny_drafter_dir) -> None:
+    config = EngineConfig(
+        model=str(tiny_target_dir),
+        draft_model=str(tiny_drafter_dir),
+        sps_table="profile",
+        num_kv_pages=8,
+        kv_page_size=4,
+    )
+    with pytest.raises(ValueError, match="num_kv_pages"):
+        LLM(config)

@@ -36,7 +36,12 @@ def profile_runner(
 
     Sizes are capped by what the cache can hold, so any engine configuration can profile itself."""
     per_request = -(-(CONTEXT + WINDOW) // config.kv_page_size)
-    max_tokens = min(max_tokens, max(1, config.num_kv_pages // per_request) * WINDOW)
+    if config.num_kv_pages < per_request:
+        raise ValueError(
+            f"num_kv_pages: {config.num_kv_pages} pages of {config.kv_page_size} tokens cannot hold one "
+            f"{CONTEXT + WINDOW}-token profiling request; give an sps_table file or a larger cache"
+        )
+    max_tokens = min(max_tokens, (config.num_kv_pages // per_request) * WINDOW)
     sizes = [1 << i for i in range(max_tokens.bit_length()) if (1 << i) <= max_tokens]
     points = [(n, 1.0 / _median_step_seconds(runner, n, config, repeats)) for n in sizes]
     return SpsTable(points, model=str(config.model_path.name), device=device, dtype=dtype)
