@@ -41,13 +41,25 @@ def _prompt_ids(llm: LLM, count: int) -> list[list[int]]:
     ]
 
 
-def _time_engine(llm: LLM, ids: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], dict]:
+def _time_engine(
+    llm: LLM, ids: list[list[int]], max_tokens: int, phases: dict | None = None
+) -> tuple[float, list[list[int]], dict]:
+    """Output tokens/s of one timed run (after a warm-up on the same batch), its tokens and spec stats.
+    With `phases` (a dict), a second timed run records where each step's time goes into it (the
+    engine's StepTimer synchronises the device per phase, so it does not count for tokens/s)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     # Warm-up on the same batch: compiles kernels and captures the CUDA graphs of the step sizes it meets.
     llm.generate(params=SamplingParams(max_tokens=min(32, max_tokens), ignore_eos=True), prompt_token_ids=ids)
     start = time.perf_counter()
     outs = llm.generate(params=params, prompt_token_ids=ids)
     elapsed = time.perf_counter() - start
+    if phases is not None:
+        timer = llm.engine.timer
+        timer.reset()
+        timer.enabled = True
+        llm.generate(params=params, prompt_token_ids=ids)
+        timer.enabled = False
+        phases.update({k: round(v, 3) for k, v in timer.summary().items()})
     stats = outs[0].spec_stats
     for out in outs[1:]:
         stats.merge(out.spec_stats)
@@ -94,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sps-table", default="")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--out", default="")
+    parser.add_argument("--phases", action="store_true", help="also record per-phase step times")
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     base = EngineConfig(
@@ -110,10 +123,13 @@ def main(argv: list[str] | None = None) -> None:
     dtype = engines["off"].engine.limits.dtype
     for batch in batch_sizes:
         ids = _prompt_ids(engines["off"], batch)
-        plain_tps, plain_tokens, _ = _time_engine(engines["off"], ids, args.max_tokens)
+        phases: dict[str, dict] = {mode: {} for mode in engines} if args.phases else {}
+        plain_tps, plain_tokens, _ = _time_engine(engines["off"], ids, args.max_tokens, phases.get("off"))
         row = {"batch": batch, "off": plain_tps}
+        if phases:
+            row["phases_ms"] = phases
         for mode in ("static", "compact"):
-            tps, tokens, stats = _time_engine(engines[mode], ids, args.max_tokens)
+            tps, tokens, stats = _time_engine(engines[mode], ids, args.max_tokens, phases.get(mode))
             row[f"{mode}_identical"] = identical_share(plain_tokens, tokens)
             if tokens != plain_tokens and dtype == torch.float32:
                 raise SystemExit(f"{mode}: speculation changed greedy output at batch {batch}")

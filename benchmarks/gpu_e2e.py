@@ -223,11 +223,12 @@ def part_e2e8b(args: argparse.Namespace, checkpoint: Path, report: dict) -> None
         engine.proposer = ForcedAcceptance(engine.proposer, args.accept)
     for batch in batches:
         ids = prompts[:batch]
-        plain_tps, _, _ = e2e._time_engine(engines["off"], ids, args.max_tokens)
-        row = {"batch": batch, "off": plain_tps, "accept": args.accept}
+        phases: dict[str, dict] = {mode: {} for mode in engines}
+        plain_tps, _, _ = e2e._time_engine(engines["off"], ids, args.max_tokens, phases["off"])
+        row = {"batch": batch, "off": plain_tps, "accept": args.accept, "phases_ms": phases}
         for mode in ("static", "compact"):
             with forced_greedy_accept(args.accept):
-                tps, _, stats = e2e._time_engine(engines[mode], ids, args.max_tokens)
+                tps, _, stats = e2e._time_engine(engines[mode], ids, args.max_tokens, phases[mode])
             row[mode] = tps
             row[f"{mode}_tau"] = stats["mean_committed_per_step"]
         rows.append(row)
@@ -257,6 +258,7 @@ def part_smollm2(args: argparse.Namespace, report: dict) -> None:
             str(args.max_tokens),
             "--out",
             str(out),
+            "--phases",
         ]
     )
     report["smollm2"] = json.loads(out.read_text())["rows"]
@@ -302,6 +304,22 @@ def markdown(report: dict) -> str:
                 f"{r['compact']:.1f} ({r['compact_tau']:.2f}) | {peer or float('nan'):.1f} | "
                 f"{r['compact'] / r['off']:.2f} | {(r['compact'] / peer) if peer else float('nan'):.2f} |"
             )
+        lines.append("")
+    for key in ("e2e8b", "smollm2"):
+        rows = [r for r in report.get(key, []) if r.get("phases_ms")]
+        if not rows:
+            continue
+        names = ("schedule", "draft", "plan", "layout", "target", "accept", "inject", "emit")
+        lines += [
+            f"### Where a step's time goes, {key} (ms per step, device synchronised per phase)",
+            "",
+            "| batch | mode | steps | " + " | ".join(names) + " |",
+            "|---:|---|---:|" + "---:|" * len(names),
+        ]
+        for r in rows:
+            for mode, p in r["phases_ms"].items():
+                cells = " | ".join(f"{p.get(n, 0.0):.2f}" for n in names)
+                lines.append(f"| {r['batch']} | {mode} | {p.get('steps', 0):.0f} | {cells} |")
         lines.append("")
     for part, error in report.get("errors", {}).items():
         lines += [f"{part}: FAILED: {error.splitlines()[-1]}", ""]

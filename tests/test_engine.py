@@ -179,3 +179,16 @@ def test_async_engine_streams_deltas_that_add_up(tiny_target_dir, tiny_drafter_d
     finally:
         engine.shutdown()
     assert not engine.healthy
+
+
+def test_step_timer_splits_each_step_into_phases(tiny_target_dir, tiny_drafter_dir) -> None:
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir))
+    llm.engine.timer.enabled = True
+    outs = llm.generate(params=GREEDY, prompt_token_ids=_prompts(3, seed=1))
+    phases = llm.engine.timer.summary()
+    steps = max(o.spec_stats.steps for o in outs)
+    assert phases["steps"] >= steps
+    for phase in ("schedule", "draft", "plan", "layout", "target", "accept", "inject", "emit"):
+        assert phases[phase] > 0, phase
+    llm.engine.timer.reset()
+    assert llm.engine.timer.summary() == {"steps": 0.0}

@@ -30,6 +30,7 @@ from dspark.spec.draft_checkpoint import load_drafter
 from dspark.spec.planner import VerifyPlanner
 from dspark.spec.proposer import DraftProposal, DSparkProposer, Proposer
 from dspark.spec.sps_table import SpsTable
+from dspark.step_timer import StepTimer
 from dspark.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class LLMEngine:
         if capacity < 2:
             raise ValueError("num_kv_pages: the KV cache cannot hold even one request")
         self.limits = ResolvedLimits(device, dtype, block_size, min(limit, capacity))
+        # Per-phase step timing, off unless a benchmark or profiler turns it on.
+        self.timer = StepTimer(device)
         self.allocator = PageAllocator(config.num_kv_pages, page_size)
         self.scheduler = Scheduler(
             self.allocator,
@@ -207,29 +210,38 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestDelta]:
         """Run one scheduling iteration and return every request's delta."""
+        timer = self.timer
+        timer.start()
         deltas, self._pending = self._pending, []
         deltas.extend(self._apply_aborts())
         schedule = self.scheduler.schedule()
         if schedule.empty:
             return deltas
         decode = schedule.decode
+        timer.lap("schedule")
         plan = self._plan_verification(decode)
         windows = self._build_windows(decode, plan, schedule.prefill)
         capture = tuple(self.proposer.target_layer_ids) if self.proposer is not None else ()
         sampling = any(not s.params.greedy for s in decode) or any(
             not chunk.seq.params.greedy for chunk in schedule.prefill
         )
-        result = self.runner.run(windows.to_step(capture, host_logits=sampling))
+        step = windows.to_step(capture, host_logits=sampling)
+        timer.lap("layout")
+        result = self.runner.run(step)
+        timer.lap("target")
         assert result.argmax is not None
         committed, inject_rows = self._accept(
             decode, plan, schedule.prefill, result.logits, result.argmax, windows
         )
+        timer.lap("accept")
         if self.proposer is not None and result.features is not None:
             rows = torch.tensor(inject_rows, dtype=torch.long, device=result.features.device)
             positions = torch.tensor(windows.positions, dtype=torch.long, device=rows.device)[rows]
             self.proposer.inject(result.features[rows], positions, result.slots[rows])
+        timer.lap("inject")
         for seq, tokens in committed:
             deltas.append(self._emit(seq, tokens))
+        timer.finish("emit")
         return deltas
 
     def _plan_verification(self, decode: list[Sequence]) -> _VerifyPlan:
@@ -237,6 +249,7 @@ class LLMEngine:
         if self.proposer is None or not any(caps):
             return _VerifyPlan(None, [0] * len(decode), [0] * len(decode))
         proposal = self.proposer.propose(decode)
+        self.timer.lap("draft")
         gamma = self.limits.block_size
         cap_tensor = torch.tensor(caps, dtype=torch.long)
         mode = self.config.spec_mode
@@ -244,6 +257,7 @@ class LLMEngine:
             return _VerifyPlan(proposal, caps, caps)
         survivals = torch.cumprod(proposal.confidences[:, :gamma], dim=1)
         planned = self.planner.plan(survivals, cap_tensor).tolist()
+        self.timer.lap("plan")
         if mode == "cap-accept":
             return _VerifyPlan(proposal, caps, planned)
         return _VerifyPlan(proposal, planned, planned)

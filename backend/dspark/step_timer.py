@@ -1,0 +1,59 @@
+"""Where a step's wall time goes: per-phase timers that `LLMEngine.step` feeds when they are enabled."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+
+class StepTimer:
+    """Wall time per phase of the engine step (schedule, draft, plan, layout, target, accept, inject,
+    emit), for benchmarks and profiling; off by default, when each `lap` is one attribute check.
+
+    Enabled on CUDA it synchronises the device at every phase boundary, so device work is charged to
+    the phase that queued it (the step gets a little slower; the split is what it is for)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.enabled = False
+        self._cuda = device.type == "cuda"
+        self._last = 0.0
+        self._seconds: dict[str, float] = defaultdict(float)
+        self._steps = 0
+
+    def start(self) -> None:
+        """Mark the start of a step."""
+        if self.enabled:
+            self._sync()
+            self._last = time.perf_counter()
+
+    def finish(self, phase: str) -> None:
+        """The last lap of a step that ran: charge it to `phase` and count the step."""
+        if self.enabled:
+            self.lap(phase)
+            self._steps += 1
+
+    def lap(self, phase: str) -> None:
+        """Charge the time since the last mark to `phase`."""
+        if self.enabled:
+            self._sync()
+            now = time.perf_counter()
+            self._seconds[phase] += now - self._last
+            self._last = now
+
+    def summary(self) -> dict[str, float]:
+        """Mean milliseconds per step of each phase, and "steps" (how many steps were timed)."""
+        steps = max(self._steps, 1)
+        out = {phase: 1e3 * seconds / steps for phase, seconds in self._seconds.items()}
+        out["steps"] = float(self._steps)
+        return out
+
+    def reset(self) -> None:
+        """Forget what was timed."""
+        self._seconds.clear()
+        self._steps = 0
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize()
