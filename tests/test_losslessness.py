@@ -243,10 +243,14 @@ def test_lookahead_planner_is_caught_by_the_distribution_test(tiny_target_dir, e
     assert tv > TV_BOUND
 
 
-@pytest.mark.parametrize("mode", ["static", "compact", "cap-accept"])
+@pytest.mark.parametrize(
+    ("mode", "stop"), [("static", 0.0), ("compact", 0.05), ("compact", 0.5), ("cap-accept", 0.0)]
+)
 def test_sampling_with_the_real_drafter_and_filters_follows_target(
-    tiny_target_dir, tiny_drafter_dir, mode, tmp_path
+    tiny_target_dir, tiny_drafter_dir, mode, stop, tmp_path
 ) -> None:
+    # stop 0.5: most blocks end early (the random drafter's confidences are about 1/2), so the law of
+    # the output under early-stopped drafting is what is measured.
     params = SamplingParams(max_tokens=4, temperature=0.8, top_k=6, top_p=0.9, ignore_eos=True)
     llm = LLM(
         _config(
@@ -256,9 +260,27 @@ def test_sampling_with_the_real_drafter_and_filters_follows_target(
             max_num_seqs=512,
             num_kv_pages=1024,
             max_num_batched_tokens=4096,
+            draft_stop_survival=stop,
         )
     )
     assert _tv(_empirical_joint(llm, params), _exact_joint(tiny_target_dir, params)) < TV_BOUND
+    if stop >= 0.5:
+        stats = llm.engine.total_spec_stats
+        assert stats.drafted_tokens < stats.steps * llm.engine.limits.block_size
+
+
+def test_early_stopped_drafting_keeps_greedy_output_and_verifies_only_drafts(
+    tiny_target_dir, tiny_drafter_dir
+) -> None:
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [2, 2], [7, 1, 3, 3, 5]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = LLM(_config(tiny_target_dir, spec_mode="off")).generate(params=params, prompt_token_ids=prompts)
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="compact", draft_stop_survival=0.4))
+    outs = llm.generate(params=params, prompt_token_ids=prompts)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    stats = llm.engine.total_spec_stats
+    assert 0 < stats.drafted_tokens < stats.steps * llm.engine.limits.block_size
+    assert stats.verified_tokens <= stats.drafted_tokens
 
 
 def test_seeded_sampling_is_reproducible(tiny_target_dir, tiny_drafter_dir) -> None:

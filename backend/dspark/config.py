@@ -47,6 +47,10 @@ class EngineConfig:
     planner_lag: int = 1
     # Drafted tokens per step (gamma); 0 takes the drafter checkpoint's block_size.
     block_size: int = 0
+    # compact only: a request stops drafting once the survival of its next draft (the product of the
+    # confidences so far) falls below this, and verifies only what it drafted; 0 drafts whole blocks.
+    # The stop depends on the request's own earlier drafts only, so output stays lossless.
+    draft_stop_survival: float = 0.05
     # JSON file of measured target steps/s by batch tokens; "profile": measure it when the engine starts
     # (a few seconds; compact and cap-accept only); empty means flat (verify everything).
     sps_table: str = ""
@@ -102,6 +106,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value < minimum:
                 raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+        if not 0.0 <= self.draft_stop_survival < 1.0:
+            raise ValueError(f"draft_stop_survival: must be in [0, 1), got {self.draft_stop_survival}")
         devices = self.tensor_parallel_device_ids
         if devices and len(devices) != self.tensor_parallel_size:
             raise ValueError(
@@ -170,6 +176,11 @@ def _parse(key: str, raw: str, kind: Any) -> Any:
             return int(text)
         except ValueError:
             raise ValueError(f"{key}: expected an integer, got {raw!r}") from None
+    if kind is float or kind == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{key}: expected a number, got {raw!r}") from None
     return text
 
 

@@ -82,7 +82,8 @@ class LLMEngine:
             if drafter.config.vocab_size != cfg.vocab_size:
                 raise ValueError("draft_model: vocabulary size differs from the target's")
             embedding, lm_head = self.runner.vocab_weights()
-            proposer = DSparkProposer(drafter, embedding, lm_head, config.num_kv_pages, page_size)
+            stop = config.draft_stop_survival if config.spec_mode == "compact" else 0.0
+            proposer = DSparkProposer(drafter, embedding, lm_head, config.num_kv_pages, page_size, stop)
         self.proposer = proposer if config.speculative else None
         block_size = 0
         if self.proposer is not None:
@@ -251,10 +252,13 @@ class LLMEngine:
         proposal = self.proposer.propose(decode)
         self.timer.lap("draft")
         gamma = self.limits.block_size
-        cap_tensor = torch.tensor(caps, dtype=torch.long)
         mode = self.config.spec_mode
         if mode == "static":
             return _VerifyPlan(proposal, caps, caps)
+        if proposal.lengths is not None:
+            # Positions a request did not draft (it stopped early) are never verified.
+            caps = [min(cap, int(n)) for cap, n in zip(caps, proposal.lengths.tolist(), strict=True)]
+        cap_tensor = torch.tensor(caps, dtype=torch.long)
         survivals = torch.cumprod(proposal.confidences[:, :gamma], dim=1)
         planned = self.planner.plan(survivals, cap_tensor).tolist()
         self.timer.lap("plan")
@@ -324,7 +328,10 @@ class LLMEngine:
                     seq.generator,
                 )
             if plan.proposal is not None:
-                seq.spec_stats.record_step(self.limits.block_size, verified, accepted)
+                drafted = self.limits.block_size
+                if plan.proposal.lengths is not None:
+                    drafted = min(drafted, int(plan.proposal.lengths[r]))
+                seq.spec_stats.record_step(drafted, verified, accepted)
             else:
                 seq.spec_stats.record_step(0, 0, 0)
             inject_rows.extend(range(windows.row_offsets[r], windows.row_offsets[r] + accepted + 1))

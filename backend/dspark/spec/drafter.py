@@ -21,11 +21,22 @@ from dspark.spec.draft_config import DraftConfig
 class BlockHeads:
     """What the Markov/confidence decode needs from one block pass.
 
-    hidden: [R, gamma, hidden] final normed drafter states; base_logits: [R, gamma, vocab] fp32.
+    hidden: [R, gamma, hidden] final normed drafter states; lm_head: the shared [vocab, hidden] head.
+    The base logits of a position are computed when the decode reaches it (`logits_at`): a request
+    that stops drafting early never pays for the vocabulary projection of the positions it skips.
     """
 
     hidden: torch.Tensor
-    base_logits: torch.Tensor
+    lm_head: torch.Tensor
+
+    def logits_at(self, position: int) -> torch.Tensor:
+        """U_k, the base logits of block position `position`: [R, vocab] fp32."""
+        return F.linear(self.hidden[:, position], self.lm_head).float()
+
+    @property
+    def base_logits(self) -> torch.Tensor:
+        """U for every position: [R, gamma, vocab] fp32."""
+        return F.linear(self.hidden, self.lm_head).float()
 
 
 class Drafter(nn.Module):
@@ -107,9 +118,7 @@ class Drafter(nn.Module):
         for index, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, batch, cache.layer(index), self.cos_sin)
         hidden, _ = self.norm(x, residual)
-        gamma = self.config.block_size
-        base = F.linear(hidden, lm_head).float()
-        return BlockHeads(hidden.view(-1, gamma, hidden.shape[-1]), base.view(-1, gamma, base.shape[-1]))
+        return BlockHeads(hidden.view(-1, self.config.block_size, hidden.shape[-1]), lm_head)
 
     def markov_features(self, previous_tokens: torch.Tensor) -> torch.Tensor | None:
         """W1[x_{k-1}]: [R, rank] low-rank embedding of the previously chosen tokens (None when r = 0)."""

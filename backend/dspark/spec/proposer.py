@@ -29,6 +29,9 @@ class DraftProposal:
     tokens: torch.Tensor
     confidences: torch.Tensor
     probs: list[torch.Tensor | None]
+    # Drafted positions per request [R] int64 on the host (None: the whole block). Positions past a
+    # request's length hold no draft (confidence 0) and must not be verified.
+    lengths: torch.Tensor | None = None
 
 
 class Proposer(Protocol):
@@ -50,7 +53,13 @@ class DSparkProposer:
     """Runs the DSpark drafter over paged draft KV (same page table as the target's)."""
 
     def __init__(
-        self, drafter: Drafter, embedding: torch.Tensor, lm_head: torch.Tensor, num_pages: int, page_size: int
+        self,
+        drafter: Drafter,
+        embedding: torch.Tensor,
+        lm_head: torch.Tensor,
+        num_pages: int,
+        page_size: int,
+        stop_survival: float = 0.0,
     ) -> None:
         cfg = drafter.config
         device = drafter.fc.weight.device
@@ -71,6 +80,8 @@ class DSparkProposer:
             device,
         )
         self.device = device
+        # A request stops drafting once the survival of its next draft falls below this (0: never).
+        self.stop_survival = stop_survival
 
     def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """KV injection of committed target features into every drafter layer."""
@@ -96,23 +107,42 @@ class DSparkProposer:
         )
         # Filled on the drafter's device and moved to the host once: a copy per block position would
         # make the host wait for the device gamma times a step.
-        tokens = torch.empty(num_requests, gamma, dtype=torch.long, device=self.device)
-        confidences = torch.empty(num_requests, gamma, dtype=torch.float32, device=self.device)
+        tokens = torch.zeros(num_requests, gamma, dtype=torch.long, device=self.device)
+        confidences = torch.zeros(num_requests, gamma, dtype=torch.float32, device=self.device)
         sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
+        vocab = heads.lm_head.shape[0]
         probs: list[torch.Tensor | None] = [
-            None if s.params.greedy else torch.empty(gamma, heads.base_logits.shape[-1]) for s in seqs
+            None if s.params.greedy else torch.zeros(gamma, vocab) for s in seqs
         ]
         previous = block[:, 0].to(self.device)
+        # Early stop: draft k is made only while the survival of drafts 1..k (the product of their
+        # confidences, known before draft k is chosen) stays >= stop_survival. Each request's stop
+        # depends on its own earlier drafts only, a stopping time of the draft process, so verifying
+        # the drafts made stays lossless; the vocabulary projections of skipped positions are saved.
+        stopping = self.stop_survival > 0.0
+        survival = torch.ones(num_requests, device=self.device)
+        lengths = torch.full((num_requests,), gamma, dtype=torch.long, device=self.device)
         for k in range(gamma):
             markov = self.drafter.markov_features(previous)
-            logits = self.drafter.corrected_logits(heads.base_logits[:, k], markov)
-            confidences[:, k] = self.drafter.confidence_at(heads.hidden[:, k], markov, k)
+            confidence = self.drafter.confidence_at(heads.hidden[:, k], markov, k)
+            if stopping:
+                survival = survival * confidence
+                stop_here = (survival < self.stop_survival) & (lengths == gamma)
+                lengths = torch.where(stop_here, k, lengths)
+                if not bool((lengths == gamma).any()):
+                    break  # every request has stopped: no position after this one is drafted
+            confidences[:, k] = torch.where(lengths > k, confidence, 0.0)
+            logits = self.drafter.corrected_logits(heads.logits_at(k), markov)
             chosen = logits.argmax(dim=-1)
+            # A stopped request draws no more random numbers: its stream must not depend on its batch.
+            drafting = lengths.tolist() if stopping and sampled else None
             for r in sampled:
+                if drafting is not None and drafting[r] <= k:
+                    continue
                 seq = seqs[r]
                 row = filtered_probs(logits[r : r + 1], seq.params)
                 probs[r][k] = row[0].cpu()  # type: ignore[index]
                 chosen[r] = sample_rows(row, seq.generator)[0]
             tokens[:, k] = chosen
             previous = chosen
-        return DraftProposal(tokens.cpu(), confidences, probs)
+        return DraftProposal(tokens.cpu(), confidences, probs, lengths.cpu() if stopping else None)
