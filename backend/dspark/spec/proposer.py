@@ -82,6 +82,7 @@ class DSparkProposer:
         self.device = device
         # A request stops drafting once the survival of its next draft falls below this (0: never).
         self.stop_survival = stop_survival
+        self._on_gpu = device.type == "cuda"
 
     def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """KV injection of committed target features into every drafter layer."""
@@ -129,8 +130,10 @@ class DSparkProposer:
                 survival = survival * confidence
                 stop_here = (survival < self.stop_survival) & (lengths == gamma)
                 lengths = torch.where(stop_here, k, lengths)
-                if not bool((lengths == gamma).any()):
-                    break  # every request has stopped: no position after this one is drafted
+                # On the CPU, leave the loop once every request has stopped (saves the vocabulary
+                # projections); on a GPU, asking would make the host wait for the device each position.
+                if not self._on_gpu and not bool((lengths == gamma).any()):
+                    break
             confidences[:, k] = torch.where(lengths > k, confidence, 0.0)
             logits = self.drafter.corrected_logits(heads.logits_at(k), markov)
             chosen = logits.argmax(dim=-1)
