@@ -153,6 +153,7 @@ class ForcedAcceptance:
         proposal = self.inner.propose(seqs)
         gamma = self.block_size
         proposal.confidences[:] = torch.tensor([0.95 if k < self.accept else 0.05 for k in range(gamma)])
+        proposal.lengths = None  # the random drafter's own early stop would cap the forced blocks
         return proposal
 
     def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
