@@ -9,6 +9,7 @@ the graph reads; logits are computed after it, for the rows the driver asks for 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +37,24 @@ def step_tiers(
 
 @dataclass
 class CapturedForward:
-    """One captured forward and its static outputs (views into the graph's memory)."""
+    """One captured forward and its static outputs (views into the graph's memory). Emulated (no
+    graph): `forward` runs eagerly from the same static inputs at each replay."""
 
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None
     hidden: torch.Tensor
     features: torch.Tensor | None
+    forward: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+
+    def replay(self) -> None:
+        """Run the step: the graph, or (emulated) the forward into the same output tensors."""
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        assert self.forward is not None
+        hidden, features = self.forward()
+        self.hidden.copy_(hidden)
+        if self.features is not None and features is not None:
+            self.features.copy_(features)
 
 
 @dataclass
@@ -58,9 +72,18 @@ class CudaGraphs:
     """The captured forwards of one target shard and the static inputs they read."""
 
     def __init__(
-        self, model: CausalLM, cache: PagedKVCache, device: torch.device, max_tokens: int, max_requests: int
+        self,
+        model: CausalLM,
+        cache: PagedKVCache,
+        device: torch.device,
+        max_tokens: int,
+        max_requests: int,
+        emulate: bool = False,
     ) -> None:
+        """emulate: no CUDA graphs, each replay runs the forward eagerly from the static buffers (so the
+        buffer and padding logic is tested on any device)."""
         self.model = model
+        self.emulate = emulate
         self.cache = cache
         self.device = device
         self.max_tokens = next_pow2(max_tokens)
@@ -74,7 +97,7 @@ class CudaGraphs:
         self.cu_seqlens = torch.zeros(self.max_requests + 1, dtype=torch.int32, device=device)
         self.kv_lens = torch.zeros(self.max_requests, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(self.max_requests, self.max_pages, dtype=torch.int32, device=device)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None if emulate else torch.cuda.graph_pool_handle()
         self.captured: dict[tuple[int, int, tuple[int, ...]], CapturedForward] = {}
 
     def run(
@@ -113,7 +136,7 @@ class CudaGraphs:
         captured = self.captured.get(key)
         if captured is None:
             captured = self.captured[key] = self._capture(tokens, requests, tuple(capture_layers))
-        captured.graph.replay()
+        captured.replay()
         features = None if captured.features is None else captured.features[:n].clone()
         return GraphStepOutput(captured.hidden[:n], features, self.slots[:n].clone())
 
@@ -131,6 +154,9 @@ class CudaGraphs:
                 self.token_ids[:tokens], self.positions[:tokens], batch, self.cache, capture_layers
             )
 
+        if self.emulate:
+            hidden, features = forward()
+            return CapturedForward(None, hidden, features, forward)
         # Compile and autotune every kernel outside the capture, on a side stream as capture wants. The
         # static inputs already hold this step, so the warm-up writes the very keys the replay will.
         side = torch.cuda.Stream(self.device)
