@@ -76,7 +76,7 @@ def identical_share(expected: list[list[int]], got: list[list[int]]) -> float:
 def _time_transformers(model_dir: str, ids: list[list[int]], max_tokens: int, device: str, dtype) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     width = max(len(p) for p in ids)
     pad = model.config.pad_token_id or 0
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in ids], device=device)
