@@ -47,7 +47,7 @@ if (( TINY )); then
   EVAL_RESERVE_S=0
 else
   BUDGET_S=${BUDGET_S:-585}
-  NUM_PROMPTS=4000; VAL_PROMPTS=96; MAX_NEW=256; GEN_BATCH=512
+  NUM_PROMPTS=${NUM_PROMPTS:-4000}; VAL_PROMPTS=96; MAX_NEW=${MAX_NEW:-256}; GEN_BATCH=512
   TRAIN_ARGS=(--steps 100000 --batch-size 32 --anchors 48 --log-every 50 --save-every 500)
   CAL_ARGS=(--anchors 32 --batch-size 16)
   SPS_ARGS=(--max-tokens 512 --repeats 5 --num-kv-pages 4096)
