@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +22,19 @@ def smollm2_dir() -> Path:
         pytest.fail(str(exc))
     # The same directory set-up writes: idempotent, so a converted checkout pays nothing here.
     return import_gguf(gguf_path, DEFAULT_TARGET_DIR)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A generator on the kernel tests' device with a fresh random seed, printed so that a failure can
+    be replayed (kernel tests only: it loads the kernels)."""
+    from kernel_setup import DEVICE
+
+    from dspark.kernels import parity
+
+    generator, seed = parity.generator(DEVICE)
+    print(f"seed={seed}")
+    return generator
 
 
 @pytest.fixture(scope="session")

@@ -8,28 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_setup import DEVICE, KERNELS, gpu_only
 
 from dspark.kernels import parity, reference
-from dspark.kernels.runtime import load_kernels
 from dspark.sampling import filtered_probs
 from dspark.sampling_params import SamplingParams
 from dspark.spec.accept import rejection_accept as engine_rejection_accept
 from dspark.spec.planner import global_argmax_budget, split_budget, sync_budget
 from dspark.spec.sps_table import SpsTable
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-KERNELS = load_kernels(interpret=DEVICE.type == "cpu")
 CPU = torch.device("cpu")
 FALLING = [(1, 100.0), (8, 96.0), (24, 70.0), (64, 30.0)]
 BUMPY = [(2, 50.0), (5, 58.0), (9, 40.0), (16, 45.0), (30, 20.0)]
-gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="realistic shapes: GPU only")
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    generator, seed = parity.generator(DEVICE)
-    print(f"seed={seed}")  # shown on failure, to replay the case
-    return generator
 
 
 @pytest.fixture

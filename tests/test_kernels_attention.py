@@ -9,20 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_setup import DEVICE, KERNELS, gpu_only
 
 from dspark.kernels import ops, parity, reference
-from dspark.kernels.runtime import load_kernels
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-KERNELS = load_kernels(interpret=DEVICE.type == "cpu")
-gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="realistic shapes: GPU only")
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    generator, seed = parity.generator(DEVICE)
-    print(f"seed={seed}")  # shown on failure, to replay the case
-    return generator
 
 
 def case(q_lens, prefixes, heads=(8, 2), head_dim=16, page_size=16, causal=True, dtype=torch.float32, *, gen):
