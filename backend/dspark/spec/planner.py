@@ -25,7 +25,7 @@ from collections import deque
 import torch
 
 from dspark.config import PLANNER_POLICIES
-from dspark.kernels import ops
+from dspark.kernels import ops, reference
 from dspark.spec.sps_table import SpsTable
 
 
@@ -60,61 +60,34 @@ def _check_inputs(survivals: torch.Tensor, max_lens: torch.Tensor) -> torch.Tens
     return max_lens
 
 
-def _rank(survivals: torch.Tensor, max_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Admissible drafts in admission order: survivals float64 ``[N]`` and their request ids int64 ``[N]``."""
-    num_requests, gamma = survivals.shape
+def _plan(
+    survivals: torch.Tensor, max_lens: torch.Tensor, sps: SpsTable, budget: int | None = None
+) -> tuple[torch.Tensor, int, int]:
+    """(verify lengths [R], sync budget, argmax budget) by the planner op's torch twin, on the host's
+    terms: validated inputs, int budgets (a given budget overrides the sync count for the lengths)."""
+    max_lens = _check_inputs(survivals, max_lens)
     device = survivals.device
-    admissible = torch.arange(gamma, device=device)[None, :] < max_lens[:, None]  # [R, gamma]
-    # Flatten position-major (flat index j*R + r): a stable sort then breaks ties by position, then request.
-    mask = admissible.t().reshape(-1)
-    values = survivals.t().reshape(-1)[mask].to(torch.float64)
-    requests = torch.arange(num_requests, device=device).repeat(gamma)[mask]
-    order = torch.sort(values, descending=True, stable=True).indices
-    return values[order], requests[order]
-
-
-def _objective(ranked: torch.Tensor, num_requests: int, sps: SpsTable) -> torch.Tensor:
-    """``τ·SPS(B)`` after admitting the first k ranked drafts, for k = 0..N: float64 ``[N+1]``."""
-    zero = torch.zeros(1, dtype=torch.float64, device=ranked.device)
-    tau = num_requests + torch.cat([zero, torch.cumsum(ranked, 0)])
-    tokens = num_requests + torch.arange(ranked.numel() + 1, device=ranked.device)
-    return tau * sps.at(tokens)
-
-
-def _sync_count(objective: torch.Tensor) -> int:
-    """Number of leading admissions that each strictly improve the objective."""
-    improves = objective[1:] > objective[:-1]
-    # cumprod zeroes everything from the first non-improving admission on.
-    return int(improves.to(torch.int64).cumprod(0).sum())
-
-
-def _split(requests: torch.Tensor, budget: int, num_requests: int) -> torch.Tensor:
-    """Verify lengths ``[R]`` from admitting the first ``budget`` ranked drafts."""
-    return torch.bincount(requests[:budget], minlength=num_requests)
+    given = None if budget is None else torch.tensor([budget], dtype=torch.int64, device=device)
+    lens, sync, argmax = reference.plan_verify_lens(survivals, max_lens, *sps.tensors(device), given)
+    return lens, int(sync[0]), int(argmax[0])
 
 
 def global_argmax_budget(survivals: torch.Tensor, max_lens: torch.Tensor, sps: SpsTable) -> int:
     """The draft budget K (0..N admissible) maximizing ``τ·SPS(B)`` over top-K splits; smallest K on ties."""
-    max_lens = _check_inputs(survivals, max_lens)
-    ranked, _ = _rank(survivals, max_lens)
-    # torch.argmax returns the first maximum, i.e. the smallest (cheapest) K among equals.
-    return int(torch.argmax(_objective(ranked, survivals.shape[0], sps)))
+    return _plan(survivals, max_lens, sps)[2]
 
 
 def sync_budget(survivals: torch.Tensor, max_lens: torch.Tensor, sps: SpsTable) -> int:
     """The draft budget K the ``sync`` policy admits (scan stops at the first non-improving admission)."""
-    max_lens = _check_inputs(survivals, max_lens)
-    ranked, _ = _rank(survivals, max_lens)
-    return _sync_count(_objective(ranked, survivals.shape[0], sps))
+    return _plan(survivals, max_lens, sps)[1]
 
 
 def split_budget(survivals: torch.Tensor, max_lens: torch.Tensor, budget: int) -> torch.Tensor:
     """Verify lengths int64 ``[R]`` giving the top-``budget`` admissible drafts (clamped to N) their slots."""
-    max_lens = _check_inputs(survivals, max_lens)
     if budget < 0:
         raise ValueError(f"budget: must be >= 0, got {budget}")
-    _, requests = _rank(survivals, max_lens)
-    return _split(requests, budget, survivals.shape[0])
+    # With a budget given, the SPS table plays no part in the split.
+    return _plan(survivals, max_lens, SpsTable.flat(), budget)[0]
 
 
 class VerifyPlanner:

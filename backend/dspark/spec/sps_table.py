@@ -38,6 +38,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from dspark.kernels import reference
+
 FORMAT_VERSION = 1
 _TOP_KEYS = ("version", "model", "device", "dtype", "points")
 _POINT_KEYS = ("tokens", "steps_per_second")
@@ -157,16 +159,7 @@ class SpsTable:
 
     def at(self, num_tokens: torch.Tensor) -> torch.Tensor:
         """Vectorized ``__call__``: float64 SPS for an integer tensor of token counts (any shape)."""
-        xs = self._xs.to(num_tokens.device)
-        ys = self._ys.to(num_tokens.device)
-        n = num_tokens.to(torch.float64).clamp(xs[0], xs[-1])
-        if len(xs) == 1:
-            return ys[0].expand(n.shape).clone()
-        # Same segment choice as __call__: the last point with tokens <= n, capped so i+1 exists.
-        i = (torch.searchsorted(xs, n, right=True) - 1).clamp(0, len(xs) - 2)
-        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
-        # At (or past) the last point return its value exactly, as __call__ does, not y0 + (y1 - y0).
-        return torch.where(n >= xs[-1], ys[-1], y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+        return reference.sps_at(num_tokens, *self.tensors(num_tokens.device))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SpsTable):
