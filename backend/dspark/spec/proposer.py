@@ -134,7 +134,8 @@ class DSparkProposer:
                 # projections); on a GPU, asking would make the host wait for the device each position.
                 if not self._on_gpu and not bool((lengths == gamma).any()):
                     break
-            confidences[:, k] = torch.where(lengths > k, confidence, 0.0)
+                confidence = torch.where(lengths > k, confidence, 0.0)  # no draft here: never verified
+            confidences[:, k] = confidence
             logits = self.drafter.corrected_logits(heads.logits_at(k), markov)
             chosen = logits.argmax(dim=-1)
             # A stopped request draws no more random numbers: its stream must not depend on its batch.
