@@ -6,11 +6,14 @@
 # Stages (each under its own time limit, each writing into $OUT even when a later one fails):
 #   1. the SmolLM2 target: converted from .carry/ GGUF parts (parked in /tmp/carry by earlier calls, as
 #      training/README.md describes) unless models/SmolLM2-135M-Instruct already exists;
-#   2. the GPU tests: CUDA graphs == eager, training gradients, kernel parity, losslessness, engine;
-#   3. benchmarks/gpu_e2e.py: SmolLM2 end to end, the Qwen3-8B-shaped step against its floor, and the
+#   2. the GPU tests: CUDA graphs == eager, training gradients, kernel parity, planner, draft context
+#      and the engine suite (on the GPU when there is one; the slow losslessness suite stays in CI);
+#   3. benchmarks/profile_host.py: cProfile of one batch-64 SmolLM2 generate() per speculation mode;
+#   4. benchmarks/gpu_e2e.py: SmolLM2 end to end, the Qwen3-8B-shaped step against its floor, and the
 #      8B forced-acceptance end to end (see that script).
-# Limits (seconds): TESTS_S (default 200), E2E_S (default 330). Results: $OUT/gpu-tests.log,
-# $OUT/e2e/results.{json,md}, $OUT/e2e.log.
+# Limits (seconds): TESTS_S (default 200), PROFILE_S (default 100; 0 skips it), E2E_S (default 330).
+# TEST_FILES and PARTS (gpu_e2e.py --parts) narrow a call down. Results:
+# $OUT/gpu-tests.log, $OUT/profile/<mode>-b64.txt, $OUT/e2e/results.{json,md}, $OUT/e2e.log.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -32,15 +35,22 @@ if [[ ! -f models/SmolLM2-135M-Instruct/config.json ]]; then
 fi
 
 echo "=== GPU tests"
-timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
-  tests/test_training_loss.py tests/test_kernels_norm_rotary.py tests/test_kernels_attention.py \
-  tests/test_kernels_accept.py tests/test_kernels_layout.py tests/test_planner.py \
-  tests/test_losslessness.py tests/test_engine.py > "$OUT/gpu-tests.log" 2>&1
+TEST_FILES=${TEST_FILES:-"tests/test_cuda_graphs.py tests/test_training_loss.py \
+  tests/test_kernels_norm_rotary.py tests/test_kernels_attention.py tests/test_kernels_accept.py \
+  tests/test_kernels_layout.py tests/test_planner.py tests/test_draft_context.py tests/test_engine.py"}
+# shellcheck disable=SC2086  # a list of paths
+timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider $TEST_FILES > "$OUT/gpu-tests.log" 2>&1
 echo "pytest exit $?"
 tail -5 "$OUT/gpu-tests.log"
 
+echo "=== benchmarks/profile_host.py (where the host time of a batch-64 step goes)"
+[[ "${PROFILE_S:-100}" == 0 ]] || (cd benchmarks && timeout "${PROFILE_S:-100}" python3 profile_host.py --device cuda --batch 64 \
+  --max-tokens 32 --out "$OUT/profile") > "$OUT/profile.log" 2>&1
+echo "profile exit $?"
+tail -3 "$OUT/profile.log"
+
 echo "=== benchmarks/gpu_e2e.py"
-timeout "${E2E_S:-330}" python3 benchmarks/gpu_e2e.py --out "$OUT/e2e" --parts step,smollm2,e2e8b \
+timeout "${E2E_S:-330}" python3 benchmarks/gpu_e2e.py --out "$OUT/e2e" --parts "${PARTS:-step,smollm2,e2e8b}" \
   --step-batches 1,8,64,256 --repeats 9 --e2e-batches 1,8,64 --max-tokens 96 --accept 4 \
   > "$OUT/e2e.log" 2>&1
 echo "gpu_e2e exit $?"

@@ -310,7 +310,7 @@ def markdown(report: dict) -> str:
         rows = [r for r in report.get(key, []) if r.get("phases_ms")]
         if not rows:
             continue
-        names = ("schedule", "draft", "plan", "layout", "target", "accept", "inject", "emit")
+        names = ("schedule", "draft", "plan", "layout", "target", "accept", "emit")
         lines += [
             f"### Where a step's time goes, {key} (ms per step, device synchronised per phase)",
             "",

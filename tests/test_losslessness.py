@@ -170,6 +170,8 @@ class LookaheadPlanner:
     stop). It plans each request as if it ran alone (batch size 1), so that thousands of samples can
     share a batch without their budgets averaging the bias away."""
 
+    verifies_all = False
+
     def __init__(self, sps: SpsTable) -> None:
         self.sps = sps
 

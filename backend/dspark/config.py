@@ -65,8 +65,9 @@ class EngineConfig:
     # Longest prompt plus completion; 0 takes the model's max_position_embeddings.
     max_model_len: int = 0
     # On CUDA with tensor_parallel_size 1, target steps of up to this many tokens replay captured CUDA
-    # graphs (one per power-of-two token and request count, captured on first use); 0 runs every step
-    # eagerly. A Python-driven forward launches hundreds of kernels a step and is bound by the host.
+    # graphs (one per power-of-two token and request count, captured on first use), and so do greedy
+    # draft blocks (any TP size); 0 runs everything eagerly. A Python-driven forward launches hundreds
+    # of kernels a step and is bound by the host.
     cuda_graph_max_tokens: int = 512
     # GPUs one instance spreads the model over.
     tensor_parallel_size: int = 1

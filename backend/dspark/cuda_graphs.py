@@ -4,19 +4,45 @@ A Python-driven forward launches hundreds of kernels per step, so a decode or ve
 model is bound by the host, not by the GPU. One graph is captured per (token tier, request tier), the
 powers of two a step is padded up to: padding tokens store nothing (slot -1) and padding windows are
 empty with no keys (AttentionBatch.build). A replay copies the step's layout into the static buffers
-the graph reads; logits are computed after it, for the rows the driver asks for only.
+the graph reads; logits are computed after it, for the rows the driver asks for only. A feature sink
+(the drafter's KV injection) is captured into the same graph, so a speculative step injects for free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from dspark.attention_batch import AttentionBatch
 from dspark.kv_cache import PagedKVCache
 from dspark.models.llama import CausalLM
+
+
+# Takes (features [T, L * hidden], positions [T], slots [T]) of every token of a step (padding: slot -1).
+FeatureSink = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+Outputs = TypeVar("Outputs")
+
+
+def capture_graph(
+    fn: Callable[[], Outputs], device: torch.device, pool: tuple[int, int] | None
+) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+    """Capture `fn` (which reads and writes static tensors only) as a CUDA graph; return it and the
+    outputs of the captured call, which every replay rewrites in place."""
+    # Compile and autotune every kernel outside the capture, on a side stream as capture wants. The
+    # static inputs already hold the call's real inputs, so the warm-up writes what a replay would.
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    return graph, outputs
 
 
 def next_pow2(n: int) -> int:
@@ -35,33 +61,116 @@ def step_tiers(
     return tokens, min(next_pow2(max(num_requests, 1)), tokens)
 
 
+def all_tiers(max_tokens: int, max_requests: int) -> list[tuple[int, int]]:
+    """Every (tokens, requests) tier `step_tiers` can return: the graphs a start-up capture makes."""
+    return [
+        (tokens, requests)
+        for tokens in pow2_upto(max_tokens)
+        for requests in pow2_upto(min(tokens, max_requests))
+    ]
+
+
+def pow2_upto(limit: int) -> list[int]:
+    """1, 2, 4, ..., up to `limit` (a power of two)."""
+    return [1 << i for i in range(limit.bit_length())]
+
+
+class StaticLayout:
+    """The static inputs of captured steps: token ids, positions and an AttentionBatch's tensors, sized
+    for the largest tier. `fill` copies one step's layout in, padded to its tier; `batch` is the
+    AttentionBatch of a tier, views that a graph captures and every later `fill` rewrites."""
+
+    def __init__(
+        self, max_tokens: int, max_requests: int, max_pages: int, page_size: int, device: torch.device
+    ) -> None:
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.token_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.slots = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
+        self.cu_seqlens = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)
+        self.kv_lens = torch.zeros(max_requests, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(max_requests, max_pages, dtype=torch.int32, device=device)
+
+    def fill(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        pages: list[list[int]],
+        window_starts: list[int],
+        window_lens: list[int],
+        causal: bool,
+        tokens: int,
+        requests: int,
+    ) -> None:
+        """Copy a step (host tensors and lists) in, padded to `tokens` tokens and `requests` windows."""
+        layout = AttentionBatch.build(
+            pages, window_starts, window_lens, self.page_size, causal, torch.device("cpu"), tokens, requests
+        )
+        n = len(token_ids)
+        self.token_ids[:n].copy_(token_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slots[:tokens].copy_(layout.slots, non_blocking=True)
+        self.cu_seqlens[: requests + 1].copy_(layout.cu_seqlens_q, non_blocking=True)
+        self.kv_lens[:requests].copy_(layout.kv_lens, non_blocking=True)
+        width = layout.page_table.shape[1]
+        self.page_table[:requests, :width].copy_(layout.page_table, non_blocking=True)
+
+    def batch(self, tokens: int, requests: int, causal: bool) -> AttentionBatch:
+        """The static AttentionBatch of a (tokens, requests) tier."""
+        return AttentionBatch(
+            self.cu_seqlens[: requests + 1],
+            self.kv_lens[:requests],
+            self.page_table[:requests],
+            self.slots[:tokens],
+            causal,
+        )
+
+
 @dataclass
-class CapturedForward:
-    """One captured forward and its static outputs (views into the graph's memory). Emulated (no
-    graph): `forward` runs eagerly from the same static inputs at each replay."""
+class Captured:
+    """One captured call and its static outputs (graph memory). Emulated (graph None): `fn` runs
+    eagerly from the same static inputs at each replay and its results are copied into `outputs`."""
 
     graph: torch.cuda.CUDAGraph | None
-    hidden: torch.Tensor
-    features: torch.Tensor | None
-    forward: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+    outputs: tuple[torch.Tensor | None, ...]
+    fn: Callable[[], tuple[torch.Tensor | None, ...]]
 
-    def replay(self) -> None:
-        """Run the step: the graph, or (emulated) the forward into the same output tensors."""
+    @classmethod
+    def capture(
+        cls,
+        fn: Callable[[], tuple[torch.Tensor | None, ...]],
+        device: torch.device,
+        pool: tuple[int, int] | None,
+        emulate: bool,
+    ) -> Captured:
+        """Capture `fn` (emulated: call it once for the outputs' shapes)."""
+        if emulate:
+            return cls(None, fn(), fn)
+        graph, outputs = capture_graph(fn, device, pool)
+        return cls(graph, outputs, fn)
+
+    def replay(self) -> tuple[torch.Tensor | None, ...]:
+        """Run the call; returns the static outputs."""
         if self.graph is not None:
             self.graph.replay()
-            return
-        assert self.forward is not None
-        hidden, features = self.forward()
-        self.hidden.copy_(hidden)
-        if self.features is not None and features is not None:
-            self.features.copy_(features)
+            return self.outputs
+        for static, fresh in zip(self.outputs, self.fn(), strict=True):
+            if static is not None and fresh is not None:
+                static.copy_(fresh)
+        return self.outputs
+
+
+def max_pages_per_request(max_positions: int, page_size: int, num_pages: int) -> int:
+    """Page-table width of a captured step: the pages of the longest context, at most the whole cache."""
+    return min(-(-max_positions // page_size) + 1, num_pages)
 
 
 @dataclass
 class GraphStepOutput:
-    """A replayed step on the device: final normed hidden [num_tokens, hidden] (a view of the graph's
-    output: read it before the next replay), captured features (or None) and each token's cache slot
-    (copies, safe to keep)."""
+    """A replayed step on the device: final normed hidden [num_tokens, hidden] and captured features (or
+    None), views of the graph's outputs (read them before the next replay), and each token's cache slot
+    (a copy, safe to keep)."""
 
     hidden: torch.Tensor
     features: torch.Tensor | None
@@ -88,17 +197,19 @@ class CudaGraphs:
         self.device = device
         self.max_tokens = next_pow2(max_tokens)
         self.max_requests = min(next_pow2(max_requests), self.max_tokens)
-        cfg = model.config
-        # A request never holds more pages than its longest context needs, nor more than the cache has.
-        self.max_pages = min(-(-cfg.max_position_embeddings // cache.page_size) + 1, cache.num_pages)
-        self.token_ids = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
-        self.positions = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
-        self.slots = torch.full((self.max_tokens,), -1, dtype=torch.long, device=device)
-        self.cu_seqlens = torch.zeros(self.max_requests + 1, dtype=torch.int32, device=device)
-        self.kv_lens = torch.zeros(self.max_requests, dtype=torch.int32, device=device)
-        self.page_table = torch.zeros(self.max_requests, self.max_pages, dtype=torch.int32, device=device)
+        max_pages = max_pages_per_request(
+            model.config.max_position_embeddings, cache.page_size, cache.num_pages
+        )
+        self.layout = StaticLayout(self.max_tokens, self.max_requests, max_pages, cache.page_size, device)
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
-        self.captured: dict[tuple[int, int, tuple[int, ...]], CapturedForward] = {}
+        self.captured: dict[tuple[int, int, tuple[int, ...]], Captured] = {}
+        self.feature_sink: FeatureSink | None = None
+
+    def set_feature_sink(self, sink: FeatureSink | None) -> None:
+        """Capture `sink` after the forward of every step that captures features (graphs captured
+        before are dropped: they do not call it)."""
+        self.feature_sink = sink
+        self.captured.clear()
 
     def run(
         self,
@@ -111,61 +222,39 @@ class CudaGraphs:
     ) -> GraphStepOutput | None:
         """Replay (capturing first if needed) the forward of this step; None when it does not fit."""
         tiers = step_tiers(len(token_ids), len(window_lens), self.max_tokens, self.max_requests)
-        if tiers is None or max((len(p) for p in pages), default=0) > self.max_pages:
+        if tiers is None or max((len(p) for p in pages), default=0) > self.layout.max_pages:
             return None
         tokens, requests = tiers
-        layout = AttentionBatch.build(
-            pages,
-            window_starts,
-            window_lens,
-            self.cache.page_size,
-            True,
-            torch.device("cpu"),
-            tokens,
-            requests,
-        )
-        n = len(token_ids)
-        self.token_ids[:n].copy_(token_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slots[:tokens].copy_(layout.slots, non_blocking=True)
-        self.cu_seqlens[: requests + 1].copy_(layout.cu_seqlens_q, non_blocking=True)
-        self.kv_lens[:requests].copy_(layout.kv_lens, non_blocking=True)
-        width = layout.page_table.shape[1]
-        self.page_table[:requests, :width].copy_(layout.page_table, non_blocking=True)
+        self.layout.fill(token_ids, positions, pages, window_starts, window_lens, True, tokens, requests)
         key = (tokens, requests, tuple(capture_layers))
         captured = self.captured.get(key)
         if captured is None:
             captured = self.captured[key] = self._capture(tokens, requests, tuple(capture_layers))
-        captured.replay()
-        features = None if captured.features is None else captured.features[:n].clone()
-        return GraphStepOutput(captured.hidden[:n], features, self.slots[:n].clone())
+        hidden, features = captured.replay()
+        assert hidden is not None
+        n = len(token_ids)
+        features = None if features is None else features[:n]
+        return GraphStepOutput(hidden[:n], features, self.layout.slots[:n].clone())
 
-    def _capture(self, tokens: int, requests: int, capture_layers: tuple[int, ...]) -> CapturedForward:
-        batch = AttentionBatch(
-            self.cu_seqlens[: requests + 1],
-            self.kv_lens[:requests],
-            self.page_table[:requests],
-            self.slots[:tokens],
-            causal=True,
-        )
+    def capture_all(self, capture_layers: tuple[int, ...]) -> None:
+        """Capture every tier now (at start-up) rather than on a step's first use, which would stall it.
+        Each is captured over an all-padding layout: no window, nothing stored."""
+        for tokens, requests in all_tiers(self.max_tokens, self.max_requests):
+            key = (tokens, requests, tuple(capture_layers))
+            if key not in self.captured:
+                none = torch.zeros(0, dtype=torch.long)
+                self.layout.fill(none, none, [], [], [], True, tokens, requests)
+                self.captured[key] = self._capture(tokens, requests, tuple(capture_layers))
 
-        def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
-            return self.model(
-                self.token_ids[:tokens], self.positions[:tokens], batch, self.cache, capture_layers
-            )
+    def _capture(self, tokens: int, requests: int, capture_layers: tuple[int, ...]) -> Captured:
+        layout = self.layout
+        batch = layout.batch(tokens, requests, causal=True)
+        token_ids, positions, slots = layout.token_ids[:tokens], layout.positions[:tokens], layout.slots[:tokens]
 
-        if self.emulate:
-            hidden, features = forward()
-            return CapturedForward(None, hidden, features, forward)
-        # Compile and autotune every kernel outside the capture, on a side stream as capture wants. The
-        # static inputs already hold this step, so the warm-up writes the very keys the replay will.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden, features = forward()
-        return CapturedForward(graph, hidden, features)
+        def forward() -> tuple[torch.Tensor | None, ...]:
+            hidden, features = self.model(token_ids, positions, batch, self.cache, capture_layers)
+            if features is not None and self.feature_sink is not None:
+                self.feature_sink(features, positions, slots)
+            return hidden, features
+
+        return Captured.capture(forward, self.device, self.pool, self.emulate)

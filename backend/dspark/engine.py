@@ -1,8 +1,8 @@
 """LLMEngine: continuous batching with DSpark speculative decoding, one step at a time.
 
 A step: schedule -> draft (one drafter pass for every decoding request) -> plan verify lengths ->
-one target forward over packed verify windows and prefill chunks -> accept -> inject committed
-target features into the draft cache -> emit deltas.
+one target forward over packed verify windows and prefill chunks, whose captured features go straight
+into the draft cache (the runner's feature sink) -> accept -> emit deltas.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import SPS_PROFILE, EngineConfig
+from dspark.cuda_graphs import max_pages_per_request
 from dspark.kernels import ops
 from dspark.model_runner import TargetStep, create_runner
 from dspark.models.loader import resolve_device, resolve_dtype
@@ -84,7 +85,16 @@ class LLMEngine:
             embedding, lm_head = self.runner.vocab_weights()
             stop = config.draft_stop_survival if config.spec_mode == "compact" else 0.0
             proposer = DSparkProposer(drafter, embedding, lm_head, config.num_kv_pages, page_size, stop)
+            if device.type == "cuda" and config.cuda_graph_max_tokens > 0:
+                max_pages = max_pages_per_request(cfg.max_position_embeddings, page_size, config.num_kv_pages)
+                proposer.use_graphs(config.max_num_seqs, max_pages)
         self.proposer = proposer if config.speculative else None
+        if self.proposer is not None:
+            # Every window row is injected, rejected drafts' rows too: a position's draft KV is read only
+            # once the position is committed, and the step that commits it injects its true features.
+            self.runner.set_feature_sink(self.proposer.inject)
+        # Target layers whose outputs the drafter takes (none without speculation).
+        self._capture_layers = tuple(self.proposer.target_layer_ids) if self.proposer is not None else ()
         block_size = 0
         if self.proposer is not None:
             block_size = config.block_size or self.proposer.block_size
@@ -106,6 +116,7 @@ class LLMEngine:
             window,
             self.limits.max_model_len,
         )
+        self._capture_graphs()
         sps = self._sps_table(config, block_size)
         self.planner = VerifyPlanner(config.planner_policy, sps, config.planner_lag)
         self.total_spec_stats = SpecStats()
@@ -115,6 +126,14 @@ class LLMEngine:
         self._aborts: list[str] = []
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        """Capture the CUDA graphs of every step and draft size now: a capture on first use would stall
+        that step by far more than the step itself."""
+        self.runner.capture_graphs(self._capture_layers)
+        if isinstance(self.proposer, DSparkProposer):
+            self.proposer.capture_graphs()
 
     def _sps_table(self, config: EngineConfig, block_size: int) -> SpsTable:
         """The planner's steps/s table: flat, loaded from a file, or measured now on this runner."""
@@ -221,25 +240,18 @@ class LLMEngine:
         decode = schedule.decode
         timer.lap("schedule")
         plan = self._plan_verification(decode)
+        timer.lap("plan")
         windows = self._build_windows(decode, plan, schedule.prefill)
-        capture = tuple(self.proposer.target_layer_ids) if self.proposer is not None else ()
         sampling = any(not s.params.greedy for s in decode) or any(
             not chunk.seq.params.greedy for chunk in schedule.prefill
         )
-        step = windows.to_step(capture, host_logits=sampling)
+        step = windows.to_step(self._capture_layers, host_logits=sampling)
         timer.lap("layout")
         result = self.runner.run(step)
         timer.lap("target")
         assert result.argmax is not None
-        committed, inject_rows = self._accept(
-            decode, plan, schedule.prefill, result.logits, result.argmax, windows
-        )
+        committed = self._accept(decode, plan, schedule.prefill, result.logits, result.argmax, windows)
         timer.lap("accept")
-        if self.proposer is not None and result.features is not None:
-            rows = torch.tensor(inject_rows, dtype=torch.long, device=result.features.device)
-            positions = torch.tensor(windows.positions, dtype=torch.long, device=rows.device)[rows]
-            self.proposer.inject(result.features[rows], positions, result.slots[rows])
-        timer.lap("inject")
         for seq, tokens in committed:
             deltas.append(self._emit(seq, tokens))
         timer.finish("emit")
@@ -258,10 +270,11 @@ class LLMEngine:
         if proposal.lengths is not None:
             # Positions a request did not draft (it stopped early) are never verified.
             caps = [min(cap, int(n)) for cap, n in zip(caps, proposal.lengths.tolist(), strict=True)]
+        if self.planner.verifies_all:
+            return _VerifyPlan(proposal, caps, caps)
         cap_tensor = torch.tensor(caps, dtype=torch.long)
         survivals = torch.cumprod(proposal.confidences[:, :gamma], dim=1)
         planned = self.planner.plan(survivals, cap_tensor).tolist()
-        self.timer.lap("plan")
         if mode == "cap-accept":
             return _VerifyPlan(proposal, caps, planned)
         return _VerifyPlan(proposal, planned, planned)
@@ -301,13 +314,12 @@ class LLMEngine:
         logits: torch.Tensor | None,
         argmax: torch.Tensor,
         windows: _Windows,
-    ) -> tuple[list[tuple[Sequence, list[int]]], list[int]]:
-        """Decide committed tokens; return them per sequence and the packed rows to inject.
+    ) -> list[tuple[Sequence, list[int]]]:
+        """Decide committed tokens; return them per sequence.
 
         logits: the logit rows on the host (None when every request of the step is greedy); argmax:
         their argmax, which is all greedy requests need."""
         committed: list[tuple[Sequence, list[int]]] = []
-        inject_rows: list[int] = []
         greedy_rows = [r for r, s in enumerate(decode) if s.params.greedy]
         num_accepted, bonus = self._greedy_accept(plan, argmax, windows, greedy_rows)
         for r, seq in enumerate(decode):
@@ -334,13 +346,10 @@ class LLMEngine:
                 seq.spec_stats.record_step(drafted, verified, accepted)
             else:
                 seq.spec_stats.record_step(0, 0, 0)
-            inject_rows.extend(range(windows.row_offsets[r], windows.row_offsets[r] + accepted + 1))
             seq.num_cached += accepted + 1
             committed.append((seq, [*drafts[:accepted], next_token]))
         for i, chunk in enumerate(prefill):
             seq = chunk.seq
-            first_row = windows.row_offsets[len(decode) + i]
-            inject_rows.extend(range(first_row, first_row + chunk.length))
             seq.num_cached += chunk.length
             if chunk.completes_prefill and seq.num_output_tokens == 0:
                 offset = windows.logit_offsets[len(decode) + i]
@@ -350,7 +359,7 @@ class LLMEngine:
                     assert logits is not None
                     row = logits[offset][None]
                     committed.append((seq, [int(choose_tokens(row, seq.params, seq.generator)[0])]))
-        return committed, inject_rows
+        return committed
 
     def _greedy_accept(
         self, plan: _VerifyPlan, argmax: torch.Tensor, windows: _Windows, rows: list[int]
@@ -435,7 +444,6 @@ class _Windows:
         self.pages: list[list[int]] = []
         self.starts: list[int] = []
         self.lens: list[int] = []
-        self.row_offsets: list[int] = []
         self.logit_offsets: list[int] = []
         self.logit_rows: list[int] = []
 
@@ -443,7 +451,6 @@ class _Windows:
         """Append a window of `tokens` at positions start.. of `seq`; `logits` says which rows' logits
         to compute: "all" (a verify window), "last" (a prefill chunk that ends the prompt), "none"."""
         first = len(self.tokens)
-        self.row_offsets.append(first)
         self.logit_offsets.append(len(self.logit_rows))
         self.tokens.extend(tokens)
         self.positions.extend(range(start, start + len(tokens)))

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from dspark.attention_batch import AttentionBatch
 from dspark.config import EngineConfig
-from dspark.cuda_graphs import CudaGraphs
+from dspark.cuda_graphs import CudaGraphs, FeatureSink
 from dspark.distributed import (
     SINGLE,
     TensorParallel,
@@ -59,8 +59,8 @@ class TargetStep:
 class TargetResult:
     """What the driver gets back: logits [num_logit_rows, vocab] (fp32, on CPU after `run`; None when
     the step asked for no host logits), their argmax [num_logit_rows] int64 (on CPU after `run`),
-    captured features [num_tokens, len(capture_layers) * hidden] on the device (or None), and each
-    token's cache slot."""
+    captured features [num_tokens, len(capture_layers) * hidden] on the device (or None; after a
+    replay a view that the next step overwrites), and each token's cache slot."""
 
     logits: torch.Tensor | None
     features: torch.Tensor | None
@@ -79,6 +79,25 @@ class ModelRunner:
         self.device = device
         # Captured forwards for steps that fit them (CUDA, one rank); None: every step runs eagerly.
         self.graphs = graphs
+        self.feature_sink: FeatureSink | None = None
+
+    def use_graphs(self, graphs: CudaGraphs | None) -> None:
+        """Replay steps through `graphs` (None: run every step eagerly), feeding the feature sink."""
+        self.graphs = graphs
+        if graphs is not None:
+            graphs.set_feature_sink(self.feature_sink)
+
+    def capture_graphs(self, capture_layers: tuple[int, ...]) -> None:
+        """Capture every step graph now (start-up), so that no step stalls on a capture."""
+        if self.graphs is not None:
+            self.graphs.capture_all(capture_layers)
+
+    def set_feature_sink(self, sink: FeatureSink | None) -> None:
+        """Hand every step's captured features (all its tokens: positions, slots) to `sink` right after
+        the forward, inside the step's CUDA graph when it replays one: the drafter's KV injection."""
+        self.feature_sink = sink
+        if self.graphs is not None:
+            self.graphs.set_feature_sink(sink)
 
     @classmethod
     def create(
@@ -139,13 +158,12 @@ class ModelRunner:
         batch = AttentionBatch.build(
             step.pages, step.window_starts, step.window_lens, self.cache.page_size, True, self.device
         )
+        positions = step.positions.to(self.device)
         hidden, features = self.model(
-            step.token_ids.to(self.device),
-            step.positions.to(self.device),
-            batch,
-            self.cache,
-            step.capture_layers,
+            step.token_ids.to(self.device), positions, batch, self.cache, step.capture_layers
         )
+        if features is not None and self.feature_sink is not None:
+            self.feature_sink(features, positions, batch.slots)
         logits = self.model.compute_logits(hidden[step.logit_rows.to(self.device)])
         return TargetResult(logits, features, batch.slots)
 
@@ -214,6 +232,14 @@ class TensorParallelRunner:
     def worker_pids(self) -> list[int]:
         """Process ids of ranks 1..N-1."""
         return self.workers.pids
+
+    def capture_graphs(self, capture_layers: tuple[int, ...]) -> None:
+        """Tensor-parallel steps run eagerly: nothing to capture."""
+
+    def set_feature_sink(self, sink: FeatureSink | None) -> None:
+        """Rank 0's features feed the sink (the drafter lives on the driver; the residual stream, and so
+        every captured feature, is replicated over ranks)."""
+        self.local.set_feature_sink(sink)
 
     def vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full (embedding, LM head) weights [vocab, hidden] for the drafter, read from the checkpoint

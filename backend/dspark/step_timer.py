@@ -9,7 +9,7 @@ import torch
 
 
 class StepTimer:
-    """Wall time per phase of the engine step (schedule, draft, plan, layout, target, accept, inject,
+    """Wall time per phase of the engine step (schedule, draft, plan, layout, target, accept,
     emit), for benchmarks and profiling; off by default, when each `lap` is one attribute check.
 
     Enabled on CUDA it synchronises the device at every phase boundary, so device work is charged to

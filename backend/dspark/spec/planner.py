@@ -106,6 +106,12 @@ class VerifyPlanner:
         # Budgets computed from the last `lag` steps' survivals, oldest first.
         self._history: deque[int] = deque(maxlen=lag)
 
+    @property
+    def verifies_all(self) -> bool:
+        """Whether every plan is the caps themselves (a flat table: more tokens never cost more), so a
+        caller may skip planning, and its survivals, altogether."""
+        return self._verify_all
+
     def plan(self, survivals: torch.Tensor, max_lens: torch.Tensor) -> torch.Tensor:
         """Verify lengths int64 ``[R]`` (0..max_lens[r]) from survivals ``[R, gamma]`` and caps ``[R]``,
         on the survivals' device (the planner kernel there on CUDA: ``ops.plan_verify_lens``)."""

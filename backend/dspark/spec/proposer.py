@@ -10,10 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from dspark.attention_batch import AttentionBatch
+from dspark.cuda_graphs import StaticLayout, next_pow2
 from dspark.kv_cache import PagedKVCache
 from dspark.sampling import filtered_probs, sample_rows
 from dspark.sequence import Sequence
-from dspark.spec.drafter import Drafter
+from dspark.spec.draft_graphs import DraftGraphs
+from dspark.spec.drafter import BlockHeads, Drafter
 
 
 @dataclass
@@ -45,7 +47,11 @@ class Proposer(Protocol):
         ...
 
     def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """Take the target features [num_tokens, L * hidden] of committed positions into the context."""
+        """Take the target features [num_tokens, L * hidden] of a step's tokens into the context.
+
+        Every window row comes, rejected drafts' too, and padding rows with negative slots (skip them):
+        a position's context is read only once the position is committed, and the step that commits
+        it brings its true features. Called inside the target step's CUDA graph: device work only."""
         ...
 
 
@@ -83,29 +89,90 @@ class DSparkProposer:
         # A request stops drafting once the survival of its next draft falls below this (0: never).
         self.stop_survival = stop_survival
         self._on_gpu = device.type == "cuda"
+        # Captured greedy blocks (use_graphs); None: every block runs eagerly.
+        self.graphs: DraftGraphs | None = None
 
     def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """KV injection of committed target features into every drafter layer."""
+        """KV injection of the step's target features into every drafter layer."""
         if features.shape[0]:
             self.drafter.inject_context(features, positions, slots, self.cache)
+
+    def use_graphs(self, max_requests: int, max_pages: int, emulate: bool = False) -> None:
+        """Replay greedy blocks of up to `max_requests` requests (each with at most `max_pages` pages)
+        from CUDA graphs, one per power-of-two request count (emulate: eagerly from the static inputs)."""
+        gamma = self.block_size
+        requests = next_pow2(max_requests)
+        self.graphs = DraftGraphs(
+            self._greedy_block,
+            StaticLayout(requests * gamma, requests, max_pages, self.page_size, self.device),
+            gamma,
+            self.device,
+            emulate,
+        )
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture every draft graph now (start-up), so that no step stalls on a capture."""
+        if self.graphs is not None:
+            self.graphs.capture_all()
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence]) -> DraftProposal:
         """Block pass, then left-to-right Markov decode with confidences."""
         gamma = self.block_size
-        mask_id = self.drafter.config.mask_token_id
         num_requests = len(seqs)
-        block = torch.full((num_requests, gamma), mask_id, dtype=torch.long)
+        block = torch.full((num_requests, gamma), self.drafter.config.mask_token_id, dtype=torch.long)
         block[:, 0] = torch.tensor([s.anchor for s in seqs])
         starts = [s.num_cached for s in seqs]
         positions = (torch.tensor(starts)[:, None] + torch.arange(gamma)[None, :]).flatten()
-        batch = AttentionBatch.build(
-            [s.pages for s in seqs], starts, [gamma] * num_requests, self.page_size, False, self.device
-        )
-        embeddings = F.embedding(block.flatten().to(self.device), self.embedding)
-        heads = self.drafter.block_pass(
-            embeddings, positions.to(self.device), batch, self.cache, self.lm_head
-        )
+        pages = [s.pages for s in seqs]
+        stopping = self.stop_survival > 0.0
+        if all(s.params.greedy for s in seqs):
+            drafted = None
+            if self.graphs is not None:
+                drafted = self.graphs.run(block.flatten(), positions, pages, starts)
+            if drafted is None:
+                batch = AttentionBatch.build(pages, starts, [gamma] * num_requests, self.page_size, False, self.device)
+                drafted = self._greedy_block(block.flatten().to(self.device), positions.to(self.device), batch)
+            tokens, confidences, lengths = drafted
+            return DraftProposal(
+                tokens.cpu(), confidences.clone(), [None] * num_requests, lengths.cpu() if stopping else None
+            )
+        batch = AttentionBatch.build(pages, starts, [gamma] * num_requests, self.page_size, False, self.device)
+        heads = self._block_heads(block.flatten().to(self.device), positions.to(self.device), batch)
+        return self._decode_block(heads, block[:, 0].to(self.device), seqs)
+
+    def _block_heads(self, block_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> BlockHeads:
+        embeddings = F.embedding(block_ids, self.embedding)
+        return self.drafter.block_pass(embeddings, positions, batch, self.cache, self.lm_head)
+
+    def _greedy_block(
+        self, block_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A greedy block for every request, device work only (what a draft graph captures): drafts
+        [R, gamma] int64, confidences [R, gamma] fp32 and drafted lengths [R] int64, on the device."""
+        heads = self._block_heads(block_ids, positions, batch)
+        num_requests, gamma = heads.hidden.shape[0], self.block_size
+        tokens = torch.zeros(num_requests, gamma, dtype=torch.long, device=self.device)
+        confidences = torch.zeros(num_requests, gamma, dtype=torch.float32, device=self.device)
+        previous = block_ids.view(num_requests, gamma)[:, 0]
+        stop = _EarlyStop(self.stop_survival, num_requests, gamma, self.device)
+        for k in range(gamma):
+            markov = self.drafter.markov_features(previous)
+            confidence = stop.update(self.drafter.confidence_at(heads.hidden[:, k], markov, k), k)
+            # On the CPU, leave the loop once every request has stopped (saves the vocabulary
+            # projections); on a GPU, asking would make the host wait for the device each position.
+            if not self._on_gpu and stop.all_stopped():
+                break
+            confidences[:, k] = confidence
+            previous = self.drafter.corrected_logits(heads.logits_at(k), markov).argmax(dim=-1)
+            tokens[:, k] = previous
+        return tokens, confidences, stop.lengths
+
+    def _decode_block(self, heads: BlockHeads, anchors: torch.Tensor, seqs: Seq[Sequence]) -> DraftProposal:
+        """The Markov decode of a block with sampling requests in it: they draw their drafts from their
+        own generators on the host, so this path runs eagerly."""
+        num_requests, gamma = len(seqs), self.block_size
         # Filled on the drafter's device and moved to the host once: a copy per block position would
         # make the host wait for the device gamma times a step.
         tokens = torch.zeros(num_requests, gamma, dtype=torch.long, device=self.device)
@@ -115,31 +182,18 @@ class DSparkProposer:
         probs: list[torch.Tensor | None] = [
             None if s.params.greedy else torch.zeros(gamma, vocab) for s in seqs
         ]
-        previous = block[:, 0].to(self.device)
-        # Early stop: draft k is made only while the survival of drafts 1..k (the product of their
-        # confidences, known before draft k is chosen) stays >= stop_survival. Each request's stop
-        # depends on its own earlier drafts only, a stopping time of the draft process, so verifying
-        # the drafts made stays lossless; the vocabulary projections of skipped positions are saved.
-        stopping = self.stop_survival > 0.0
-        survival = torch.ones(num_requests, device=self.device)
-        lengths = torch.full((num_requests,), gamma, dtype=torch.long, device=self.device)
+        previous = anchors
+        stop = _EarlyStop(self.stop_survival, num_requests, gamma, self.device)
         for k in range(gamma):
             markov = self.drafter.markov_features(previous)
-            confidence = self.drafter.confidence_at(heads.hidden[:, k], markov, k)
-            if stopping:
-                survival = survival * confidence
-                stop_here = (survival < self.stop_survival) & (lengths == gamma)
-                lengths = torch.where(stop_here, k, lengths)
-                # On the CPU, leave the loop once every request has stopped (saves the vocabulary
-                # projections); on a GPU, asking would make the host wait for the device each position.
-                if not self._on_gpu and not bool((lengths == gamma).any()):
-                    break
-                confidence = torch.where(lengths > k, confidence, 0.0)  # no draft here: never verified
+            confidence = stop.update(self.drafter.confidence_at(heads.hidden[:, k], markov, k), k)
+            if not self._on_gpu and stop.all_stopped():
+                break
             confidences[:, k] = confidence
             logits = self.drafter.corrected_logits(heads.logits_at(k), markov)
             chosen = logits.argmax(dim=-1)
             # A stopped request draws no more random numbers: its stream must not depend on its batch.
-            drafting = lengths.tolist() if stopping and sampled else None
+            drafting = stop.lengths.tolist() if stop.enabled else None
             for r in sampled:
                 if drafting is not None and drafting[r] <= k:
                     continue
@@ -149,4 +203,35 @@ class DSparkProposer:
                 chosen[r] = sample_rows(row, seq.generator)[0]
             tokens[:, k] = chosen
             previous = chosen
-        return DraftProposal(tokens.cpu(), confidences, probs, lengths.cpu() if stopping else None)
+        lengths = stop.lengths.cpu() if stop.enabled else None
+        return DraftProposal(tokens.cpu(), confidences, probs, lengths)
+
+
+class _EarlyStop:
+    """Early stop of drafting: draft k is made only while the survival of drafts 1..k (the product of
+    their confidences, known before draft k is chosen) stays >= `threshold` (0: never stop).
+
+    Each request's stop depends on its own earlier drafts only, a stopping time of the draft process,
+    so verifying the drafts made stays lossless; the vocabulary projections of skipped positions are
+    saved on the CPU. Device tensors only, no host sync: safe inside a CUDA graph."""
+
+    def __init__(self, threshold: float, num_requests: int, gamma: int, device: torch.device) -> None:
+        self.enabled = threshold > 0.0
+        self.threshold = threshold
+        self.gamma = gamma
+        self.survival = torch.ones(num_requests, device=device)
+        # Drafted positions per request (gamma: still drafting).
+        self.lengths = torch.full((num_requests,), gamma, dtype=torch.long, device=device)
+
+    def update(self, confidence: torch.Tensor, k: int) -> torch.Tensor:
+        """Take c_k; return it with stopped requests' entries zeroed (no draft there: never verified)."""
+        if not self.enabled:
+            return confidence
+        self.survival = self.survival * confidence
+        stop_here = (self.survival < self.threshold) & (self.lengths == self.gamma)
+        self.lengths = torch.where(stop_here, k, self.lengths)
+        return torch.where(self.lengths > k, confidence, 0.0)
+
+    def all_stopped(self) -> bool:
+        """Whether no request drafts any more (a host sync: CPU only)."""
+        return self.enabled and not bool((self.lengths == self.gamma).any())

@@ -1,0 +1,120 @@
+"""The engine's drafts depend on the committed context only: every block the engine drafts equals the
+block a fresh proposer drafts from the true target features of that request's committed tokens.
+
+The engine injects every row of a step's windows (rejected drafts' rows too, inside the captured
+target step); this proves those rows never reach a later draft. Checked eagerly and through emulated
+CUDA graphs (the sink captured in the replayed target step; draft blocks replayed from padded static
+inputs), with rejections, multi-token accepts and prefill chunks in the same steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dspark import LLM, EngineConfig, SamplingParams
+from dspark.cuda_graphs import CudaGraphs
+from dspark.sequence import Sequence
+from dspark.spec.proposer import DraftProposal, DSparkProposer
+from dspark.training.dense import target_pass
+
+PAGE = 4
+
+
+class _Recorder:
+    """Delegates to the engine's proposer and keeps (committed tokens, drafts, confidences) per block
+    (drafts cut at the request's early stop: past it a block holds no drafts)."""
+
+    def __init__(self, inner: DSparkProposer) -> None:
+        self.inner = inner
+        self.block_size = inner.block_size
+        self.target_layer_ids = inner.target_layer_ids
+        self.blocks: list[tuple[list[int], list[int], torch.Tensor]] = []
+
+    def propose(self, seqs: list[Sequence]) -> DraftProposal:
+        proposal = self.inner.propose(seqs)
+        for r, seq in enumerate(seqs):
+            # The anchor is the last committed token; positions before it are the draft's context.
+            context = list(seq.token_ids[: seq.num_cached + 1])
+            drafted = self.block_size if proposal.lengths is None else int(proposal.lengths[r])
+            self.blocks.append((context, proposal.tokens[r, :drafted].tolist(), proposal.confidences[r].cpu()))
+        return proposal
+
+    def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        self.inner.inject(features, positions, slots)
+
+
+def _fresh_block(engine, context: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Drafts and confidences from a new proposer whose cache holds exactly `context[:-1]`'s features."""
+    inner: DSparkProposer = engine.proposer.inner
+    model, device = engine.runner.model, engine.limits.device
+    anchor = len(context) - 1
+    with torch.inference_mode():
+        _, features = target_pass(model, torch.tensor([context], device=device), inner.target_layer_ids)
+    proposer = DSparkProposer(
+        inner.drafter, inner.embedding, inner.lm_head, 64, PAGE, inner.stop_survival
+    )
+    pages = list(range(-(-(anchor + inner.block_size) // PAGE)))
+    slots = torch.tensor([pages[i // PAGE] * PAGE + i % PAGE for i in range(anchor)], device=device)
+    proposer.inject(features[0, :anchor], torch.arange(anchor, device=device), slots)
+    seq = Sequence("fresh", 0, context, SamplingParams(), None)
+    seq.num_cached, seq.pages = anchor, pages
+    proposal = proposer.propose([seq])
+    drafted = proposer.block_size if proposal.lengths is None else int(proposal.lengths[0])
+    return proposal.tokens[0, :drafted].tolist(), proposal.confidences[0].cpu()
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize(
+    ("device", "graphs"),
+    [
+        ("cpu", False),
+        ("cpu", True),
+        pytest.param("cuda", False, marks=[pytest.mark.gpu, gpu]),
+        pytest.param("cuda", True, marks=[pytest.mark.gpu, gpu]),
+    ],
+    ids=["cpu-eager", "cpu-emulated-graphs", "gpu-eager", "gpu-graphs"],
+)
+def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
+    tiny_target_dir, tiny_drafter_dir, device, graphs
+) -> None:
+    # On the GPU in fp32 with real CUDA graphs: the captured injection and draft blocks, checked too.
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 8) for _ in range(rng.randrange(2, 24))] for _ in range(5)]
+    config = EngineConfig(
+        model=str(tiny_target_dir),
+        draft_model=str(tiny_drafter_dir),
+        spec_mode="compact",
+        num_kv_pages=256,
+        kv_page_size=PAGE,
+        max_num_seqs=3,
+        max_num_batched_tokens=24,
+        device=device,
+        dtype="float32",
+        cuda_graph_max_tokens=32 if graphs else 0,
+    )
+    llm = LLM(config)
+    engine = llm.engine
+    recorder = _Recorder(engine.proposer)
+    engine.proposer = recorder
+    engine.runner.set_feature_sink(recorder.inject)
+    if graphs and device == "cpu":
+        runner = engine.runner
+        runner.use_graphs(CudaGraphs(runner.model, runner.cache, runner.device, 32, 4, emulate=True))
+        recorder.inner.use_graphs(config.max_num_seqs, max_pages=64, emulate=True)
+    outputs = llm.generate(params=SamplingParams(max_tokens=16, ignore_eos=True), prompt_token_ids=prompts)
+    rejected = sum(o.spec_stats.verified_tokens - o.spec_stats.accepted_tokens for o in outputs)
+    accepted = sum(o.spec_stats.accepted_tokens for o in outputs)
+    assert rejected > 0 and accepted > 0, "the run must reject some drafts and accept others"
+    assert len(recorder.blocks) > 20
+    if graphs:
+        assert recorder.inner.graphs is not None and engine.runner.graphs is not None
+    for context, tokens, confidences in recorder.blocks:
+        fresh_tokens, fresh_confidences = _fresh_block(engine, context)
+        assert tokens == fresh_tokens, context
+        torch.testing.assert_close(confidences, fresh_confidences, atol=1e-5, rtol=1e-5)
