@@ -1,4 +1,5 @@
-"""End-to-end decoding speed, side by side in one run: dspark with speculation off / static / compact,
+"""End-to-end decoding speed, side by side in one run: dspark with speculation off / static / compact
+(drafting every step), the serve default (compact behind the adaptive gate, `adaptive_speculation`),
 and Hugging Face transformers `generate()` on the same checkpoint (the peer a user reaches for first).
 
     python benchmarks/e2e.py --batch-sizes 1,4 --max-tokens 64 --out benchmarks/results/e2e-cpu.json
@@ -118,7 +119,13 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=max(32, max(batch_sizes)),
     )
     rows = []
-    engines = {mode: LLM(base.replace(spec_mode=mode)) for mode in ("off", "static", "compact")}
+    # static and compact draft on every step (what speculation itself does); "default" is the serve
+    # default, compact behind the adaptive gate that drafts only while drafting pays.
+    engines = {
+        mode: LLM(base.replace(spec_mode=mode, adaptive_speculation=False))
+        for mode in ("off", "static", "compact")
+    }
+    engines["default"] = LLM(base.replace(spec_mode="compact", adaptive_speculation=True))
     device = engines["off"].engine.limits.device.type
     dtype = engines["off"].engine.limits.dtype
     for batch in batch_sizes:
@@ -128,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         row = {"batch": batch, "off": plain_tps}
         if phases:
             row["phases_ms"] = phases
-        for mode in ("static", "compact"):
+        for mode in ("static", "compact", "default"):
             tps, tokens, stats = _time_engine(engines[mode], ids, args.max_tokens, phases.get(mode))
             row[f"{mode}_identical"] = identical_share(plain_tokens, tokens)
             if tokens != plain_tokens and dtype == torch.float32:
@@ -142,16 +149,17 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(
-        "| batch | off tok/s | static tok/s (τ) | compact tok/s (τ) | transformers tok/s "
-        "| compact / off | compact / transformers |"
+        "| batch | off tok/s | static tok/s (τ) | compact tok/s (τ) | default (gated) tok/s (τ) "
+        "| transformers tok/s | compact / off | default / off | compact / transformers |"
     )
-    print("|" + "---|" * 7)
+    print("|" + "---|" * 9)
     for r in rows:
         peer = r.get("transformers")
         print(
             f"| {r['batch']} | {r['off']:.1f} | {r['static']:.1f} ({r['static_tau']:.2f}) | "
-            f"{r['compact']:.1f} ({r['compact_tau']:.2f}) | {peer or float('nan'):.1f} | "
-            f"{r['compact'] / r['off']:.2f} | {(r['compact'] / peer) if peer else float('nan'):.2f} |"
+            f"{r['compact']:.1f} ({r['compact_tau']:.2f}) | {r['default']:.1f} ({r['default_tau']:.2f}) | "
+            f"{peer or float('nan'):.1f} | {r['compact'] / r['off']:.2f} | {r['default'] / r['off']:.2f} | "
+            f"{(r['compact'] / peer) if peer else float('nan'):.2f} |"
         )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

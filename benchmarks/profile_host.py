@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
             draft_model=args.draft_model,
             device=args.device,
             spec_mode=mode,
+            adaptive_speculation=False,
             num_kv_pages=max(1024, 16 * args.batch),
             max_num_seqs=max(32, args.batch),
         )

@@ -25,7 +25,11 @@ from pathlib import Path
 from dspark.config import EngineConfig
 from dspark.triton_config import DEFAULT_MODEL_REPOSITORY, render_config_pbtxt
 
-TEST_ENGINE_CONFIG = EngineConfig(num_kv_pages=96, kv_page_size=16, max_num_seqs=8, max_model_len=512, seed=0)
+# Serving tests check speculation's counters and streams: draft on every step (the gate's timing-driven
+# choice is tested in test_speculation_gate.py).
+TEST_ENGINE_CONFIG = EngineConfig(
+    num_kv_pages=96, kv_page_size=16, max_num_seqs=8, max_model_len=512, seed=0, adaptive_speculation=False
+)
 STARTUP_TIMEOUT_S = 300.0
 
 

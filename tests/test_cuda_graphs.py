@@ -112,6 +112,7 @@ def test_engine_through_emulated_graphs_gives_the_eager_tokens(
         kv_page_size=PAGE,
         max_num_seqs=4,
         max_num_batched_tokens=32,
+        adaptive_speculation=False,
     )
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     eager = LLM(config).generate(params=params, prompt_token_ids=prompts)
@@ -134,6 +135,7 @@ def test_graphs_captured_at_start_up_serve_every_step(tiny_target_dir, tiny_draf
         kv_page_size=PAGE,
         max_num_seqs=4,
         max_num_batched_tokens=32,
+        adaptive_speculation=False,
     )
     llm = LLM(config)
     engine = llm.engine
@@ -161,7 +163,11 @@ def test_graphs_give_the_eager_engines_tokens(smollm2_dir, smollm2_drafter_dir, 
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
     base = EngineConfig(
-        model=str(smollm2_dir), draft_model=str(smollm2_drafter_dir), spec_mode=spec_mode, device="cuda"
+        model=str(smollm2_dir),
+        draft_model=str(smollm2_drafter_dir),
+        spec_mode=spec_mode,
+        device="cuda",
+        adaptive_speculation=False,
     )
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     outputs = {}

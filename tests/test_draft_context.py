@@ -97,6 +97,7 @@ def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
         device=device,
         dtype="float32",
         cuda_graph_max_tokens=32 if graphs else 0,
+        adaptive_speculation=False,
     )
     llm = LLM(config)
     engine = llm.engine

@@ -40,7 +40,9 @@ def test_dflash_checkpoint_loads_without_heads_and_stays_lossless(
     assert drafter.markov_w1 is None and drafter.confidence is None
     prompts = [[3, 4, 5], [6, 1]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    base = EngineConfig(model=str(tiny_target_dir), num_kv_pages=64, kv_page_size=4)
+    base = EngineConfig(
+        model=str(tiny_target_dir), num_kv_pages=64, kv_page_size=4, adaptive_speculation=False
+    )
     plain = LLM(base.replace(spec_mode="off")).generate(params=params, prompt_token_ids=prompts)
     spec = LLM(base.replace(draft_model=str(dflash_dir), spec_mode="compact")).generate(
         params=params, prompt_token_ids=prompts
@@ -72,6 +74,7 @@ def test_engine_profiles_its_own_sps_table_at_start_and_stays_lossless(
         kv_page_size=4,
         max_num_seqs=4,
         max_num_batched_tokens=64,
+        adaptive_speculation=False,
     )
     llm = LLM(base.replace(sps_table="profile"))
     table = llm.engine.planner.sps

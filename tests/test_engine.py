@@ -19,6 +19,7 @@ def _config(target_dir, draft_dir, **changes) -> EngineConfig:
         kv_page_size=4,
         max_num_seqs=8,
         max_num_batched_tokens=64,
+        adaptive_speculation=False,  # these tests are about speculation: draft on every step
     )
     return base.replace(**changes)
 

@@ -28,6 +28,7 @@ def _config(target_dir, draft_dir=None, **changes) -> EngineConfig:
         kv_page_size=4,
         max_num_seqs=16,
         max_num_batched_tokens=64,
+        adaptive_speculation=False,  # every step drafts: the laws measured are speculation's
     )
     return base.replace(**changes)
 

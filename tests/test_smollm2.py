@@ -24,7 +24,11 @@ def test_greedy_output_unchanged_by_speculation_on_smollm2(
 ):
     llm = LLM(
         EngineConfig(
-            model=str(smollm2_dir), draft_model=str(smollm2_drafter_dir), spec_mode=mode, num_kv_pages=64
+            model=str(smollm2_dir),
+            draft_model=str(smollm2_drafter_dir),
+            spec_mode=mode,
+            num_kv_pages=64,
+            adaptive_speculation=False,
         )
     )
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))

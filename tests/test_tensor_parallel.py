@@ -28,7 +28,11 @@ GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 
 def smollm2_config(target: Path, drafter: Path, **changes) -> EngineConfig:
     config = EngineConfig(
-        model=str(target), draft_model=str(drafter), num_kv_pages=64, tensor_parallel_timeout_s=60
+        model=str(target),
+        draft_model=str(drafter),
+        num_kv_pages=64,
+        tensor_parallel_timeout_s=60,
+        adaptive_speculation=False,  # TP = 1 and TP = 3 must draft on the same steps
     )
     return config.replace(**changes)
 

@@ -47,7 +47,13 @@ def test_training_commands_produce_a_calibrated_drafter_the_engine_serves(tiny_t
     }
     assert all(r["steps"] > 0 and r["tau"] >= 1.0 for r in rows)
 
-    base = EngineConfig(model=str(tiny_target_dir), draft_model=str(drafter), num_kv_pages=64, kv_page_size=4)
+    base = EngineConfig(
+        model=str(tiny_target_dir),
+        draft_model=str(drafter),
+        num_kv_pages=64,
+        kv_page_size=4,
+        adaptive_speculation=False,
+    )
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     prompt_ids = [[3, 4, 5], [6, 1]]
     plain = LLM(base.replace(spec_mode="off")).generate(params=params, prompt_token_ids=prompt_ids)

@@ -109,7 +109,11 @@ def test_trained_drafter_commits_more_tokens_per_step_in_the_engine(
     def tau(name: str) -> float:
         save_drafter(drafter, tmp_path / name, dtype=torch.float32)
         config = EngineConfig(
-            model=str(tiny_target_dir), draft_model=str(tmp_path / name), spec_mode="static", num_kv_pages=128
+            model=str(tiny_target_dir),
+            draft_model=str(tmp_path / name),
+            spec_mode="static",
+            num_kv_pages=128,
+            adaptive_speculation=False,  # tau of the drafter on every step
         )
         outs = LLM(config).generate(
             params=SamplingParams(max_tokens=24, ignore_eos=True),

@@ -51,6 +51,10 @@ class EngineConfig:
     # confidences so far) falls below this, and verifies only what it drafted; 0 drafts whole blocks.
     # The stop depends on the request's own earlier drafts only, so output stays lossless.
     draft_stop_survival: float = 0.05
+    # Draft only while speculation pays: per batch size, the engine compares the committed tokens/s of
+    # its recent steps with and without drafting (trying each, re-probing the loser now and then) and
+    # runs the faster. Lossless either way; false: draft on every step (spec_mode alone decides).
+    adaptive_speculation: bool = True
     # JSON file of measured target steps/s by batch tokens; "profile": measure it when the engine starts
     # (a few seconds; compact and cap-accept only); empty means flat (verify everything).
     sps_table: str = ""
@@ -64,10 +68,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     # Longest prompt plus completion; 0 takes the model's max_position_embeddings.
     max_model_len: int = 0
-    # On CUDA with tensor_parallel_size 1, target steps of up to this many tokens replay captured CUDA
-    # graphs (one per power-of-two token and request count, captured on first use), and so do greedy
-    # draft blocks (any TP size); 0 runs everything eagerly. A Python-driven forward launches hundreds
-    # of kernels a step and is bound by the host.
+    # On CUDA with tensor_parallel_size 1, target steps of up to this many tokens replay CUDA graphs (one
+    # per power-of-two token and request count), and so do greedy draft blocks (any TP size); all are
+    # captured at start-up. 0 runs everything eagerly. A Python-driven forward launches hundreds of
+    # kernels a step and is bound by the host.
     cuda_graph_max_tokens: int = 512
     # GPUs one instance spreads the model over.
     tensor_parallel_size: int = 1

@@ -28,6 +28,7 @@ from dspark.scheduler import PrefillChunk, Scheduler
 from dspark.sequence import Sequence, SequenceStatus
 from dspark.spec.accept import rejection_accept
 from dspark.spec.draft_checkpoint import load_drafter
+from dspark.spec.gate import SpeculationGate
 from dspark.spec.planner import VerifyPlanner
 from dspark.spec.proposer import DraftProposal, DSparkProposer, Proposer
 from dspark.spec.sps_table import SpsTable
@@ -93,6 +94,8 @@ class LLMEngine:
             # Every window row is injected, rejected drafts' rows too: a position's draft KV is read only
             # once the position is committed, and the step that commits it injects its true features.
             self.runner.set_feature_sink(self.proposer.inject)
+        # Whether each step drafts, from the measured speed of earlier steps (None: always).
+        self.gate = SpeculationGate() if self.proposer is not None and config.adaptive_speculation else None
         # Target layers whose outputs the drafter takes (none without speculation).
         self._capture_layers = tuple(self.proposer.target_layer_ids) if self.proposer is not None else ()
         block_size = 0
@@ -232,6 +235,8 @@ class LLMEngine:
         """Run one scheduling iteration and return every request's delta."""
         timer = self.timer
         timer.start()
+        if self.gate is not None:
+            self.gate.start_step()
         deltas, self._pending = self._pending, []
         deltas.extend(self._apply_aborts())
         schedule = self.scheduler.schedule()
@@ -254,12 +259,21 @@ class LLMEngine:
         timer.lap("accept")
         for seq, tokens in committed:
             deltas.append(self._emit(seq, tokens))
+        if self.gate is not None and not schedule.prefill:
+            # Decode-only steps are comparable; a prefill chunk would charge its own cost to the kind.
+            num_tokens = sum(len(tokens) for _, tokens in committed)
+            self.gate.finish_step(len(decode), plan.proposal is not None, num_tokens)
         timer.finish("emit")
         return deltas
 
     def _plan_verification(self, decode: list[Sequence]) -> _VerifyPlan:
         caps = [self._max_verify(seq) for seq in decode]
-        if self.proposer is None or not any(caps):
+        plain = self.proposer is None or not any(caps)
+        # A seeded sampling request replays its stream only if its steps draft alike on every run, so a
+        # step with one follows spec_mode rather than the timing-driven gate.
+        seeded = any(s.params.seed is not None and not s.params.greedy for s in decode)
+        gated = self.gate is not None and not seeded
+        if plain or (gated and not self.gate.should_speculate(len(decode))):
             return _VerifyPlan(None, [0] * len(decode), [0] * len(decode))
         proposal = self.proposer.propose(decode)
         self.timer.lap("draft")

@@ -175,7 +175,8 @@ def evaluate_acceptance(
 
     def engine(mode: str) -> tuple[LLM, RecordingProposer]:
         if mode not in engines:
-            llm = LLM(config.replace(spec_mode=mode))
+            # Every step drafts: acceptance is measured, not whether speculation pays on this machine.
+            llm = LLM(config.replace(spec_mode=mode, adaptive_speculation=False))
             if llm.engine.proposer is None:
                 raise ValueError("eval: speculation is off; give a static or compact mode")
             # The engine's own proposer keeps drafting; the wrapper only watches what it returns.

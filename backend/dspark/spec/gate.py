@@ -1,0 +1,81 @@
+"""SpeculationGate: draft only on the steps where speculation has been paying.
+
+Whether speculation pays depends on the machine, the model, the drafter's acceptance and the batch:
+on a small model at a large batch, drafting and verifying cost more than the extra tokens bring. The
+gate keeps, per power-of-two count of decoding requests, a moving average of committed tokens per
+second of decode-only steps run with speculation and of those run without, and picks the faster; a
+warm-up tries each a few times and a probe re-measures the losing side now and then.
+
+Lossless: the decision reads only the wall times and token counts of earlier steps, never this step's
+drafts, and both kinds of step are lossless on their own. (A seeded sampling request keeps its
+distribution, but which steps speculated, and so its exact stream, then depends on timing.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dspark.cuda_graphs import next_pow2
+
+WARM_UP_STEPS = 3  # steps of each kind per batch tier before the averages decide
+PROBE_INTERVAL = 32  # every this many steps of a tier, run the side that is losing once
+SMOOTHING = 0.2  # weight of the newest step in each moving average
+
+
+@dataclass
+class _TierStats:
+    """Moving averages of committed tokens per second, with and without speculation, for one tier."""
+
+    rates: tuple[float, float] = (0.0, 0.0)  # (plain, speculative)
+    counts: tuple[int, int] = (0, 0)
+    steps: int = 0
+
+    def record(self, speculative: bool, rate: float) -> None:
+        i = int(speculative)
+        rates, counts = list(self.rates), list(self.counts)
+        rates[i] = rate if counts[i] == 0 else (1 - SMOOTHING) * rates[i] + SMOOTHING * rate
+        counts[i] += 1
+        self.rates, self.counts = (rates[0], rates[1]), (counts[0], counts[1])
+
+
+class SpeculationGate:
+    """Decides, step by step, whether the engine drafts (see the module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        """clock: seconds, monotonic (tests pass their own)."""
+        self.clock = clock
+        self._tiers: dict[int, _TierStats] = {}
+        self._started: float | None = None
+
+    def should_speculate(self, num_requests: int) -> bool:
+        """Whether a step with this many decoding requests should draft."""
+        stats = self._tiers.setdefault(next_pow2(num_requests), _TierStats())
+        stats.steps += 1
+        plain_count, spec_count = stats.counts
+        if spec_count < WARM_UP_STEPS:
+            return True
+        if plain_count < WARM_UP_STEPS:
+            return False
+        plain_rate, spec_rate = stats.rates
+        winner = spec_rate >= plain_rate
+        return not winner if stats.steps % PROBE_INTERVAL == 0 else winner
+
+    def start_step(self) -> None:
+        """Mark the start of an engine step."""
+        self._started = self.clock()
+
+    def finish_step(self, num_requests: int, speculative: bool, committed_tokens: int) -> None:
+        """Record a decode-only step (prefill chunks would skew its rate): requests, kind, tokens."""
+        if self._started is None or num_requests == 0:
+            return
+        seconds = max(self.clock() - self._started, 1e-9)
+        self._started = None
+        self._tiers.setdefault(next_pow2(num_requests), _TierStats()).record(
+            speculative, committed_tokens / seconds
+        )
+
+    def rates(self, num_requests: int) -> tuple[float, float]:
+        """(plain, speculative) committed tokens per second measured for this many requests."""
+        return self._tiers.get(next_pow2(num_requests), _TierStats()).rates
