@@ -307,10 +307,10 @@ def markdown(report: dict) -> str:
         nan = float("nan")
         for r in report[key]:
             peer = r.get("transformers")
-            default = r.get("default", nan)
+            default, default_tau = r.get("default", nan), r.get("default_tau", nan)
             lines.append(
                 f"| {r['batch']} | {r['off']:.1f} | {r['static']:.1f} ({r['static_tau']:.2f}) | "
-                f"{r['compact']:.1f} ({r['compact_tau']:.2f}) | {default:.1f} ({r.get('default_tau', nan):.2f}) "
+                f"{r['compact']:.1f} ({r['compact_tau']:.2f}) | {default:.1f} ({default_tau:.2f}) "
                 f"| {peer or nan:.1f} | {r['compact'] / r['off']:.2f} | {default / r['off']:.2f} | "
                 f"{(r['compact'] / peer) if peer else nan:.2f} |"
             )

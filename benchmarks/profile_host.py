@@ -16,9 +16,9 @@ import pstats
 import time
 from pathlib import Path
 
-from dspark import LLM, EngineConfig, SamplingParams
-
 from e2e import _prompt_ids
+
+from dspark import LLM, EngineConfig, SamplingParams
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,7 +38,9 @@ class _Recorder:
             # The anchor is the last committed token; positions before it are the draft's context.
             context = list(seq.token_ids[: seq.num_cached + 1])
             drafted = self.block_size if proposal.lengths is None else int(proposal.lengths[r])
-            self.blocks.append((context, proposal.tokens[r, :drafted].tolist(), proposal.confidences[r].cpu()))
+            self.blocks.append(
+                (context, proposal.tokens[r, :drafted].tolist(), proposal.confidences[r].cpu())
+            )
         return proposal
 
     def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
@@ -52,9 +54,7 @@ def _fresh_block(engine, context: list[int]) -> tuple[list[int], torch.Tensor]:
     anchor = len(context) - 1
     with torch.inference_mode():
         _, features = target_pass(model, torch.tensor([context], device=device), inner.target_layer_ids)
-    proposer = DSparkProposer(
-        inner.drafter, inner.embedding, inner.lm_head, 64, PAGE, inner.stop_survival
-    )
+    proposer = DSparkProposer(inner.drafter, inner.embedding, inner.lm_head, 64, PAGE, inner.stop_survival)
     pages = list(range(-(-(anchor + inner.block_size) // PAGE)))
     slots = torch.tensor([pages[i // PAGE] * PAGE + i % PAGE for i in range(anchor)], device=device)
     proposer.inject(features[0, :anchor], torch.arange(anchor, device=device), slots)

@@ -19,7 +19,9 @@ class _Clock:
         return self.now
 
 
-def _run_steps(gate: SpeculationGate, clock: _Clock, requests: int, steps: int, seconds, tokens) -> list[bool]:
+def _run_steps(
+    gate: SpeculationGate, clock: _Clock, requests: int, steps: int, seconds, tokens
+) -> list[bool]:
     """Drive `steps` decode steps; seconds(spec) and tokens(spec) say how each kind of step goes."""
     decisions = []
     for _ in range(steps):
@@ -64,7 +66,9 @@ def test_gate_follows_a_change_of_regime() -> None:
     assert sum(after[-100:]) <= 100 // PROBE_INTERVAL + 1
 
 
-def test_gated_engine_is_lossless_and_speculates_on_some_steps_only(tiny_target_dir, tiny_drafter_dir) -> None:
+def test_gated_engine_is_lossless_and_speculates_on_some_steps_only(
+    tiny_target_dir, tiny_drafter_dir
+) -> None:
     rng = random.Random(11)
     prompts = [[rng.randrange(1, 8) for _ in range(rng.randrange(2, 20))] for _ in range(4)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)

@@ -20,7 +20,6 @@ from dspark.attention_batch import AttentionBatch
 from dspark.kv_cache import PagedKVCache
 from dspark.models.llama import CausalLM
 
-
 # Takes (features [T, L * hidden], positions [T], slots [T]) of every token of a step (padding: slot -1).
 FeatureSink = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 Outputs = TypeVar("Outputs")
@@ -249,7 +248,11 @@ class CudaGraphs:
     def _capture(self, tokens: int, requests: int, capture_layers: tuple[int, ...]) -> Captured:
         layout = self.layout
         batch = layout.batch(tokens, requests, causal=True)
-        token_ids, positions, slots = layout.token_ids[:tokens], layout.positions[:tokens], layout.slots[:tokens]
+        token_ids, positions, slots = (
+            layout.token_ids[:tokens],
+            layout.positions[:tokens],
+            layout.slots[:tokens],
+        )
 
         def forward() -> tuple[torch.Tensor | None, ...]:
             hidden, features = self.model(token_ids, positions, batch, self.cache, capture_layers)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,21 @@ class _VerifyPlan:
     proposal: DraftProposal | None
     verify_lens: list[int]
     commit_caps: list[int]
+    # Per request: the drafts it verifies (host ints, read from the proposal once per step), and how
+    # many positions it drafted (for its statistics).
+    drafts: list[list[int]] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.proposal is None:
+            self.drafts = [[] for _ in self.verify_lens]
+            self.drafted = [0] * len(self.verify_lens)
+            return
+        rows = self.proposal.tokens.tolist()
+        self.drafts = [row[:n] for row, n in zip(rows, self.verify_lens, strict=True)]
+        gamma = self.proposal.tokens.shape[1]
+        lengths = self.proposal.lengths
+        self.drafted = [gamma] * len(rows) if lengths is None else [min(gamma, n) for n in lengths.tolist()]
 
 
 class LLMEngine:
@@ -308,10 +323,7 @@ class LLMEngine:
         self, decode: list[Sequence], plan: _VerifyPlan, prefill: list[PrefillChunk]
     ) -> _Windows:
         windows = _Windows()
-        for r, seq in enumerate(decode):
-            drafts = (
-                plan.proposal.tokens[r, : plan.verify_lens[r]].tolist() if plan.proposal is not None else []
-            )
+        for seq, drafts in zip(decode, plan.drafts, strict=True):
             windows.add(seq, [seq.anchor, *drafts], seq.num_cached, logits="all")
         for chunk in prefill:
             seq = chunk.seq
@@ -338,7 +350,7 @@ class LLMEngine:
         num_accepted, bonus = self._greedy_accept(plan, argmax, windows, greedy_rows)
         for r, seq in enumerate(decode):
             verified = plan.verify_lens[r]
-            drafts = plan.proposal.tokens[r, :verified].tolist() if plan.proposal is not None else []
+            drafts = plan.drafts[r]
             if seq.params.greedy:
                 accepted, next_token = num_accepted[r], bonus[r]
             else:
@@ -353,13 +365,7 @@ class LLMEngine:
                     seq.params,
                     seq.generator,
                 )
-            if plan.proposal is not None:
-                drafted = self.limits.block_size
-                if plan.proposal.lengths is not None:
-                    drafted = min(drafted, int(plan.proposal.lengths[r]))
-                seq.spec_stats.record_step(drafted, verified, accepted)
-            else:
-                seq.spec_stats.record_step(0, 0, 0)
+            seq.spec_stats.record_step(plan.drafted[r], verified, accepted)
             seq.num_cached += accepted + 1
             committed.append((seq, [*drafts[:accepted], next_token]))
         for i, chunk in enumerate(prefill):
@@ -385,22 +391,24 @@ class LLMEngine:
         if plan.proposal is not None:
             drafts = plan.proposal.tokens[rows]
         lens = [plan.verify_lens[r] for r in rows]
-        pieces = [
-            argmax[windows.logit_offsets[r] : windows.logit_offsets[r] + 1 + lens[i]]
-            for i, r in enumerate(rows)
-        ]
-        target_tokens = torch.cat(pieces)
+        # One gather of every window's argmax rows (built as a host list, not a slice per request).
+        starts = [windows.logit_offsets[r] for r in rows]
+        index = [start + j for start, n in zip(starts, lens, strict=True) for j in range(n + 1)]
+        target_tokens = argmax[torch.tensor(index, dtype=torch.long)]
+        window_lens = torch.tensor(lens, dtype=torch.long)
         cu = torch.zeros(len(rows) + 1, dtype=torch.long)
-        cu[1:] = torch.cumsum(torch.tensor([n + 1 for n in lens]), 0)
-        accepted, bonus = ops.greedy_accept(drafts, target_tokens, cu, torch.tensor(lens))
-        caps = [plan.commit_caps[r] for r in rows]
+        cu[1:] = torch.cumsum(window_lens + 1, 0)
+        accepted, bonus = ops.greedy_accept(drafts, target_tokens, cu, window_lens)
+        targets, firsts = target_tokens.tolist(), cu.tolist()
         out_accepted: dict[int, int] = {}
         out_bonus: dict[int, int] = {}
-        for i, r in enumerate(rows):
-            n = min(int(accepted[i]), caps[i])
+        for i, (r, matched, next_token) in enumerate(
+            zip(rows, accepted.tolist(), bonus.tolist(), strict=True)
+        ):
+            n = min(matched, plan.commit_caps[r])
             out_accepted[r] = n
             # With cap-accept the bonus is the target's choice right after the capped prefix.
-            out_bonus[r] = int(bonus[i]) if n == int(accepted[i]) else int(target_tokens[int(cu[i]) + n])
+            out_bonus[r] = next_token if n == matched else targets[firsts[i] + n]
         return out_accepted, out_bonus
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> RequestDelta:

@@ -132,17 +132,25 @@ class DSparkProposer:
             if self.graphs is not None:
                 drafted = self.graphs.run(block.flatten(), positions, pages, starts)
             if drafted is None:
-                batch = AttentionBatch.build(pages, starts, [gamma] * num_requests, self.page_size, False, self.device)
-                drafted = self._greedy_block(block.flatten().to(self.device), positions.to(self.device), batch)
+                batch = AttentionBatch.build(
+                    pages, starts, [gamma] * num_requests, self.page_size, False, self.device
+                )
+                drafted = self._greedy_block(
+                    block.flatten().to(self.device), positions.to(self.device), batch
+                )
             tokens, confidences, lengths = drafted
             return DraftProposal(
                 tokens.cpu(), confidences.clone(), [None] * num_requests, lengths.cpu() if stopping else None
             )
-        batch = AttentionBatch.build(pages, starts, [gamma] * num_requests, self.page_size, False, self.device)
+        batch = AttentionBatch.build(
+            pages, starts, [gamma] * num_requests, self.page_size, False, self.device
+        )
         heads = self._block_heads(block.flatten().to(self.device), positions.to(self.device), batch)
         return self._decode_block(heads, block[:, 0].to(self.device), seqs)
 
-    def _block_heads(self, block_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> BlockHeads:
+    def _block_heads(
+        self, block_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+    ) -> BlockHeads:
         embeddings = F.embedding(block_ids, self.embedding)
         return self.drafter.block_pass(embeddings, positions, batch, self.cache, self.lm_head)
 
