@@ -132,9 +132,7 @@ class DSparkProposer:
             if self.graphs is not None:
                 drafted = self.graphs.run(block.flatten(), positions, pages, starts)
             if drafted is None:
-                batch = AttentionBatch.build(
-                    pages, starts, [gamma] * num_requests, self.page_size, False, self.device
-                )
+                batch = self._block_layout(pages, starts)
                 drafted = self._greedy_block(
                     block.flatten().to(self.device), positions.to(self.device), batch
                 )
@@ -142,11 +140,14 @@ class DSparkProposer:
             return DraftProposal(
                 tokens.cpu(), confidences.clone(), [None] * num_requests, lengths.cpu() if stopping else None
             )
-        batch = AttentionBatch.build(
-            pages, starts, [gamma] * num_requests, self.page_size, False, self.device
-        )
+        batch = self._block_layout(pages, starts)
         heads = self._block_heads(block.flatten().to(self.device), positions.to(self.device), batch)
         return self._decode_block(heads, block[:, 0].to(self.device), seqs)
+
+    def _block_layout(self, pages: list[list[int]], starts: list[int]) -> AttentionBatch:
+        """Every request's block: gamma positions from its first uncached one, seeing the whole block."""
+        gamma = [self.block_size] * len(starts)
+        return AttentionBatch.build(pages, starts, gamma, self.page_size, False, self.device)
 
     def _block_heads(
         self, block_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
