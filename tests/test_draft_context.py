@@ -55,6 +55,7 @@ def _fresh_block(engine, context: list[int]) -> tuple[list[int], torch.Tensor]:
     with torch.inference_mode():
         _, features = target_pass(model, torch.tensor([context], device=device), inner.target_layer_ids)
     proposer = DSparkProposer(inner.drafter, inner.embedding, inner.lm_head, 64, PAGE, inner.stop_survival)
+    proposer._on_gpu = False  # position by position, leaving the loop early: the other way to draft
     pages = list(range(-(-(anchor + inner.block_size) // PAGE)))
     slots = torch.tensor([pages[i // PAGE] * PAGE + i % PAGE for i in range(anchor)], device=device)
     proposer.inject(features[0, :anchor], torch.arange(anchor, device=device), slots)
@@ -69,18 +70,21 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 
 @pytest.mark.parametrize(
-    ("device", "graphs"),
+    ("device", "graphs", "gpu_drafting"),
     [
-        ("cpu", False),
-        ("cpu", True),
-        pytest.param("cuda", False, marks=[pytest.mark.gpu, gpu]),
-        pytest.param("cuda", True, marks=[pytest.mark.gpu, gpu]),
+        ("cpu", False, False),
+        ("cpu", True, False),
+        ("cpu", False, True),
+        pytest.param("cuda", False, True, marks=[pytest.mark.gpu, gpu]),
+        pytest.param("cuda", True, True, marks=[pytest.mark.gpu, gpu]),
     ],
-    ids=["cpu-eager", "cpu-emulated-graphs", "gpu-eager", "gpu-graphs"],
+    ids=["cpu-eager", "cpu-emulated-graphs", "cpu-gpu-drafting", "gpu-eager", "gpu-graphs"],
 )
 def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
-    tiny_target_dir, tiny_drafter_dir, device, graphs
+    tiny_target_dir, tiny_drafter_dir, device, graphs, gpu_drafting
 ) -> None:
+    # gpu_drafting: the engine's proposer drafts as on a GPU (every position projected in one GEMM, no
+    # early exit from the position loop); the fresh proposer it is checked against drafts as on a CPU.
     # On the GPU in fp32 with real CUDA graphs: the captured injection and draft blocks, checked too.
     seed = random.randrange(2**31)
     print(f"seed={seed}")
@@ -102,6 +106,7 @@ def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
     llm = LLM(config)
     engine = llm.engine
     recorder = _Recorder(engine.proposer)
+    recorder.inner._on_gpu = gpu_drafting
     engine.proposer = recorder
     engine.runner.set_feature_sink(recorder.inject)
     if graphs and device == "cpu":

@@ -153,7 +153,12 @@ class DSparkProposer:
         self, block_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
     ) -> BlockHeads:
         embeddings = F.embedding(block_ids, self.embedding)
-        return self.drafter.block_pass(embeddings, positions, batch, self.cache, self.lm_head)
+        heads = self.drafter.block_pass(embeddings, positions, batch, self.cache, self.lm_head)
+        if self._on_gpu:
+            # One GEMM reads the LM head once a block; the CPU projects position by position instead,
+            # so that requests which stop drafting early skip the rest of theirs.
+            heads.project_all()
+        return heads
 
     def _greedy_block(
         self, block_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
