@@ -76,6 +76,15 @@ def test_speculation_counters_add_each_request_s_progress_once():
     assert metric("dspark_spec_verified_tokens_total").value == 5
     assert metric("dspark_spec_accepted_tokens_total").value == 2
     assert metric("dspark_spec_steps_total").value == 2
+    assert metric("dspark_spec_drafting_steps_total").value == 2
+
+
+def test_plain_steps_count_as_steps_but_not_as_drafting_steps():
+    metrics = make()
+    metrics.speculation(None, stats_after((7, 3, 2), (0, 0, 0), (0, 0, 0)))
+    metrics.flush()
+    assert metric("dspark_spec_steps_total").value == 3
+    assert metric("dspark_spec_drafting_steps_total").value == 1
 
 
 def test_gauges_give_mean_window_acceptance_length_and_per_position_rates():

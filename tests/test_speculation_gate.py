@@ -98,7 +98,9 @@ def test_gated_engine_is_lossless_and_speculates_on_some_steps_only(
     gate.should_speculate = decide  # type: ignore[method-assign]
     gated = llm.generate(params=params, prompt_token_ids=prompts)
     assert [o.token_ids for o in gated] == [o.token_ids for o in plain]
-    assert llm.engine.total_spec_stats.drafted_tokens > 0, "the gate's warm-up drafts"
+    stats = llm.engine.total_spec_stats
+    assert stats.drafted_tokens > 0, "the gate's warm-up drafts"
+    assert 0 < stats.drafting_steps < stats.steps  # what dspark_spec_drafting_steps_total publishes
     # Speculation, 10x slower here, is switched off after the warm-up, but for the probes.
     assert decisions[:WARM_UP_STEPS] == [True] * WARM_UP_STEPS
     assert sum(decisions) <= 2 * WARM_UP_STEPS + len(decisions) // PROBE_INTERVAL + 2, decisions

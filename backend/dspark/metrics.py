@@ -15,7 +15,7 @@ from dspark.outputs import EngineLoad
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
-SPEC_COUNTERS = ("drafted_tokens", "verified_tokens", "accepted_tokens", "steps")
+SPEC_COUNTERS = ("drafted_tokens", "verified_tokens", "accepted_tokens", "steps", "drafting_steps")
 
 
 class Metrics:

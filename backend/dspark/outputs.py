@@ -17,6 +17,9 @@ class SpecStats:
     verified_tokens: int = 0
     accepted_tokens: int = 0
     steps: int = 0
+    # Steps that drafted (the rest decoded plainly: speculation off for the request, or the adaptive
+    # gate chose a plain step).
+    drafting_steps: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     verified_per_position: list[int] = field(default_factory=list)
 
@@ -26,6 +29,7 @@ class SpecStats:
         self.verified_tokens += verified
         self.accepted_tokens += accepted
         self.steps += 1
+        self.drafting_steps += drafted > 0
         grow = max(verified - len(self.verified_per_position), 0)
         self.verified_per_position.extend([0] * grow)
         self.accepted_per_position.extend(
@@ -42,6 +46,7 @@ class SpecStats:
         self.verified_tokens += other.verified_tokens
         self.accepted_tokens += other.accepted_tokens
         self.steps += other.steps
+        self.drafting_steps += other.drafting_steps
         for name in ("accepted_per_position", "verified_per_position"):
             mine, theirs = getattr(self, name), getattr(other, name)
             mine.extend([0] * max(len(theirs) - len(mine), 0))
@@ -60,6 +65,7 @@ class SpecStats:
             "verified_tokens": self.verified_tokens,
             "accepted_tokens": self.accepted_tokens,
             "steps": self.steps,
+            "drafting_steps": self.drafting_steps,
             "mean_committed_per_step": round(self.mean_committed_per_step, 4),
             "accepted_per_position": list(self.accepted_per_position),
             "verified_per_position": list(self.verified_per_position),
