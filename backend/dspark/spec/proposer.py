@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
@@ -166,45 +167,20 @@ class DSparkProposer:
         """A greedy block for every request, device work only (what a draft graph captures): drafts
         [R, gamma] int64, confidences [R, gamma] fp32 and drafted lengths [R] int64, on the device."""
         heads = self._block_heads(block_ids, positions, batch)
-        num_requests, gamma = heads.hidden.shape[0], self.block_size
-        tokens = torch.zeros(num_requests, gamma, dtype=torch.long, device=self.device)
-        confidences = torch.zeros(num_requests, gamma, dtype=torch.float32, device=self.device)
-        previous = block_ids.view(num_requests, gamma)[:, 0]
-        stop = _EarlyStop(self.stop_survival, num_requests, gamma, self.device)
-        for k in range(gamma):
-            markov = self.drafter.markov_features(previous)
-            confidence = stop.update(self.drafter.confidence_at(heads.hidden[:, k], markov, k), k)
-            # On the CPU, leave the loop once every request has stopped (saves the vocabulary
-            # projections); on a GPU, asking would make the host wait for the device each position.
-            if not self._on_gpu and stop.all_stopped():
-                break
-            confidences[:, k] = confidence
-            previous = self.drafter.corrected_logits(heads.logits_at(k), markov).argmax(dim=-1)
-            tokens[:, k] = previous
+        anchors = block_ids.view(-1, self.block_size)[:, 0]
+        tokens, confidences, stop = self._markov_decode(heads, anchors)
         return tokens, confidences, stop.lengths
 
     def _decode_block(self, heads: BlockHeads, anchors: torch.Tensor, seqs: Seq[Sequence]) -> DraftProposal:
         """The Markov decode of a block with sampling requests in it: they draw their drafts from their
         own generators on the host, so this path runs eagerly."""
-        num_requests, gamma = len(seqs), self.block_size
-        # Filled on the drafter's device and moved to the host once: a copy per block position would
-        # make the host wait for the device gamma times a step.
-        tokens = torch.zeros(num_requests, gamma, dtype=torch.long, device=self.device)
-        confidences = torch.zeros(num_requests, gamma, dtype=torch.float32, device=self.device)
+        gamma, vocab = self.block_size, heads.lm_head.shape[0]
         sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
-        vocab = heads.lm_head.shape[0]
         probs: list[torch.Tensor | None] = [
             None if s.params.greedy else torch.zeros(gamma, vocab) for s in seqs
         ]
-        previous = anchors
-        stop = _EarlyStop(self.stop_survival, num_requests, gamma, self.device)
-        for k in range(gamma):
-            markov = self.drafter.markov_features(previous)
-            confidence = stop.update(self.drafter.confidence_at(heads.hidden[:, k], markov, k), k)
-            if not self._on_gpu and stop.all_stopped():
-                break
-            confidences[:, k] = confidence
-            logits = self.drafter.corrected_logits(heads.logits_at(k), markov)
+
+        def choose(k: int, logits: torch.Tensor, stop: _EarlyStop) -> torch.Tensor:
             chosen = logits.argmax(dim=-1)
             # A stopped request draws no more random numbers: its stream must not depend on its batch.
             drafting = stop.lengths.tolist() if stop.enabled else None
@@ -215,10 +191,39 @@ class DSparkProposer:
                 row = filtered_probs(logits[r : r + 1], seq.params)
                 probs[r][k] = row[0].cpu()  # type: ignore[index]
                 chosen[r] = sample_rows(row, seq.generator)[0]
-            tokens[:, k] = chosen
-            previous = chosen
+            return chosen
+
+        tokens, confidences, stop = self._markov_decode(heads, anchors, choose)
         lengths = stop.lengths.cpu() if stop.enabled else None
         return DraftProposal(tokens.cpu(), confidences, probs, lengths)
+
+    def _markov_decode(
+        self,
+        heads: BlockHeads,
+        anchors: torch.Tensor,
+        choose: Callable[[int, torch.Tensor, _EarlyStop], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, _EarlyStop]:
+        """Left-to-right Markov decode of every request's block from its anchor [R]: drafts [R, gamma]
+        and confidences [R, gamma] on the device (filled there and moved to the host once: a copy per
+        position would make the host wait gamma times a step), and the early stop's state. `choose`
+        (position, corrected logits [R, vocab], stop) picks each position's drafts; None: argmax."""
+        num_requests, gamma = anchors.shape[0], self.block_size
+        tokens = torch.zeros(num_requests, gamma, dtype=torch.long, device=self.device)
+        confidences = torch.zeros(num_requests, gamma, dtype=torch.float32, device=self.device)
+        previous = anchors
+        stop = _EarlyStop(self.stop_survival, num_requests, gamma, self.device)
+        for k in range(gamma):
+            markov = self.drafter.markov_features(previous)
+            confidence = stop.update(self.drafter.confidence_at(heads.hidden[:, k], markov, k), k)
+            # On the CPU, leave the loop once every request has stopped (saves the vocabulary
+            # projections); on a GPU, asking would make the host wait for the device each position.
+            if not self._on_gpu and stop.all_stopped():
+                break
+            confidences[:, k] = confidence
+            logits = self.drafter.corrected_logits(heads.logits_at(k), markov)
+            previous = logits.argmax(dim=-1) if choose is None else choose(k, logits, stop)
+            tokens[:, k] = previous
+        return tokens, confidences, stop
 
 
 class _EarlyStop:
