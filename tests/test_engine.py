@@ -193,3 +193,20 @@ def test_step_timer_splits_each_step_into_phases(tiny_target_dir, tiny_drafter_d
         assert phases[phase] > 0, phase
     llm.engine.timer.reset()
     assert llm.engine.timer.summary() == {"steps": 0.0}
+
+
+def test_a_smaller_engine_block_counts_only_its_own_drafts(tiny_target_dir, tiny_drafter_dir) -> None:
+    # The drafter drafts 4 positions a block (its pages must be there); an engine block of 2 verifies
+    # and counts 2 of them, and greedy output stays the target's.
+    prompts = _prompts(3, seed=2)
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static", block_size=2))
+    outs = llm.generate(params=GREEDY, prompt_token_ids=prompts)
+    plain = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="off"))
+    assert [o.token_ids for o in outs] == [
+        o.token_ids for o in plain.generate(params=GREEDY, prompt_token_ids=prompts)
+    ]
+    for out in outs:
+        stats = out.spec_stats
+        assert stats.drafting_steps > 0
+        assert stats.drafted_tokens == 2 * stats.drafting_steps
+        assert stats.verified_tokens <= stats.drafted_tokens

@@ -55,6 +55,8 @@ class _VerifyPlan:
     proposal: DraftProposal | None
     verify_lens: list[int]
     commit_caps: list[int]
+    # The engine's block size (it may use fewer of the drafter's positions than it drafts).
+    block_size: int = 0
     # Per request: the drafts it verifies (host ints, read from the proposal once per step), and how
     # many positions it drafted (for its statistics).
     drafts: list[list[int]] = field(default_factory=list)
@@ -67,7 +69,7 @@ class _VerifyPlan:
             return
         rows = self.proposal.tokens.tolist()
         self.drafts = [row[:n] for row, n in zip(rows, self.verify_lens, strict=True)]
-        gamma = self.proposal.tokens.shape[1]
+        gamma = self.block_size
         lengths = self.proposal.lengths
         self.drafted = [gamma] * len(rows) if lengths is None else [min(gamma, n) for n in lengths.tolist()]
 
@@ -118,7 +120,9 @@ class LLMEngine:
             block_size = config.block_size or self.proposer.block_size
             if block_size > self.proposer.block_size:
                 raise ValueError(f"block_size: the drafter drafts at most {self.proposer.block_size}")
-        window = block_size + 1
+        # Positions a decoding request may touch past its cache: its verify window, and the drafter's
+        # whole block (it drafts all its positions even when the engine verifies fewer of them).
+        window = max(block_size + 1, self.proposer.block_size if self.proposer is not None else 0)
         capacity = config.num_kv_pages * page_size - window
         limit = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings - window)
         if capacity < 2:
@@ -295,18 +299,18 @@ class LLMEngine:
         gamma = self.limits.block_size
         mode = self.config.spec_mode
         if mode == "static":
-            return _VerifyPlan(proposal, caps, caps)
+            return _VerifyPlan(proposal, caps, caps, gamma)
         if proposal.lengths is not None:
             # Positions a request did not draft (it stopped early) are never verified.
             caps = [min(cap, int(n)) for cap, n in zip(caps, proposal.lengths.tolist(), strict=True)]
         if self.planner.verifies_all:
-            return _VerifyPlan(proposal, caps, caps)
+            return _VerifyPlan(proposal, caps, caps, gamma)
         cap_tensor = torch.tensor(caps, dtype=torch.long)
         survivals = torch.cumprod(proposal.confidences[:, :gamma], dim=1)
         planned = self.planner.plan(survivals, cap_tensor).tolist()
         if mode == "cap-accept":
-            return _VerifyPlan(proposal, caps, planned)
-        return _VerifyPlan(proposal, planned, planned)
+            return _VerifyPlan(proposal, caps, planned, gamma)
+        return _VerifyPlan(proposal, planned, planned, gamma)
 
     def _max_verify(self, seq: Sequence) -> int:
         """Most drafts this request may verify: block size, its own cap, tokens and context left."""
