@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dspark.cuda_graphs import next_pow2
 
@@ -28,16 +28,16 @@ SMOOTHING = 0.2  # weight of the newest step in each moving average
 class _TierStats:
     """Moving averages of committed tokens per second, with and without speculation, for one tier."""
 
-    rates: tuple[float, float] = (0.0, 0.0)  # (plain, speculative)
-    counts: tuple[int, int] = (0, 0)
+    # Indexed by int(speculative): [plain, speculative].
+    rates: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    counts: list[int] = field(default_factory=lambda: [0, 0])
     steps: int = 0
 
     def record(self, speculative: bool, rate: float) -> None:
         i = int(speculative)
-        rates, counts = list(self.rates), list(self.counts)
-        rates[i] = rate if counts[i] == 0 else (1 - SMOOTHING) * rates[i] + SMOOTHING * rate
-        counts[i] += 1
-        self.rates, self.counts = (rates[0], rates[1]), (counts[0], counts[1])
+        first = self.counts[i] == 0
+        self.rates[i] = rate if first else (1 - SMOOTHING) * self.rates[i] + SMOOTHING * rate
+        self.counts[i] += 1
 
 
 class SpeculationGate:
@@ -78,4 +78,5 @@ class SpeculationGate:
 
     def rates(self, num_requests: int) -> tuple[float, float]:
         """(plain, speculative) committed tokens per second measured for this many requests."""
-        return self._tiers.get(next_pow2(num_requests), _TierStats()).rates
+        plain, speculative = self._tiers.get(next_pow2(num_requests), _TierStats()).rates
+        return plain, speculative
