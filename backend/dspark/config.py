@@ -45,7 +45,8 @@ class EngineConfig:
     planner_policy: str = "sync"
     # Steps between the confidences that fix K and their use, for the lagged policy (>= 1).
     planner_lag: int = 1
-    # Drafted tokens per step (gamma); 0 takes the drafter checkpoint's block_size.
+    # Most drafts a request verifies per step (gamma), at most the drafter's block_size (which it still
+    # drafts whole); 0 takes the drafter checkpoint's block_size.
     block_size: int = 0
     # compact only: a request stops drafting once the survival of its next draft (the product of the
     # confidences so far) falls below this, and verifies only what it drafted; 0 drafts whole blocks.
