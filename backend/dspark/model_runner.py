@@ -116,7 +116,9 @@ class ModelRunner:
             device,
         )
         graphs = None
-        if device.type == "cuda" and tp.size == 1 and config.cuda_graph_max_tokens > 0:
+        # Tensor-parallel ranks capture too: every rank takes the same steps, so each replays the same
+        # tier's graph and the NCCL collectives captured in it meet.
+        if device.type == "cuda" and config.cuda_graph_max_tokens > 0:
             max_tokens = min(config.cuda_graph_max_tokens, config.max_num_batched_tokens)
             graphs = CudaGraphs(model, cache, device, max_tokens, config.max_num_seqs)
         return cls(model, cache, device, graphs)
@@ -234,7 +236,17 @@ class TensorParallelRunner:
         return self.workers.pids
 
     def capture_graphs(self, capture_layers: tuple[int, ...]) -> None:
-        """Tensor-parallel steps run eagerly: nothing to capture."""
+        """Capture every step graph on every rank now, in the same order (the collectives inside each
+        capture pair up across ranks); nothing to do where steps run eagerly (CPU, gloo)."""
+        if self.local.graphs is None:
+            return
+        self.workers.send(("capture", tuple(capture_layers)))
+        try:
+            with self.workers.step():
+                self.local.capture_graphs(capture_layers)
+        except Exception as exc:
+            raise self.workers.fail(f"graph capture failed on rank 0: {exc}") from exc
+        self.workers.check()
 
     def set_feature_sink(self, sink: FeatureSink | None) -> None:
         """Rank 0's features feed the sink (the drafter lives on the driver; the residual stream, and so
@@ -254,7 +266,7 @@ class TensorParallelRunner:
         """Broadcast the step, run rank 0's share; logits gathered over ranks, features are rank 0's
         (the residual stream is replicated). TensorParallelError, within tensor_parallel_timeout_s,
         when a rank dies or hangs."""
-        self.workers.broadcast(step)
+        self.workers.send(("step", step))
         try:
             with self.workers.step():
                 result = self.local.run(step)

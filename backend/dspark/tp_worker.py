@@ -3,8 +3,10 @@
 The driver (the engine's process, rank 0) spawns one process per further rank. Each loads its shard
 and its KV cache shard, reports `loaded`, joins the TP group (NCCL on CUDA, gloo on CPU), then loops:
 receive a TargetStep through its pipe, run the forward (the collectives inside the layers keep the
-ranks in step), repeat, until a `shutdown` message. Steps travel as pickled bytes through a private
-pipe per rank, so the control path is the same on both backends and needs no named shared memory.
+ranks in step), repeat, until a `shutdown` message. On CUDA a `capture` message first captures every
+step graph, in the order rank 0 does, so later steps replay graphs with the collectives inside.
+Steps travel as pickled bytes through a private pipe per rank, so the control path is the same on
+both backends and needs no named shared memory.
 
 Failure is bounded: a worker that raises reports its traceback and exits; the driver's watchdog
 thread notices a rank that dies (or a step that outlives the timeout), kills the whole group and
@@ -99,12 +101,15 @@ def _load_shard(spec: WorkerSpec) -> ModelRunner:
 
 
 def _execute_steps(runner: ModelRunner, conn: Connection) -> None:
-    """Run every step the driver sends, exactly as rank 0 runs it, until `shutdown`."""
+    """Run every step (and graph capture) the driver sends, exactly as rank 0 runs it, until `shutdown`."""
     while True:
         message = pickle.loads(conn.recv_bytes())
         if message[0] == "shutdown":
             return
-        runner.forward(message[1])
+        if message[0] == "capture":
+            runner.capture_graphs(message[1])
+        else:
+            runner.forward(message[1])
 
 
 def _report(conn: Connection, text: str) -> None:
@@ -244,15 +249,16 @@ class WorkerGroup:
         self._watchdog = threading.Thread(target=self._watch, name="dspark-tp-watchdog", daemon=True)
         self._watchdog.start()
 
-    def broadcast(self, step: TargetStep) -> None:
-        """Hand one step to every rank (the driver then runs its own share)."""
+    def send(self, message: tuple[str, TargetStep] | tuple[str, tuple[int, ...]]) -> None:
+        """Hand every rank one ("step", TargetStep) or ("capture", capture_layers) message; the driver
+        then runs its own share."""
         self.check()
-        payload = pickle.dumps(("step", step), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for conn in self._conns:
                 conn.send_bytes(payload)
         except OSError as exc:
-            raise self.fail(f"could not send a step: {exc}") from exc
+            raise self.fail(f"could not send a {message[0]}: {exc}") from exc
 
     @contextmanager
     def step(self) -> Iterator[None]:
