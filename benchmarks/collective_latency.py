@@ -76,9 +76,14 @@ def _rank(rank: int, size: int, port: int, cpu: bool, results: dict) -> None:
                     for _ in range(10):
                         dist.all_reduce(x)
                 row["graph_us"] = _timed(graph.replay, REPEATS // 10, cuda) / 10 * 1e6
+                # A graph holding NCCL work pins the communicator: destroying the group would hang.
+                torch.cuda.synchronize()
+                del graph
             except Exception as exc:  # capture unsupported here: say so, keep the eager figures
                 row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)
+        if rank == 0:
+            print(row, flush=True)
     if rank == 0:
         results["rows"] = rows
     dist.destroy_process_group()

@@ -210,6 +210,12 @@ class CudaGraphs:
         self.feature_sink = sink
         self.captured.clear()
 
+    def release(self) -> None:
+        """Free every captured graph (the next step captures its tier again)."""
+        if not self.emulate:
+            torch.cuda.synchronize(self.device)
+        self.captured.clear()
+
     def run(
         self,
         token_ids: torch.Tensor,

@@ -92,6 +92,12 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture_all(capture_layers)
 
+    def release_graphs(self) -> None:
+        """Drop every captured graph. A graph that captured NCCL collectives pins its communicator, so
+        this must come before the TP group is destroyed, or the destroy waits forever."""
+        if self.graphs is not None:
+            self.graphs.release()
+
     def set_feature_sink(self, sink: FeatureSink | None) -> None:
         """Hand every step's captured features (all its tokens: positions, slots) to `sink` right after
         the forward, inside the step's CUDA graph when it replays one: the drafter's KV injection."""
@@ -284,6 +290,7 @@ class TensorParallelRunner:
             return
         self._closed = True
         self.workers.stop()
+        self.local.release_graphs()
         leave_group()
         torch.set_num_threads(self._threads_before)
         atexit.unregister(self.close)

@@ -81,6 +81,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         store = rendezvous_store(spec.store_port, timeout)
         join_group(spec.rank, spec.size, store, timeout, runner.device)
         _execute_steps(runner, conn)
+        runner.release_graphs()  # graphs with NCCL inside would block the group's destroy
         leave_group()
     except EOFError:  # the driver closed its end without a shutdown message: it is gone
         os._exit(0)
