@@ -161,10 +161,19 @@ def build_window_layout(
     page_table: torch.Tensor,
     page_size: int,
     num_tokens: int,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See reference.build_window_layout."""
-    impl = load_kernels().layout if _on_gpu(window_lens) else reference
-    return impl.build_window_layout(window_starts, window_lens, page_table, page_size, num_tokens)
+    """See reference.build_window_layout; `out` (positions, slots, cu_seqlens, kv_lens): written in
+    place and returned (what a captured step needs: static outputs)."""
+    if _on_gpu(window_lens):
+        layout = load_kernels().layout
+        return layout.build_window_layout(window_starts, window_lens, page_table, page_size, num_tokens, out)
+    result = reference.build_window_layout(window_starts, window_lens, page_table, page_size, num_tokens)
+    if out is None:
+        return result
+    for target, value in zip(out, result, strict=True):
+        target.copy_(value)
+    return out
 
 
 def pack_verify_tokens(

@@ -1,5 +1,6 @@
 """Device-side batch layout (positions, slots, cu_seqlens, kv_lens; verify tokens; committed slots) ==
-its torch reference twin, exactly, and the twin == the engine's AttentionBatch.build.
+its torch reference twin, exactly, and AttentionBatch.build (which lays out through them) == a
+per-token loop.
 
 On a machine without CUDA the kernels run in Triton's interpreter (see test_kernels_attention.py).
 """
@@ -33,22 +34,47 @@ def test_prefill_chunks_with_an_empty_window_and_many_requests(gen):
     parity.check_layout(KERNELS, starts, lens, 4, 3, 7, DEVICE, gen)
 
 
-def test_layout_twin_matches_attention_batch_build(gen):
+@pytest.mark.parametrize("device", ["cpu", DEVICE], ids=["reference", "kernel"])
+def test_attention_batch_build_lays_out_every_token_by_hand(device, gen):
+    """AttentionBatch.build (through ops.build_window_layout) against a per-token loop, padded."""
     starts, lens, page_size = [0, 17, 5, 64], [12, 8, 1, 3], 8
     pages = [
-        torch.randperm(50, generator=gen, device=DEVICE)[: -(-(s + n) // page_size)].tolist()
+        torch.randperm(50, generator=gen)[: -(-(s + n) // page_size)].tolist()
         for s, n in zip(starts, lens, strict=True)
     ]
-    batch = AttentionBatch.build(pages, starts, lens, page_size, True, torch.device("cpu"))
-    table = batch.page_table
-    positions, slots, cu, kv_lens = reference.build_window_layout(
-        torch.tensor(starts), torch.tensor(lens), table, page_size, sum(lens)
+    batch = AttentionBatch.build(pages, starts, lens, page_size, True, torch.device(device), 30, 6)
+    expected_slots = [
+        pages[r][p // page_size] * page_size + p % page_size
+        for r, (s, n) in enumerate(zip(starts, lens, strict=True))
+        for p in range(s, s + n)
+    ]
+    expected_slots += [-1] * (30 - len(expected_slots))
+    assert batch.slots.cpu().tolist() == expected_slots
+    assert batch.cu_seqlens_q.cpu().tolist() == [0, 12, 20, 21, 24, 24, 24]
+    assert batch.kv_lens.cpu().tolist() == [12, 25, 6, 67, 0, 0]
+    for r, row in enumerate(pages):
+        assert batch.page_table[r, : len(row)].cpu().tolist() == row
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["ops-reference", "kernel"])
+def test_build_window_layout_writes_into_static_outputs(kernel, gen):
+    """The `out` form a captured step uses: the given tensors hold the layout afterwards."""
+    device = DEVICE if kernel else torch.device("cpu")
+    build = KERNELS.layout.build_window_layout if kernel else ops.build_window_layout
+    starts = torch.tensor([9, 0, 30], device=device)
+    lens = torch.tensor([3, 5, 1], device=device)
+    table = torch.randint(0, 40, (3, 5), generator=gen, dtype=torch.int32).to(device)
+    out = (
+        torch.full((12,), 7, dtype=torch.int64, device=device),
+        torch.full((12,), 7, dtype=torch.int64, device=device),
+        torch.full((4,), 7, dtype=torch.int32, device=device),
+        torch.full((3,), 7, dtype=torch.int32, device=device),
     )
-    assert torch.equal(slots, batch.slots)
-    assert torch.equal(cu, batch.cu_seqlens_q)
-    assert torch.equal(kv_lens, batch.kv_lens)
-    expected_positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
-    assert torch.equal(positions, expected_positions)
+    returned = build(starts, lens, table, 8, 12, out=out)
+    expected = reference.build_window_layout(starts.cpu(), lens.cpu(), table.cpu(), 8, 12)
+    for given, result, want in zip(out, returned, expected, strict=True):
+        assert result is given
+        assert torch.equal(given.cpu(), want)
 
 
 def test_ops_on_cpu_tensors_use_the_references_without_importing_triton():

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.kernels import ops
+
 
 @dataclass
 class AttentionBatch:
@@ -45,31 +47,34 @@ class AttentionBatch:
         pages[r] lists request r's cache pages in order; a window's keys are every position before
         its end. num_tokens / num_requests (0: exact) pad the layout to a fixed size, as a captured
         step needs: padding tokens get slot -1 (never stored), padding windows are empty with no keys.
-        Vectorised: a handful of tensor ops whatever the number of requests.
+        The page table is built on the host; slots, boundaries and key counts on `device`
+        (`ops.build_window_layout`: the layout kernel on a GPU).
         """
         count = len(window_lens)
-        lens = torch.tensor(window_lens, dtype=torch.int64)
-        starts = torch.tensor(window_starts, dtype=torch.int64)
-        total = int(lens.sum())
-        num_tokens = max(num_tokens, total)
         num_requests = max(num_requests, count)
-        page_counts = torch.tensor([len(p) for p in pages], dtype=torch.int64)
-        max_pages = max(int(page_counts.max()) if count else 1, 1)
-        table = torch.zeros(num_requests, max_pages, dtype=torch.int32)
-        flat_pages = torch.tensor([page for p in pages for page in p], dtype=torch.int32)
-        if flat_pages.numel():
-            rows = torch.repeat_interleave(torch.arange(count), page_counts)
-            first = torch.cumsum(page_counts, 0) - page_counts
-            cols = torch.arange(flat_pages.numel()) - torch.repeat_interleave(first, page_counts)
-            table[rows, cols] = flat_pages
-        cu = torch.zeros(num_requests + 1, dtype=torch.int32)
-        cu[1 : count + 1] = torch.cumsum(lens, 0).to(torch.int32)
-        cu[count + 1 :] = total
-        kv_lens = torch.zeros(num_requests, dtype=torch.int32)
-        kv_lens[:count] = (starts + lens).to(torch.int32)
-        slots = torch.full((num_tokens,), -1, dtype=torch.int64)
-        if total:
-            owner = torch.repeat_interleave(torch.arange(count), lens)
-            positions = torch.arange(total) - (cu[:count].long())[owner] + starts[owner]
-            slots[:total] = table[owner, positions // page_size].long() * page_size + positions % page_size
-        return cls(cu.to(device), kv_lens.to(device), table.to(device), slots.to(device), causal)
+        starts = torch.zeros(num_requests, dtype=torch.int64)
+        lens = torch.zeros(num_requests, dtype=torch.int64)
+        starts[:count] = torch.tensor(window_starts, dtype=torch.int64)
+        lens[:count] = torch.tensor(window_lens, dtype=torch.int64)
+        num_tokens = max(num_tokens, int(lens.sum()))
+        table = build_page_table(pages, num_requests).to(device)
+        _, slots, cu, kv_lens = ops.build_window_layout(
+            starts.to(device), lens.to(device), table, page_size, num_tokens
+        )
+        return cls(cu, kv_lens, table, slots, causal)
+
+
+def build_page_table(pages: Sequence[Sequence[int]], num_rows: int) -> torch.Tensor:
+    """[num_rows, max pages] int32 on the host: row r lists pages[r] in order (zeros past its end and
+    in rows past len(pages)). Vectorised: a handful of tensor ops whatever the number of requests."""
+    count = len(pages)
+    page_counts = torch.tensor([len(p) for p in pages], dtype=torch.int64)
+    max_pages = max(int(page_counts.max()) if count else 1, 1)
+    table = torch.zeros(max(num_rows, count), max_pages, dtype=torch.int32)
+    flat_pages = torch.tensor([page for p in pages for page in p], dtype=torch.int32)
+    if flat_pages.numel():
+        rows = torch.repeat_interleave(torch.arange(count), page_counts)
+        first = torch.cumsum(page_counts, 0) - page_counts
+        cols = torch.arange(flat_pages.numel()) - torch.repeat_interleave(first, page_counts)
+        table[rows, cols] = flat_pages
+    return table

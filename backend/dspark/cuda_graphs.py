@@ -3,8 +3,9 @@
 A Python-driven forward launches hundreds of kernels per step, so a decode or verify step of a large
 model is bound by the host, not by the GPU. One graph is captured per (token tier, request tier), the
 powers of two a step is padded up to: padding tokens store nothing (slot -1) and padding windows are
-empty with no keys (AttentionBatch.build). A replay copies the step's layout into the static buffers
-the graph reads; logits are computed after it, for the rows the driver asks for only. A feature sink
+empty with no keys. A replay copies the step's tokens and windows (start, length, pages) into the
+static buffers the graph reads, and the graph lays them out itself (the layout kernel, see
+`StaticLayout`); logits are computed after it, for the rows the driver asks for only. A feature sink
 (the drafter's KV injection) is captured into the same graph, so a speculative step injects for free.
 """
 
@@ -16,7 +17,8 @@ from typing import TypeVar
 
 import torch
 
-from dspark.attention_batch import AttentionBatch
+from dspark.attention_batch import AttentionBatch, build_page_table
+from dspark.kernels import ops
 from dspark.kv_cache import PagedKVCache
 from dspark.models.llama import CausalLM
 
@@ -75,9 +77,12 @@ def pow2_upto(limit: int) -> list[int]:
 
 
 class StaticLayout:
-    """The static inputs of captured steps: token ids, positions and an AttentionBatch's tensors, sized
-    for the largest tier. `fill` copies one step's layout in, padded to its tier; `batch` is the
-    AttentionBatch of a tier, views that a graph captures and every later `fill` rewrites."""
+    """The static inputs of captured steps, sized for the largest tier: token ids and each window's
+    (start, length, pages). `fill` copies one step in (a few small host-to-device copies); `compute`,
+    the first thing a captured call runs, lays the tier out on the device from them
+    (`ops.build_window_layout`: positions, slots, boundaries, key counts), so padding tokens store
+    nothing (slot -1) and padding windows are empty. `batch` is a tier's AttentionBatch, views that
+    `compute` rewrites."""
 
     def __init__(
         self, max_tokens: int, max_requests: int, max_pages: int, page_size: int, device: torch.device
@@ -85,35 +90,52 @@ class StaticLayout:
         self.page_size = page_size
         self.max_pages = max_pages
         self.token_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.window_starts = torch.zeros(max_requests, dtype=torch.long, device=device)
+        self.window_lens = torch.zeros(max_requests, dtype=torch.long, device=device)
+        self.page_table = torch.zeros(max_requests, max_pages, dtype=torch.int32, device=device)
+        # Written by `compute`.
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.slots = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
         self.cu_seqlens = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)
         self.kv_lens = torch.zeros(max_requests, dtype=torch.int32, device=device)
-        self.page_table = torch.zeros(max_requests, max_pages, dtype=torch.int32, device=device)
 
     def fill(
         self,
         token_ids: torch.Tensor,
-        positions: torch.Tensor,
         pages: list[list[int]],
         window_starts: list[int],
         window_lens: list[int],
-        causal: bool,
-        tokens: int,
         requests: int,
     ) -> None:
-        """Copy a step (host tensors and lists) in, padded to `tokens` tokens and `requests` windows."""
-        layout = AttentionBatch.build(
-            pages, window_starts, window_lens, self.page_size, causal, torch.device("cpu"), tokens, requests
-        )
+        """Copy a step (host tensors and lists) in; windows past its own up to `requests` are empty."""
+        count = len(window_lens)
         n = len(token_ids)
         self.token_ids[:n].copy_(token_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slots[:tokens].copy_(layout.slots, non_blocking=True)
-        self.cu_seqlens[: requests + 1].copy_(layout.cu_seqlens_q, non_blocking=True)
-        self.kv_lens[:requests].copy_(layout.kv_lens, non_blocking=True)
-        width = layout.page_table.shape[1]
-        self.page_table[:requests, :width].copy_(layout.page_table, non_blocking=True)
+        bounds = torch.zeros(2, requests, dtype=torch.long)
+        bounds[0, :count] = torch.tensor(window_starts, dtype=torch.long)
+        bounds[1, :count] = torch.tensor(window_lens, dtype=torch.long)
+        self.window_starts[:requests].copy_(bounds[0], non_blocking=True)
+        self.window_lens[:requests].copy_(bounds[1], non_blocking=True)
+        if count:
+            # Columns past a step's widest row keep older pages: no key of a shorter row reaches them.
+            table = build_page_table(pages, count)
+            self.page_table[:count, : table.shape[1]].copy_(table, non_blocking=True)
+
+    def compute(self, tokens: int, requests: int) -> None:
+        """Lay out a (tokens, requests) tier from the filled windows, on the device."""
+        ops.build_window_layout(
+            self.window_starts[:requests],
+            self.window_lens[:requests],
+            self.page_table[:requests],
+            self.page_size,
+            tokens,
+            out=(
+                self.positions[:tokens],
+                self.slots[:tokens],
+                self.cu_seqlens[: requests + 1],
+                self.kv_lens[:requests],
+            ),
+        )
 
     def batch(self, tokens: int, requests: int, causal: bool) -> AttentionBatch:
         """The static AttentionBatch of a (tokens, requests) tier."""
@@ -219,7 +241,6 @@ class CudaGraphs:
     def run(
         self,
         token_ids: torch.Tensor,
-        positions: torch.Tensor,
         pages: list[list[int]],
         window_starts: list[int],
         window_lens: list[int],
@@ -230,7 +251,7 @@ class CudaGraphs:
         if tiers is None or max((len(p) for p in pages), default=0) > self.layout.max_pages:
             return None
         tokens, requests = tiers
-        self.layout.fill(token_ids, positions, pages, window_starts, window_lens, True, tokens, requests)
+        self.layout.fill(token_ids, pages, window_starts, window_lens, requests)
         key = (tokens, requests, tuple(capture_layers))
         captured = self.captured.get(key)
         if captured is None:
@@ -247,8 +268,7 @@ class CudaGraphs:
         for tokens, requests in all_tiers(self.max_tokens, self.max_requests):
             key = (tokens, requests, tuple(capture_layers))
             if key not in self.captured:
-                none = torch.zeros(0, dtype=torch.long)
-                self.layout.fill(none, none, [], [], [], True, tokens, requests)
+                self.layout.fill(torch.zeros(0, dtype=torch.long), [], [], [], requests)
                 self.captured[key] = self._capture(tokens, requests, tuple(capture_layers))
 
     def _capture(self, tokens: int, requests: int, capture_layers: tuple[int, ...]) -> Captured:
@@ -261,6 +281,7 @@ class CudaGraphs:
         )
 
         def forward() -> tuple[torch.Tensor | None, ...]:
+            layout.compute(tokens, requests)
             hidden, features = self.model(token_ids, positions, batch, self.cache, capture_layers)
             if features is not None and self.feature_sink is not None:
                 self.feature_sink(features, positions, slots)

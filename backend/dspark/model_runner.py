@@ -154,7 +154,6 @@ class ModelRunner:
         if self.graphs is not None:
             replayed = self.graphs.run(
                 step.token_ids,
-                step.positions,
                 step.pages,
                 step.window_starts,
                 step.window_lens,

@@ -44,7 +44,7 @@ class DraftGraphs:
         self.captured: dict[int, Captured] = {}
 
     def run(
-        self, block_ids: torch.Tensor, positions: torch.Tensor, pages: list[list[int]], starts: list[int]
+        self, block_ids: torch.Tensor, pages: list[list[int]], starts: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Replay (capturing first if needed) the greedy block of these requests: drafts, confidences,
         lengths, views of the graph's outputs (read them before the next replay). None when the
@@ -53,9 +53,7 @@ class DraftGraphs:
         requests = next_pow2(count)
         if requests > self.max_requests or max(len(p) for p in pages) > self.layout.max_pages:
             return None
-        tokens = requests * self.gamma
-        lens = [self.gamma] * count
-        self.layout.fill(block_ids, positions, pages, starts, lens, False, tokens, requests)
+        self.layout.fill(block_ids, pages, starts, [self.gamma] * count, requests)
         captured = self.captured.get(requests)
         if captured is None:
             captured = self.captured[requests] = self._capture(requests)
@@ -65,10 +63,9 @@ class DraftGraphs:
 
     def capture_all(self) -> None:
         """Capture every request tier now (at start-up), each over an all-padding layout."""
-        none = torch.zeros(0, dtype=torch.long)
         for requests in pow2_upto(self.max_requests):
             if requests not in self.captured:
-                self.layout.fill(none, none, [], [], [], False, requests * self.gamma, requests)
+                self.layout.fill(torch.zeros(0, dtype=torch.long), [], [], [], requests)
                 self.captured[requests] = self._capture(requests)
 
     def _capture(self, requests: int) -> Captured:
@@ -77,6 +74,7 @@ class DraftGraphs:
         block_ids, positions = layout.token_ids[:tokens], layout.positions[:tokens]
 
         def block() -> tuple[torch.Tensor | None, ...]:
+            layout.compute(tokens, requests)
             return self.block_fn(block_ids, positions, batch)
 
         return Captured.capture(block, self.device, self.pool, self.emulate)

@@ -131,7 +131,7 @@ class DSparkProposer:
         if all(s.params.greedy for s in seqs):
             drafted = None
             if self.graphs is not None:
-                drafted = self.graphs.run(block.flatten(), positions, pages, starts)
+                drafted = self.graphs.run(block.flatten(), pages, starts)
             if drafted is None:
                 batch = self._block_layout(pages, starts)
                 drafted = self._greedy_block(
