@@ -348,10 +348,10 @@ class LLMEngine:
         """Decide committed tokens; return them per sequence.
 
         logits: the logit rows on the host (None when every request of the step is greedy); argmax:
-        their argmax, which is all greedy requests need."""
+        their argmax on the runner's device, which is all greedy requests need."""
         committed: list[tuple[Sequence, list[int]]] = []
-        greedy_rows = [r for r, s in enumerate(decode) if s.params.greedy]
-        num_accepted, bonus = self._greedy_accept(plan, argmax, windows, greedy_rows)
+        greedy = self._greedy_accept(plan, argmax)
+        num_accepted, bonus, prefill_tokens = greedy.accepted, greedy.bonus, greedy.rest
         for r, seq in enumerate(decode):
             verified = plan.verify_lens[r]
             drafts = plan.drafts[r]
@@ -372,48 +372,48 @@ class LLMEngine:
             seq.spec_stats.record_step(plan.drafted[r], verified, accepted)
             seq.num_cached += accepted + 1
             committed.append((seq, [*drafts[:accepted], next_token]))
+        first_prefill_row = windows.logit_offsets[len(decode)] if prefill else 0
         for i, chunk in enumerate(prefill):
             seq = chunk.seq
             seq.num_cached += chunk.length
             if chunk.completes_prefill and seq.num_output_tokens == 0:
                 offset = windows.logit_offsets[len(decode) + i]
                 if seq.params.greedy:
-                    committed.append((seq, [int(argmax[offset])]))
+                    committed.append((seq, [prefill_tokens[offset - first_prefill_row]]))
                 else:
                     assert logits is not None
                     row = logits[offset][None]
                     committed.append((seq, [int(choose_tokens(row, seq.params, seq.generator)[0])]))
         return committed
 
-    def _greedy_accept(
-        self, plan: _VerifyPlan, argmax: torch.Tensor, windows: _Windows, rows: list[int]
-    ) -> tuple[dict[int, int], dict[int, int]]:
-        if not rows:
-            return {}, {}
-        gamma = max(self.limits.block_size, 1)
-        drafts = torch.zeros(len(rows), gamma, dtype=torch.long)
-        if plan.proposal is not None:
-            drafts = plan.proposal.tokens[rows]
-        lens = [plan.verify_lens[r] for r in rows]
-        # One gather of every window's argmax rows (built as a host list, not a slice per request).
-        starts = [windows.logit_offsets[r] for r in rows]
-        index = [start + j for start, n in zip(starts, lens, strict=True) for j in range(n + 1)]
-        target_tokens = argmax[torch.tensor(index, dtype=torch.long)]
-        window_lens = torch.tensor(lens, dtype=torch.long)
-        cu = torch.zeros(len(rows) + 1, dtype=torch.long)
-        cu[1:] = torch.cumsum(window_lens + 1, 0)
-        accepted, bonus = ops.greedy_accept(drafts, target_tokens, cu, window_lens)
-        targets, firsts = target_tokens.tolist(), cu.tolist()
-        out_accepted: dict[int, int] = {}
-        out_bonus: dict[int, int] = {}
-        for i, (r, matched, next_token) in enumerate(
-            zip(rows, accepted.tolist(), bonus.tolist(), strict=True)
-        ):
-            n = min(matched, plan.commit_caps[r])
-            out_accepted[r] = n
-            # With cap-accept the bonus is the target's choice right after the capped prefix.
-            out_bonus[r] = next_token if n == matched else targets[firsts[i] + n]
-        return out_accepted, out_bonus
+    def _greedy_accept(self, plan: _VerifyPlan, argmax: torch.Tensor) -> _GreedyOutcome:
+        """Greedy acceptance of every verify window where the argmax is (`ops.greedy_accept`: the
+        accept kernel on a GPU), then one copy to the host of what the step commits.
+
+        Verify windows come first in the packed step and every one of their rows has logits, so window
+        r's argmax rows are argmax[cu[r] : cu[r + 1]] with no gather; the rows after them are the
+        prefill chunks' last rows. Sampling requests' results are computed and ignored."""
+        num = len(plan.verify_lens)
+        if num == 0:
+            return _GreedyOutcome([], [], argmax.tolist())
+        device = argmax.device
+        lens = torch.tensor(plan.verify_lens, dtype=torch.long)
+        cu = torch.zeros(num + 1, dtype=torch.long)
+        cu[1:] = torch.cumsum(lens + 1, 0)
+        window_rows = int(cu[-1])
+        # One host-to-device copy of the per-window numbers.
+        meta = torch.cat([cu, lens, torch.tensor(plan.commit_caps, dtype=torch.long)]).to(device)
+        cu_d, lens_d, caps_d = meta[: num + 1], meta[num + 1 : 2 * num + 1], meta[2 * num + 1 :]
+        proposal = plan.proposal
+        if proposal is None:
+            drafts = torch.zeros(num, 1, dtype=torch.long, device=device)
+        elif proposal.device_tokens is not None:
+            drafts = proposal.device_tokens
+        else:
+            drafts = proposal.tokens.to(device)
+        accepted, bonus = ops.greedy_accept(drafts, argmax[:window_rows], cu_d, lens_d, caps_d)
+        host = torch.cat([accepted, bonus, argmax[window_rows:]]).tolist()
+        return _GreedyOutcome(host[:num], host[num : 2 * num], host[2 * num :])
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> RequestDelta:
         appended, text, reason = self._outputs[seq.request_id].commit(tokens)
@@ -459,6 +459,16 @@ class LLMEngine:
             )
         self._aborts.clear()
         return deltas
+
+
+@dataclass
+class _GreedyOutcome:
+    """Greedy acceptance on the host: per verify window the drafts accepted and the token after them,
+    and the argmax of every logit row after the windows (the prefill chunks' last rows)."""
+
+    accepted: list[int]
+    bonus: list[int]
+    rest: list[int]
 
 
 class _Windows:

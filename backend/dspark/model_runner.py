@@ -58,7 +58,8 @@ class TargetStep:
 @dataclass
 class TargetResult:
     """What the driver gets back: logits [num_logit_rows, vocab] (fp32, on CPU after `run`; None when
-    the step asked for no host logits), their argmax [num_logit_rows] int64 (on CPU after `run`),
+    the step asked for no host logits), their argmax [num_logit_rows] int64 (on the device: acceptance
+    runs there),
     captured features [num_tokens, len(capture_layers) * hidden] on the device (or None; after a
     replay a view that the next step overwrites), and each token's cache slot."""
 
@@ -143,8 +144,9 @@ class ModelRunner:
         result = self.forward(step)
         logits = result.logits
         assert logits is not None
-        # The argmax is taken where the logits are: [rows] ids cross to the host, not [rows, vocab].
-        result.argmax = logits.argmax(dim=-1).cpu()
+        # The argmax stays where the logits are: acceptance reads it there, and only the committed
+        # tokens cross to the host, not [rows, vocab] floats.
+        result.argmax = logits.argmax(dim=-1)
         result.logits = logits.cpu() if step.host_logits else None
         return result
 

@@ -35,6 +35,8 @@ class DraftProposal:
     # Drafted positions per request [R] int64 on the host (None: the whole block). Positions past a
     # request's length hold no draft (confidence 0) and must not be verified.
     lengths: torch.Tensor | None = None
+    # The same drafts on the drafter's device (None: only on the host), which device acceptance reads.
+    device_tokens: torch.Tensor | None = None
 
 
 class Proposer(Protocol):
@@ -139,7 +141,11 @@ class DSparkProposer:
                 )
             tokens, confidences, lengths = drafted
             return DraftProposal(
-                tokens.cpu(), confidences.clone(), [None] * num_requests, lengths.cpu() if stopping else None
+                tokens.cpu(),
+                confidences.clone(),
+                [None] * num_requests,
+                lengths.cpu() if stopping else None,
+                tokens,
             )
         batch = self._block_layout(pages, starts)
         heads = self._block_heads(block.flatten().to(self.device), positions.to(self.device), batch)
@@ -195,7 +201,7 @@ class DSparkProposer:
 
         tokens, confidences, stop = self._markov_decode(heads, anchors, choose)
         lengths = stop.lengths.cpu() if stop.enabled else None
-        return DraftProposal(tokens.cpu(), confidences, probs, lengths)
+        return DraftProposal(tokens.cpu(), confidences, probs, lengths, tokens)
 
     def _markov_decode(
         self,
