@@ -177,11 +177,17 @@ def build_window_layout(
 
 
 def pack_verify_tokens(
-    anchors: torch.Tensor, drafts: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int
+    anchors: torch.Tensor,
+    drafts: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    num_tokens: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See reference.pack_verify_tokens."""
-    impl = load_kernels().layout if _on_gpu(anchors) else reference
-    return impl.pack_verify_tokens(anchors, drafts, cu_seqlens, num_tokens)
+    """See reference.pack_verify_tokens; `out` [num_tokens]: written in place and returned."""
+    if _on_gpu(anchors):
+        return load_kernels().layout.pack_verify_tokens(anchors, drafts, cu_seqlens, num_tokens, out)
+    tokens = reference.pack_verify_tokens(anchors, drafts, cu_seqlens, num_tokens)
+    return tokens if out is None else out.copy_(tokens)
 
 
 def commit_slots(slots: torch.Tensor, cu_seqlens: torch.Tensor, num_committed: torch.Tensor) -> torch.Tensor:

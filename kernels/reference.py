@@ -372,13 +372,17 @@ def pack_verify_tokens(
 
     anchors: [R]; drafts: [R, gamma]. Returns [num_tokens] int64 (padding rows 0).
     """
-    tokens = torch.zeros(num_tokens, dtype=torch.int64, device=anchors.device)
-    starts = cu_seqlens.tolist()
-    for r in range(anchors.shape[0]):
-        s, e = starts[r], starts[r + 1]
-        if e > s:
-            tokens[s] = anchors[r]
-            tokens[s + 1 : e] = drafts[r, : e - s - 1]
+    device = anchors.device
+    tokens = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    lens = cu[1:] - cu[:-1]
+    owner = torch.repeat_interleave(torch.arange(anchors.shape[0], device=device), lens)
+    offsets = torch.arange(owner.shape[0], device=device) - cu[:-1][owner]
+    if drafts.shape[1]:
+        draft = drafts[owner, (offsets - 1).clamp(min=0)].to(torch.int64)
+    else:
+        draft = torch.zeros_like(offsets)
+    tokens[: owner.shape[0]] = torch.where(offsets == 0, anchors.to(torch.int64)[owner], draft)
     return tokens
 
 

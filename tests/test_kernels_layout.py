@@ -105,3 +105,42 @@ def test_realistic_shapes(gen):
     starts = torch.randint(0, 4000, (256,), generator=gen, device=DEVICE).tolist()
     lens = torch.randint(1, 9, (256,), generator=gen, device=DEVICE).tolist()
     parity.check_layout(KERNELS, starts, lens, 16, 100, 7, DEVICE, gen)
+
+
+def test_pack_verify_tokens_reference_by_hand(gen):
+    """The (vectorised) reference against a per-window loop: ragged, an empty window, padding rows."""
+    lens = [3, 0, 1, 5]
+    anchors = torch.randint(1, 1000, (4,), generator=gen)
+    drafts = torch.randint(1, 1000, (4, 4), generator=gen)
+    cu = torch.tensor([0, 3, 3, 4, 9])
+    packed = reference.pack_verify_tokens(anchors, drafts, cu, 12).tolist()
+    expected = []
+    for r, n in enumerate(lens):
+        if n:
+            expected += [int(anchors[r]), *drafts[r, : n - 1].tolist()]
+    assert packed == expected + [0] * 3
+
+
+def test_a_step_with_device_drafts_packs_them_into_its_host_tokens(gen):
+    """TargetStep.with_host_tokens (what tensor-parallel ranks are sent): the verify windows' rows
+    after the anchor take the drafts, the prefill chunk after them keeps its own tokens."""
+    from dspark.model_runner import TargetStep
+
+    drafts = torch.randint(1, 1000, (2, 3), generator=gen)
+    prefill = torch.randint(1, 1000, (4,), generator=gen).tolist()
+    tokens = torch.tensor([11, 0, 0, 22, 0, 0, 0, *prefill])
+    step = TargetStep(
+        token_ids=tokens,
+        positions=torch.arange(tokens.numel()),
+        window_starts=[5, 9, 0],
+        window_lens=[3, 4, 4],
+        pages=[[0], [1], [2]],
+        logit_rows=torch.arange(7),
+        capture_layers=(),
+        verify_drafts=drafts.to(DEVICE),
+    )
+    host = step.with_host_tokens()
+    assert host.verify_drafts is None
+    want = [11, *drafts[0, :2].tolist(), 22, *drafts[1].tolist(), *prefill]
+    assert host.token_ids.tolist() == want
+    assert step.token_ids.tolist() == tokens.tolist()  # the original step is untouched

@@ -21,6 +21,7 @@ from dspark.attention_batch import AttentionBatch, build_page_table
 from dspark.kernels import ops
 from dspark.kv_cache import PagedKVCache
 from dspark.models.llama import CausalLM
+from dspark.verify_tokens import write_verify_tokens
 
 # Takes (features [T, L * hidden], positions [T], slots [T]) of every token of a step (padding: slot -1).
 FeatureSink = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -245,13 +246,17 @@ class CudaGraphs:
         window_starts: list[int],
         window_lens: list[int],
         capture_layers: tuple[int, ...],
+        verify_drafts: torch.Tensor | None = None,
     ) -> GraphStepOutput | None:
-        """Replay (capturing first if needed) the forward of this step; None when it does not fit."""
+        """Replay (capturing first if needed) the forward of this step; None when it does not fit.
+        verify_drafts: see TargetStep (packed into the static token ids on the device)."""
         tiers = step_tiers(len(token_ids), len(window_lens), self.max_tokens, self.max_requests)
         if tiers is None or max((len(p) for p in pages), default=0) > self.layout.max_pages:
             return None
         tokens, requests = tiers
         self.layout.fill(token_ids, pages, window_starts, window_lens, requests)
+        if verify_drafts is not None:
+            write_verify_tokens(token_ids, window_lens, verify_drafts, self.layout.token_ids)
         key = (tokens, requests, tuple(capture_layers))
         captured = self.captured.get(key)
         if captured is None:

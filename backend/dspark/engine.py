@@ -57,21 +57,35 @@ class _VerifyPlan:
     commit_caps: list[int]
     # The engine's block size (it may use fewer of the drafter's positions than it drafts).
     block_size: int = 0
-    # Per request: the drafts it verifies (host ints, read from the proposal once per step), and how
-    # many positions it drafted (for its statistics).
-    drafts: list[list[int]] = field(default_factory=list)
+    # Per request: how many positions it drafted (for its statistics).
     drafted: list[int] = field(default_factory=list)
+    # Per request: the drafts it verifies as host ints, once read back (see `drafts`).
+    _drafts: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.proposal is None:
-            self.drafts = [[] for _ in self.verify_lens]
             self.drafted = [0] * len(self.verify_lens)
             return
-        rows = self.proposal.tokens.tolist()
-        self.drafts = [row[:n] for row, n in zip(rows, self.verify_lens, strict=True)]
         gamma = self.block_size
         lengths = self.proposal.lengths
-        self.drafted = [gamma] * len(rows) if lengths is None else [min(gamma, n) for n in lengths.tolist()]
+        self.drafted = (
+            [gamma] * len(self.verify_lens) if lengths is None else [min(gamma, n) for n in lengths.tolist()]
+        )
+
+    def drafts(self) -> list[list[int]]:
+        """Per request: the drafts it verifies, as host ints (read back from the proposal on first use,
+        unless acceptance already brought them back with the committed tokens)."""
+        if self._drafts is None:
+            self.set_drafts([] if self.proposal is None else self.proposal.tokens.tolist())
+        assert self._drafts is not None
+        return self._drafts
+
+    def set_drafts(self, rows: list[list[int]]) -> None:
+        """Take the proposal's rows (at least each request's verify length long) read back."""
+        if not rows:
+            self._drafts = [[] for _ in self.verify_lens]
+            return
+        self._drafts = [row[:n] for row, n in zip(rows, self.verify_lens, strict=True)]
 
 
 class LLMEngine:
@@ -327,8 +341,12 @@ class LLMEngine:
         self, decode: list[Sequence], plan: _VerifyPlan, prefill: list[PrefillChunk]
     ) -> _Windows:
         windows = _Windows()
-        for seq, drafts in zip(decode, plan.drafts, strict=True):
-            windows.add(seq, [seq.anchor, *drafts], seq.num_cached, logits="all")
+        # Verify windows hold their anchor and placeholders: the drafts are packed in where they are
+        # (TargetStep.verify_drafts), so nothing waits here to read them back.
+        for seq, num_drafts in zip(decode, plan.verify_lens, strict=True):
+            windows.add(seq, [seq.anchor] + [0] * num_drafts, seq.num_cached, logits="all")
+        if plan.proposal is not None:
+            windows.verify_drafts = plan.proposal.tokens
         for chunk in prefill:
             seq = chunk.seq
             wants_logits = chunk.completes_prefill and seq.num_output_tokens == 0
@@ -354,7 +372,7 @@ class LLMEngine:
         num_accepted, bonus, prefill_tokens = greedy.accepted, greedy.bonus, greedy.rest
         for r, seq in enumerate(decode):
             verified = plan.verify_lens[r]
-            drafts = plan.drafts[r]
+            drafts = plan.drafts()[r]
             if seq.params.greedy:
                 accepted, next_token = num_accepted[r], bonus[r]
             else:
@@ -407,13 +425,17 @@ class LLMEngine:
         proposal = plan.proposal
         if proposal is None:
             drafts = torch.zeros(num, 1, dtype=torch.long, device=device)
-        elif proposal.device_tokens is not None:
-            drafts = proposal.device_tokens
         else:
             drafts = proposal.tokens.to(device)
         accepted, bonus = ops.greedy_accept(drafts, argmax[:window_rows], cu_d, lens_d, caps_d)
-        host = torch.cat([accepted, bonus, argmax[window_rows:]]).tolist()
-        return _GreedyOutcome(host[:num], host[num : 2 * num], host[2 * num :])
+        # The verified drafts come back in the same copy (the host emits the accepted ones).
+        width = max(plan.verify_lens) if proposal is not None else 0
+        rest = argmax[window_rows:]
+        host = torch.cat([accepted, bonus, drafts[:, :width].flatten().to(device), rest]).tolist()
+        if proposal is not None:
+            flat = host[2 * num : 2 * num + num * width]
+            plan.set_drafts([flat[r * width : (r + 1) * width] for r in range(num)])
+        return _GreedyOutcome(host[:num], host[num : 2 * num], host[2 * num + num * width :])
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> RequestDelta:
         appended, text, reason = self._outputs[seq.request_id].commit(tokens)
@@ -482,6 +504,8 @@ class _Windows:
         self.lens: list[int] = []
         self.logit_offsets: list[int] = []
         self.logit_rows: list[int] = []
+        # Drafts of the first windows (verify windows), packed in where they are (see TargetStep).
+        self.verify_drafts: torch.Tensor | None = None
 
     def add(self, seq: Sequence, tokens: list[int], start: int, logits: str) -> None:
         """Append a window of `tokens` at positions start.. of `seq`; `logits` says which rows' logits
@@ -509,4 +533,5 @@ class _Windows:
             logit_rows=torch.tensor(self.logit_rows, dtype=torch.long),
             capture_layers=capture_layers,
             host_logits=host_logits,
+            verify_drafts=self.verify_drafts,
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import atexit
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from dspark.models.hf_config import ModelConfig
 from dspark.models.llama import CausalLM
 from dspark.models.loader import load_target_model
 from dspark.tp_worker import WorkerGroup, collective_timeout_s
+from dspark.verify_tokens import write_verify_tokens
 
 
 @dataclass
@@ -53,6 +54,19 @@ class TargetStep:
     # Whether the driver needs the logit rows themselves on the host (a sampling request is in the
     # step); greedy-only steps move just the argmax, not [rows, vocab] floats, off the device.
     host_logits: bool = True
+    # Drafts [num verify windows, >= longest window - 1] of the first windows (verify windows, whose
+    # token_ids rows after the anchor are placeholders), on the drafter's device or the host; None:
+    # token_ids are complete.
+    verify_drafts: torch.Tensor | None = None
+
+    def with_host_tokens(self) -> TargetStep:
+        """This step with every token id on the host (what other ranks are sent): the verify windows'
+        drafts are read back and packed in."""
+        if self.verify_drafts is None:
+            return self
+        token_ids = self.token_ids.clone()
+        write_verify_tokens(self.token_ids, self.window_lens, self.verify_drafts.cpu(), token_ids)
+        return replace(self, token_ids=token_ids, verify_drafts=None)
 
 
 @dataclass
@@ -160,6 +174,7 @@ class ModelRunner:
                 step.window_starts,
                 step.window_lens,
                 step.capture_layers,
+                step.verify_drafts,
             )
             if replayed is not None:
                 logits = self.model.compute_logits(replayed.hidden[step.logit_rows.to(self.device)])
@@ -168,9 +183,10 @@ class ModelRunner:
             step.pages, step.window_starts, step.window_lens, self.cache.page_size, True, self.device
         )
         positions = step.positions.to(self.device)
-        hidden, features = self.model(
-            step.token_ids.to(self.device), positions, batch, self.cache, step.capture_layers
-        )
+        token_ids = step.token_ids.to(self.device)
+        if step.verify_drafts is not None:
+            write_verify_tokens(step.token_ids, step.window_lens, step.verify_drafts, token_ids)
+        hidden, features = self.model(token_ids, positions, batch, self.cache, step.capture_layers)
         if features is not None and self.feature_sink is not None:
             self.feature_sink(features, positions, batch.slots)
         logits = self.model.compute_logits(hidden[step.logit_rows.to(self.device)])
@@ -273,6 +289,7 @@ class TensorParallelRunner:
         """Broadcast the step, run rank 0's share; logits gathered over ranks, features are rank 0's
         (the residual stream is replicated). TensorParallelError, within tensor_parallel_timeout_s,
         when a rank dies or hangs."""
+        step = step.with_host_tokens()
         self.workers.send(("step", step))
         try:
             with self.workers.step():

@@ -23,7 +23,8 @@ from dspark.spec.drafter import BlockHeads, Drafter
 class DraftProposal:
     """One block of drafts per request.
 
-    tokens: [R, gamma] int64 on the host; confidences: [R, gamma] fp32 on the drafter's device (c_k,
+    tokens: [R, gamma] int64, on the drafter's device for greedy blocks (nothing waits to read them
+    back before the target step; device acceptance reads them there) or on the host; confidences: [R, gamma] fp32 on the drafter's device (c_k,
     the chance draft k survives given the earlier ones did; the planner reads them there); probs[r]:
     [gamma, vocab] the distributions request r's drafts were sampled from (None for greedy requests,
     whose drafts are argmax choices).
@@ -35,8 +36,6 @@ class DraftProposal:
     # Drafted positions per request [R] int64 on the host (None: the whole block). Positions past a
     # request's length hold no draft (confidence 0) and must not be verified.
     lengths: torch.Tensor | None = None
-    # The same drafts on the drafter's device (None: only on the host), which device acceptance reads.
-    device_tokens: torch.Tensor | None = None
 
 
 class Proposer(Protocol):
@@ -140,12 +139,9 @@ class DSparkProposer:
                     block.flatten().to(self.device), positions.to(self.device), batch
                 )
             tokens, confidences, lengths = drafted
+            # Copies: a graph's outputs are rewritten by its next replay.
             return DraftProposal(
-                tokens.cpu(),
-                confidences.clone(),
-                [None] * num_requests,
-                lengths.cpu() if stopping else None,
-                tokens,
+                tokens.clone(), confidences.clone(), [None] * num_requests, lengths.cpu() if stopping else None
             )
         batch = self._block_layout(pages, starts)
         heads = self._block_heads(block.flatten().to(self.device), positions.to(self.device), batch)
@@ -201,7 +197,7 @@ class DSparkProposer:
 
         tokens, confidences, stop = self._markov_decode(heads, anchors, choose)
         lengths = stop.lengths.cpu() if stop.enabled else None
-        return DraftProposal(tokens.cpu(), confidences, probs, lengths, tokens)
+        return DraftProposal(tokens.cpu(), confidences, probs, lengths)
 
     def _markov_decode(
         self,

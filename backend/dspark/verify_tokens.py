@@ -1,0 +1,34 @@
+"""Verify windows whose drafts are still on the device: their packed token ids are written there.
+
+A step's verify windows are [anchor, draft 1, ..., draft n]. The anchors are on the host; the drafts
+come out of the drafter on its device. Packing them there (`ops.pack_verify_tokens`, the layout kernel
+on a GPU) lets the driver queue the target step right behind the draft block without first waiting to
+read the drafts back, so a step that needs no host decision between the two (static verify lengths)
+has no host-device round trip until its tokens are committed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.kernels import ops
+
+
+def write_verify_tokens(
+    token_ids: torch.Tensor, window_lens: list[int], drafts: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Write the first len(drafts) windows' tokens into `out` (the packed token ids, on any device).
+
+    token_ids: the step's host token ids, whose verify windows hold their anchor in the first row
+    (the rows after it are placeholders); window_lens: every window's length (the verify windows
+    first); drafts: [num verify windows, >= longest window - 1], on the drafter's device or the host.
+    """
+    count = drafts.shape[0]
+    if count == 0:
+        return
+    cu = torch.zeros(count + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(torch.tensor(window_lens[:count], dtype=torch.long), 0)
+    rows = int(cu[-1])
+    # One host-to-device copy for both the anchors and the window boundaries.
+    meta = torch.cat([token_ids[cu[:-1]], cu]).to(out.device)
+    ops.pack_verify_tokens(meta[:count], drafts.to(out.device), meta[count:], rows, out=out[:rows])
