@@ -169,12 +169,15 @@ def forced_greedy_accept(accept: int):
     real = ops.greedy_accept
 
     def forced(drafts, target_tokens, cu_windows, verify_lens, commit_caps=None):
-        target_tokens = target_tokens.clone()
-        for r in range(drafts.shape[0]):
-            n = min(accept, int(verify_lens[r]))
-            start = int(cu_windows[r])
-            target_tokens[start : start + n] = drafts[r, :n].to(target_tokens.device)
-        return real(drafts, target_tokens, cu_windows, verify_lens, commit_caps)
+        # Vectorised on the tokens' device (no host sync): forced positions get the drafts, every other
+        # lane writes to one spare slot past the end.
+        device, num_tokens = target_tokens.device, target_tokens.shape[0]
+        k = torch.arange(drafts.shape[1], device=device)
+        forced_here = k[None, :] < verify_lens.to(device).clamp(max=accept)[:, None]
+        index = torch.where(forced_here, cu_windows.to(device)[:-1, None] + k[None, :], num_tokens)
+        padded = torch.cat([target_tokens, target_tokens.new_zeros(1)])
+        padded.scatter_(0, index.flatten(), torch.where(forced_here, drafts.to(device), 0).flatten())
+        return real(drafts, padded[:num_tokens], cu_windows, verify_lens, commit_caps)
 
     ops.greedy_accept = forced
     try:

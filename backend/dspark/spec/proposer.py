@@ -24,10 +24,10 @@ class DraftProposal:
     """One block of drafts per request.
 
     tokens: [R, gamma] int64, on the drafter's device for greedy blocks (nothing waits to read them
-    back before the target step; device acceptance reads them there) or on the host; confidences: [R, gamma] fp32 on the drafter's device (c_k,
-    the chance draft k survives given the earlier ones did; the planner reads them there); probs[r]:
-    [gamma, vocab] the distributions request r's drafts were sampled from (None for greedy requests,
-    whose drafts are argmax choices).
+    back before the target step; device acceptance reads them there) or on the host; confidences:
+    [R, gamma] fp32 on the drafter's device (c_k, the chance draft k survives given the earlier ones
+    did; the planner reads them there); probs[r]: [gamma, vocab] the distributions request r's drafts
+    were sampled from (None for greedy requests, whose drafts are argmax choices).
     """
 
     tokens: torch.Tensor
@@ -140,9 +140,8 @@ class DSparkProposer:
                 )
             tokens, confidences, lengths = drafted
             # Copies: a graph's outputs are rewritten by its next replay.
-            return DraftProposal(
-                tokens.clone(), confidences.clone(), [None] * num_requests, lengths.cpu() if stopping else None
-            )
+            lengths = lengths.cpu() if stopping else None
+            return DraftProposal(tokens.clone(), confidences.clone(), [None] * num_requests, lengths)
         batch = self._block_layout(pages, starts)
         heads = self._block_heads(block.flatten().to(self.device), positions.to(self.device), batch)
         return self._decode_block(heads, block[:, 0].to(self.device), seqs)
