@@ -39,7 +39,7 @@ def test_attention_batch_build_lays_out_every_token_by_hand(device, gen):
     """AttentionBatch.build (through ops.build_window_layout) against a per-token loop, padded."""
     starts, lens, page_size = [0, 17, 5, 64], [12, 8, 1, 3], 8
     pages = [
-        torch.randperm(50, generator=gen)[: -(-(s + n) // page_size)].tolist()
+        torch.randperm(50, generator=gen, device=DEVICE)[: -(-(s + n) // page_size)].tolist()
         for s, n in zip(starts, lens, strict=True)
     ]
     batch = AttentionBatch.build(pages, starts, lens, page_size, True, torch.device(device), 30, 6)
@@ -63,7 +63,7 @@ def test_build_window_layout_writes_into_static_outputs(kernel, gen):
     build = KERNELS.layout.build_window_layout if kernel else ops.build_window_layout
     starts = torch.tensor([9, 0, 30], device=device)
     lens = torch.tensor([3, 5, 1], device=device)
-    table = torch.randint(0, 40, (3, 5), generator=gen, dtype=torch.int32).to(device)
+    table = torch.randint(0, 40, (3, 5), generator=gen, dtype=torch.int32, device=DEVICE).to(device)
     out = (
         torch.full((12,), 7, dtype=torch.int64, device=device),
         torch.full((12,), 7, dtype=torch.int64, device=device),
@@ -110,8 +110,8 @@ def test_realistic_shapes(gen):
 def test_pack_verify_tokens_reference_by_hand(gen):
     """The (vectorised) reference against a per-window loop: ragged, an empty window, padding rows."""
     lens = [3, 0, 1, 5]
-    anchors = torch.randint(1, 1000, (4,), generator=gen)
-    drafts = torch.randint(1, 1000, (4, 4), generator=gen)
+    anchors = torch.randint(1, 1000, (4,), generator=gen, device=DEVICE).cpu()
+    drafts = torch.randint(1, 1000, (4, 4), generator=gen, device=DEVICE).cpu()
     cu = torch.tensor([0, 3, 3, 4, 9])
     packed = reference.pack_verify_tokens(anchors, drafts, cu, 12).tolist()
     expected = []
@@ -126,8 +126,8 @@ def test_a_step_with_device_drafts_packs_them_into_its_host_tokens(gen):
     after the anchor take the drafts, the prefill chunk after them keeps its own tokens."""
     from dspark.model_runner import TargetStep
 
-    drafts = torch.randint(1, 1000, (2, 3), generator=gen)
-    prefill = torch.randint(1, 1000, (4,), generator=gen).tolist()
+    drafts = torch.randint(1, 1000, (2, 3), generator=gen, device=DEVICE).cpu()
+    prefill = torch.randint(1, 1000, (4,), generator=gen, device=DEVICE).tolist()
     tokens = torch.tensor([11, 0, 0, 22, 0, 0, 0, *prefill])
     step = TargetStep(
         token_ids=tokens,
