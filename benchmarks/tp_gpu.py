@@ -354,8 +354,31 @@ def adds_no_error(vs_reference: dict, baseline: dict) -> dict:
 # The run ---------------------------------------------------------------------------------------------
 
 
-def measure(plan: Plan, checkpoint: Path) -> tuple[dict, dict | None]:
-    """Results per TP size, and the exact reference run's summary (None without one)."""
+def profile_decode(runner, batch: int, plan: Plan, path: Path) -> None:
+    """torch.profiler over a few decode steps in this process (rank 0): where a step's host and device
+    time goes, as tables sorted by device and by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pages = request_pages(batch, plan.context + 1, plan.page_size)
+    tokens = [[1]] * batch
+    decode = step(tokens, [plan.context] * batch, pages, all_logits=False)
+    runner.run(decode)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            runner.run(decode)
+    averages = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"batch {batch}, 5 decode steps\n\n"
+        + averages.table(sort_by="self_cuda_time_total", row_limit=25)
+        + "\n\n"
+        + averages.table(sort_by="cpu_time_total", row_limit=25)
+    )
+
+
+def measure(plan: Plan, checkpoint: Path, profile_dir: Path | None = None) -> tuple[dict, dict | None]:
+    """Results per TP size, and the exact reference run's summary (None without one); with
+    `profile_dir`, a profile of each TP size's largest decode batch is written there."""
     generator = torch.Generator().manual_seed(1234)
     prompts = torch.randint(
         0, plan.arch["vocab_size"], (plan.num_prompts, plan.prompt_len), generator=generator
@@ -397,6 +420,8 @@ def measure(plan: Plan, checkpoint: Path) -> tuple[dict, dict | None]:
             for batch in plan.batch_sizes:
                 seconds = decode_step_seconds(runner, batch, plan)
                 decode.append({"batch": batch, "step_ms": seconds * 1e3, "tokens_per_s": batch / seconds})
+            if profile_dir is not None:
+                profile_decode(runner, max(plan.batch_sizes), plan, profile_dir / f"tp{tp}.txt")
         result = {
             "load_s": loaded_s,
             "agreement": agreement(baseline["logits"], logits, baseline["greedy"], greedy, tolerance),
@@ -540,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="skip the exact TP=1 reference run (float32; float64 with --tiny)",
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="also write torch.profiler tables (rank 0) to --out"
+    )
     args = parser.parse_args(argv)
     for key, value in NCCL_SAFETY.items():
         os.environ.setdefault(key, value)
@@ -563,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         args.checkpoint or default_dir, plan.arch, "bfloat16" if not args.tiny else "float32"
     )
     print(f"checkpoint {checkpoint} ready in {time.perf_counter() - started:.1f}s", flush=True)
-    results, reference = measure(plan, checkpoint)
+    results, reference = measure(plan, checkpoint, args.out / "profile" if args.profile else None)
     report = {
         "model": "Qwen3-8B-shaped, random weights" if not args.tiny else "tiny Qwen3, random weights",
         "device": torch.cuda.get_device_name(0) if plan.device == "cuda" else platform.processor() or "cpu",
