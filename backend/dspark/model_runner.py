@@ -196,6 +196,10 @@ class ModelRunner:
         """Nothing to release for a single-process runner."""
 
 
+# Intra-op threads of each tensor-parallel rank on a GPU (see TensorParallelRunner.create).
+GPU_RANK_THREADS = 4
+
+
 class TensorParallelRunner:
     """The driver's runner for tensor_parallel_size > 1: rank 0's shard in this process, ranks
     1..N-1 in spawned worker processes, every step planned here once and broadcast."""
@@ -228,12 +232,16 @@ class TensorParallelRunner:
             torch.cuda.set_device(devices[0])  # "cuda" (the drafter's device) now means rank 0's GPU
         timeout = collective_timeout_s(config)
         store = rendezvous_store(0, timeout)
-        # The ranks share this host's cores: each (the driver too, on CPU) gets its share of threads.
+        # The ranks share this host's cores: each, the driver too, gets its share of threads. GPU ranks
+        # get a few at most: their host work is small tensors, where a wide parallel region costs more
+        # in wake-ups than it saves, and N ranks' thread pools plus NCCL's busy proxy threads would
+        # oversubscribe the cores (two H200 ranks with 16 + 32 threads each: 17 ms of host work a step).
         threads_before = torch.get_num_threads()
         threads = max(1, threads_before // size)
+        if devices[0].type == "cuda":
+            threads = min(threads, GPU_RANK_THREADS)
         workers = WorkerGroup.spawn(config, devices, dtype, store.port, threads)
-        if devices[0].type == "cpu":
-            torch.set_num_threads(threads)
+        torch.set_num_threads(threads)
         try:
             local = ModelRunner.create(config, devices[0], dtype, tp=TensorParallel(0, size))
             workers.wait_loaded()
