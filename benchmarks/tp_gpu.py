@@ -568,6 +568,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="also write torch.profiler tables (rank 0) to --out"
     )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="compute dtype of every TP size (default bfloat16; float32 shows TP's own arithmetic, "
+        "which only reorders sums, without bf16 rounding)",
+    )
     args = parser.parse_args(argv)
     for key, value in NCCL_SAFETY.items():
         os.environ.setdefault(key, value)
@@ -577,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp_sizes": tuple(args.tp or plan.tp_sizes),
         "batch_sizes": tuple(args.batch_sizes or plan.batch_sizes),
         "reference_dtype": plan.reference_dtype if args.fp32_reference else None,
+        "dtype": args.dtype or plan.dtype,
     }
     plan = Plan(**(asdict(plan) | overrides))
     if plan.device == "cuda" and torch.cuda.device_count() < max(plan.tp_sizes):
