@@ -1,5 +1,6 @@
-"""Acceptance, sampling and planning kernels == their torch reference twins, exactly, and the twins ==
-the engine's own per-request code (spec.accept, spec.planner) that they replace on the GPU path.
+"""Acceptance, sampling and planning kernels == their torch reference twins, exactly; the twins ==
+the engine's own per-request planner code (spec.planner); the engine's batched sampling acceptance
+(spec.accept, which calls them) does not depend on the batch.
 
 On a machine without CUDA the kernels run in Triton's interpreter (see test_kernels_attention.py).
 """
@@ -13,7 +14,7 @@ from kernel_setup import DEVICE, KERNELS, gpu_only
 from dspark.kernels import parity, reference
 from dspark.sampling import filtered_probs
 from dspark.sampling_params import SamplingParams
-from dspark.spec.accept import rejection_accept as engine_rejection_accept
+from dspark.spec.accept import rejection_accept_all
 from dspark.spec.planner import global_argmax_budget, split_budget, sync_budget
 from dspark.spec.sps_table import SpsTable
 
@@ -42,45 +43,53 @@ def test_rejection_accept_matches_its_twin_with_the_same_random_numbers(num_spli
     parity.check_rejection_accept(KERNELS, [7, 0, 3, 7, 1], 7, 300, DEVICE, gen, num_splits)
 
 
-def test_rejection_twin_matches_the_engine_per_request_sampler(cpu_gen):
-    """Feeding the twin the numbers the engine's generator would draw gives the engine's result."""
+def test_batched_sampling_acceptance_does_not_depend_on_the_batch(cpu_gen):
+    """The engine judges every sampling request of a step in one call (spec.accept): each request's
+    result, and what it draws from its generator, are the same as if it were judged alone."""
     vocab, gamma = 50, 5
-    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+    params = [
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5, top_p=0.7),
+        SamplingParams(temperature=1.3, top_k=7),
+    ]
     outcomes = set()
-    for _ in range(30):
-        verified = int(torch.randint(0, gamma + 1, (1,), generator=cpu_gen))
-        draft_logits = torch.randn(gamma, vocab, generator=cpu_gen) * 2
-        draft_probs = filtered_probs(draft_logits, params)
-        drafts = torch.multinomial(draft_probs, 1, generator=cpu_gen)[:, 0]
-        # The target is near the drafter, so that acceptances, rejections and bonus draws all happen.
-        noise = torch.randn(verified + 1, vocab, generator=cpu_gen)
-        target_logits = torch.cat([draft_logits, draft_logits[-1:]])[: verified + 1] + noise
-        seed = int(torch.randint(0, 2**31, (1,), generator=cpu_gen))
-        expected = engine_rejection_accept(
-            drafts[:verified].tolist(),
-            draft_probs[:verified],
-            target_logits,
-            params,
-            torch.Generator().manual_seed(seed),
-        )
-        replay = torch.Generator().manual_seed(seed)
-        draws = expected[0] + 1 if expected[0] < verified else verified  # uniforms the engine consumed
-        uniforms = torch.full((1, gamma), 0.5)
-        for i in range(draws):
-            uniforms[0, i] = torch.rand((), generator=replay)
-        exponentials = torch.empty(1, vocab).exponential_(generator=replay)
-        lens, cu = parity.ragged_windows([verified], CPU)
-        got = reference.rejection_accept(
-            drafts[None],
-            draft_probs[None],
-            filtered_probs(target_logits, params),
-            cu,
-            lens,
-            uniforms,
-            exponentials,
-        )
-        assert (int(got[0][0]), int(got[1][0])) == expected
-        outcomes.add("rejected" if expected[0] < verified else "bonus")
+    for _ in range(10):
+        requests = []
+        for p in params:
+            verified = int(torch.randint(0, gamma + 1, (1,), generator=cpu_gen))
+            draft_logits = torch.randn(gamma, vocab, generator=cpu_gen) * 2
+            draft_probs = filtered_probs(draft_logits, p)
+            drafts = torch.multinomial(draft_probs, 1, generator=cpu_gen)[:, 0]
+            # The target is near the drafter, so that acceptances, rejections and bonus draws happen.
+            noise = torch.randn(verified + 1, vocab, generator=cpu_gen)
+            target_logits = torch.cat([draft_logits, draft_logits[-1:]])[: verified + 1] + noise
+            seed = int(torch.randint(0, 2**31, (1,), generator=cpu_gen))
+            requests.append((drafts[:verified].tolist(), draft_probs, target_logits, p, seed))
+
+        def judge(batch):
+            generators = [torch.Generator().manual_seed(r[4]) for r in batch]
+            result = rejection_accept_all(
+                [r[0] for r in batch],
+                [r[1] for r in batch],
+                [r[2] for r in batch],
+                [r[3] for r in batch],
+                generators,
+                gamma,
+            )
+            return list(zip(*result, strict=True)), [g.get_state() for g in generators]
+
+        together, states = judge(requests)
+        for i, request in enumerate(requests):
+            alone, (state,) = judge([request])
+            assert alone == [together[i]]
+            assert torch.equal(state, states[i])
+            outcomes.add("rejected" if together[i][0] < len(request[0]) else "bonus")
+        # A fixed amount a step: gamma uniforms, then one exponential per vocabulary entry.
+        expected = torch.Generator().manual_seed(requests[0][4])
+        torch.rand(gamma, generator=expected)
+        torch.empty(vocab).exponential_(generator=expected)
+        assert torch.equal(expected.get_state(), states[0])
     assert outcomes == {"rejected", "bonus"}
 
 

@@ -26,7 +26,7 @@ from dspark.sampling import choose_tokens
 from dspark.sampling_params import InvalidParameterError, SamplingParams
 from dspark.scheduler import PrefillChunk, Scheduler
 from dspark.sequence import Sequence, SequenceStatus
-from dspark.spec.accept import rejection_accept
+from dspark.spec.accept import rejection_accept_all
 from dspark.spec.draft_checkpoint import load_drafter
 from dspark.spec.gate import SpeculationGate
 from dspark.spec.planner import VerifyPlanner
@@ -280,10 +280,7 @@ class LLMEngine:
         plan = self._plan_verification(decode)
         timer.lap("plan")
         windows = self._build_windows(decode, plan, schedule.prefill)
-        sampling = any(not s.params.greedy for s in decode) or any(
-            not chunk.seq.params.greedy for chunk in schedule.prefill
-        )
-        step = windows.to_step(self._capture_layers, host_logits=sampling)
+        step = windows.to_step(self._capture_layers)
         timer.lap("layout")
         result = self.runner.run(step)
         timer.lap("target")
@@ -359,37 +356,22 @@ class LLMEngine:
         decode: list[Sequence],
         plan: _VerifyPlan,
         prefill: list[PrefillChunk],
-        logits: torch.Tensor | None,
+        logits: torch.Tensor,
         argmax: torch.Tensor,
         windows: _Windows,
     ) -> list[tuple[Sequence, list[int]]]:
         """Decide committed tokens; return them per sequence.
 
-        logits: the logit rows on the host (None when every request of the step is greedy); argmax:
-        their argmax on the runner's device, which is all greedy requests need."""
+        logits, argmax: the step's logit rows and their argmax, on the runner's device (greedy
+        requests need only the argmax; sampling requests are judged there too)."""
         committed: list[tuple[Sequence, list[int]]] = []
         greedy = self._greedy_accept(plan, argmax)
-        num_accepted, bonus, prefill_tokens = greedy.accepted, greedy.bonus, greedy.rest
+        sampled = self._sampled_accept(decode, plan, logits, windows)
         for r, seq in enumerate(decode):
-            verified = plan.verify_lens[r]
-            drafts = plan.drafts()[r]
-            if seq.params.greedy:
-                accepted, next_token = num_accepted[r], bonus[r]
-            else:
-                assert logits is not None
-                window_logits = logits[windows.logit_offsets[r] : windows.logit_offsets[r] + 1 + verified]
-                limit = plan.commit_caps[r]
-                probs = plan.proposal.probs[r] if plan.proposal is not None else None
-                accepted, next_token = rejection_accept(
-                    drafts[:limit],
-                    probs[:limit] if probs is not None else torch.empty(0),
-                    window_logits[: limit + 1],
-                    seq.params,
-                    seq.generator,
-                )
-            seq.spec_stats.record_step(plan.drafted[r], verified, accepted)
+            accepted, next_token = (greedy.accepted[r], greedy.bonus[r]) if seq.params.greedy else sampled[r]
+            seq.spec_stats.record_step(plan.drafted[r], plan.verify_lens[r], accepted)
             seq.num_cached += accepted + 1
-            committed.append((seq, [*drafts[:accepted], next_token]))
+            committed.append((seq, [*plan.drafts()[r][:accepted], next_token]))
         first_prefill_row = windows.logit_offsets[len(decode)] if prefill else 0
         for i, chunk in enumerate(prefill):
             seq = chunk.seq
@@ -397,12 +379,33 @@ class LLMEngine:
             if chunk.completes_prefill and seq.num_output_tokens == 0:
                 offset = windows.logit_offsets[len(decode) + i]
                 if seq.params.greedy:
-                    committed.append((seq, [prefill_tokens[offset - first_prefill_row]]))
+                    committed.append((seq, [greedy.rest[offset - first_prefill_row]]))
                 else:
-                    assert logits is not None
                     row = logits[offset][None]
                     committed.append((seq, [int(choose_tokens(row, seq.params, seq.generator)[0])]))
         return committed
+
+    def _sampled_accept(
+        self, decode: list[Sequence], plan: _VerifyPlan, logits: torch.Tensor, windows: _Windows
+    ) -> dict[int, tuple[int, int]]:
+        """Rejection sampling of every sampling request's window (up to its commit cap), in one call
+        where the logits are: {decode row: (drafts kept, next token)}."""
+        rows = [r for r, seq in enumerate(decode) if not seq.params.greedy]
+        if not rows:
+            return {}
+        drafts = plan.drafts()
+        limits = [plan.commit_caps[r] for r in rows]
+        probs = [plan.proposal.probs[r] if plan.proposal is not None else None for r in rows]
+        offsets = [windows.logit_offsets[r] for r in rows]
+        accepted, next_tokens = rejection_accept_all(
+            [drafts[r][:n] for r, n in zip(rows, limits, strict=True)],
+            probs,
+            [logits[o : o + n + 1] for o, n in zip(offsets, limits, strict=True)],
+            [decode[r].params for r in rows],
+            [decode[r].generator for r in rows],
+            self.limits.block_size,
+        )
+        return {r: (a, t) for r, a, t in zip(rows, accepted, next_tokens, strict=True)}
 
     def _greedy_accept(self, plan: _VerifyPlan, argmax: torch.Tensor) -> _GreedyOutcome:
         """Greedy acceptance of every verify window where the argmax is (`ops.greedy_accept`: the
@@ -522,7 +525,7 @@ class _Windows:
         elif logits == "last":
             self.logit_rows.append(first + len(tokens) - 1)
 
-    def to_step(self, capture_layers: tuple[int, ...], host_logits: bool) -> TargetStep:
+    def to_step(self, capture_layers: tuple[int, ...]) -> TargetStep:
         """The packed batch as the runner (and every TP rank) takes it."""
         return TargetStep(
             token_ids=torch.tensor(self.tokens, dtype=torch.long),
@@ -532,6 +535,6 @@ class _Windows:
             pages=self.pages,
             logit_rows=torch.tensor(self.logit_rows, dtype=torch.long),
             capture_layers=capture_layers,
-            host_logits=host_logits,
+            host_logits=False,
             verify_drafts=self.verify_drafts,
         )

@@ -51,8 +51,8 @@ class TargetStep:
     pages: list[list[int]]
     logit_rows: torch.Tensor
     capture_layers: tuple[int, ...]
-    # Whether the driver needs the logit rows themselves on the host (a sampling request is in the
-    # step); greedy-only steps move just the argmax, not [rows, vocab] floats, off the device.
+    # Whether `run` moves the logit rows to the host (benchmarks); the engine leaves them on the
+    # device, where it accepts and samples, and only committed tokens cross to the host.
     host_logits: bool = True
     # Drafts [num verify windows, >= longest window - 1] of the first windows (verify windows, whose
     # token_ids rows after the anchor are placeholders), on the drafter's device or the host; None:
@@ -71,9 +71,9 @@ class TargetStep:
 
 @dataclass
 class TargetResult:
-    """What the driver gets back: logits [num_logit_rows, vocab] (fp32, on CPU after `run`; None when
-    the step asked for no host logits), their argmax [num_logit_rows] int64 (on the device: acceptance
-    runs there),
+    """What the driver gets back: logits [num_logit_rows, vocab] fp32 (on the host after `run` when
+    the step asks for host logits, else on the device), their argmax [num_logit_rows] int64 (on the
+    device: acceptance runs there),
     captured features [num_tokens, len(capture_layers) * hidden] on the device (or None; after a
     replay a view that the next step overwrites), and each token's cache slot."""
 
@@ -161,7 +161,7 @@ class ModelRunner:
         # The argmax stays where the logits are: acceptance reads it there, and only the committed
         # tokens cross to the host, not [rows, vocab] floats.
         result.argmax = logits.argmax(dim=-1)
-        result.logits = logits.cpu() if step.host_logits else None
+        result.logits = logits.cpu() if step.host_logits else logits
         return result
 
     @torch.inference_mode()

@@ -37,11 +37,6 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     return ops.exponential_race_sample(probs, exponentials.to(probs.device))
 
 
-def uniform(generator: torch.Generator | None) -> float:
-    """One U(0, 1) draw from the request's generator."""
-    return float(torch.rand((), generator=generator))
-
-
 def choose_tokens(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> torch.Tensor:

@@ -1,36 +1,68 @@
-"""Acceptance: which verified drafts a request keeps, and the token that follows them."""
+"""Lossless speculative sampling of every sampling request of a step, in one call where the logits are.
+
+Each request's verify window is judged by `ops.rejection_accept` (the rejection kernel on a GPU):
+draft i is kept while u_i * p_d(d_i) < p_t(d_i); the first rejected position draws from
+normalize(max(0, p_t - p_d)); if every draft passes, the bonus is drawn from p_t at the last row. The
+random numbers come from each request's own generator in fixed amounts a step (`num_uniforms`
+uniforms, then one exponential per vocabulary entry), so a seeded stream replays whatever the batch
+and whatever was accepted.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from dspark.sampling import filtered_probs, sample_rows, uniform
+from dspark.kernels import ops
+from dspark.sampling import filtered_probs
 from dspark.sampling_params import SamplingParams
 
 
-def rejection_accept(
-    draft_tokens: list[int],
-    draft_probs: torch.Tensor,
-    target_logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-) -> tuple[int, int]:
-    """Lossless speculative sampling over one window.
+def rejection_accept_all(
+    drafts: Sequence[list[int]],
+    draft_probs: Sequence[torch.Tensor | None],
+    target_logits: Sequence[torch.Tensor],
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    num_uniforms: int,
+) -> tuple[list[int], list[int]]:
+    """Per request: (drafts kept, the token after them).
 
-    draft_tokens: the l verified drafts; draft_probs: [l, vocab] the drafter's filtered distributions
-    they were sampled from; target_logits: [l + 1, vocab]. Draft i is kept with probability
-    min(1, p_t(d_i) / p_d(d_i)); the first rejection resamples from normalize(max(0, p_t - p_d)); if
-    all pass, the bonus is drawn from p_t at the last position. Returns (num_accepted, next_token).
+    drafts[i]: the l_i drafts request i verifies; draft_probs[i]: [>= l_i, vocab] the distributions
+    they were drawn from (None when l_i = 0); target_logits[i]: [l_i + 1, vocab] its window's logit
+    rows, all on one device; num_uniforms >= every l_i: uniforms each request draws.
     """
-    target_probs = filtered_probs(target_logits, params)
-    for i, token in enumerate(draft_tokens):
-        p, q = float(target_probs[i, token]), float(draft_probs[i, token])
-        if uniform(generator) * q < p:
-            continue
-        residual = (target_probs[i] - draft_probs[i].to(target_probs.dtype)).clamp_min(0.0)
-        mass = residual.sum()
-        # p == q everywhere leaves no residual; then rejection had probability zero, keep p_t.
-        row = residual / mass if mass > 0 else target_probs[i]
-        return i, int(sample_rows(row[None], generator)[0])
-    last = len(draft_tokens)
-    return last, int(sample_rows(target_probs[last : last + 1], generator)[0])
+    count = len(drafts)
+    device = target_logits[0].device
+    lens = [len(d) for d in drafts]
+    width = max(max(lens), 1)
+    vocab = target_logits[0].shape[-1]
+    target = torch.cat([filtered_probs(rows, p) for rows, p in zip(target_logits, params, strict=True)])
+    proposed = torch.zeros(count, width, vocab, dtype=torch.float32, device=device)
+    for i, (probs, n) in enumerate(zip(draft_probs, lens, strict=True)):
+        if n:
+            assert probs is not None
+            proposed[i, :n] = probs[:n].to(device=device, dtype=torch.float32)
+    tokens = torch.zeros(count, width, dtype=torch.long)
+    uniforms = torch.zeros(count, width)
+    exponentials = torch.empty(count, vocab)
+    for i, (row, n, generator) in enumerate(zip(drafts, lens, generators, strict=True)):
+        tokens[i, :n] = torch.tensor(row, dtype=torch.long)
+        drawn = torch.rand(num_uniforms, generator=generator)
+        uniforms[i, :n] = drawn[:n]
+        exponentials[i].exponential_(generator=generator)
+    window_lens = torch.tensor(lens, dtype=torch.long)
+    cu = torch.zeros(count + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(window_lens + 1, 0)
+    accepted, next_tokens = ops.rejection_accept(
+        tokens.to(device),
+        proposed,
+        target,
+        cu.to(device),
+        window_lens.to(device),
+        uniforms.to(device),
+        exponentials.to(device),
+    )
+    both = torch.cat([accepted, next_tokens]).tolist()
+    return both[:count], both[count:]

@@ -84,4 +84,5 @@ def _synthetic_step(num_tokens: int, config: EngineConfig, vocab_size: int) -> T
         pages=pages,
         logit_rows=torch.arange(num_tokens),
         capture_layers=(),
+        host_logits=False,  # as the engine's steps: the logits stay where they are computed
     )

@@ -27,7 +27,8 @@ class DraftProposal:
     back before the target step; device acceptance reads them there) or on the host; confidences:
     [R, gamma] fp32 on the drafter's device (c_k, the chance draft k survives given the earlier ones
     did; the planner reads them there); probs[r]: [gamma, vocab] the distributions request r's drafts
-    were sampled from (None for greedy requests, whose drafts are argmax choices).
+    were sampled from, on the drafter's device (None for greedy requests, whose drafts are argmax
+    choices).
     """
 
     tokens: torch.Tensor
@@ -173,12 +174,13 @@ class DSparkProposer:
         return tokens, confidences, stop.lengths
 
     def _decode_block(self, heads: BlockHeads, anchors: torch.Tensor, seqs: Seq[Sequence]) -> DraftProposal:
-        """The Markov decode of a block with sampling requests in it: they draw their drafts from their
-        own generators on the host, so this path runs eagerly."""
+        """The Markov decode of a block with sampling requests in it: they draw their drafts with their
+        own host generators, so this path runs eagerly. Their draft distributions stay on the device,
+        where acceptance reads them."""
         gamma, vocab = self.block_size, heads.lm_head.shape[0]
         sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
         probs: list[torch.Tensor | None] = [
-            None if s.params.greedy else torch.zeros(gamma, vocab) for s in seqs
+            None if s.params.greedy else torch.zeros(gamma, vocab, device=self.device) for s in seqs
         ]
 
         def choose(k: int, logits: torch.Tensor, stop: _EarlyStop) -> torch.Tensor:
@@ -190,7 +192,7 @@ class DSparkProposer:
                     continue
                 seq = seqs[r]
                 row = filtered_probs(logits[r : r + 1], seq.params)
-                probs[r][k] = row[0].cpu()  # type: ignore[index]
+                probs[r][k] = row[0]  # type: ignore[index]
                 chosen[r] = sample_rows(row, seq.generator)[0]
             return chosen
 
