@@ -917,12 +917,6 @@ def compile_report(report: Report, kernels, only: str | None) -> None:
         dict(anchors_ptr="i64", drafts_ptr="i64", cu_ptr="i32", tokens_ptr="i64"),
         dict(BLOCK=256),
     )
-    one(
-        "layout commit slots",
-        kernels.layout._commit_slots_kernel,
-        dict(slots_ptr="i64", cu_ptr="i32", committed_ptr="i64", out_ptr="i64"),
-        dict(BLOCK=256),
-    )
 
 
 # Output ------------------------------------------------------------------------------------------

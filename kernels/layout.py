@@ -1,5 +1,5 @@
-"""Building the packed step batch on the device: window boundaries, positions, cache slots, the verify
-tokens, and the slots that KV injection writes after acceptance. No per-request host work.
+"""Building the packed step batch on the device: window boundaries, positions, cache slots and the
+verify tokens. No per-request host work.
 
 Token t of the packed batch belongs to the window r with cu[r] <= t < cu[r + 1] (binary search over
 cu); rows past cu[R] are padding (a CUDA-graph token tier larger than the batch): position 0, slot -1
@@ -167,61 +167,6 @@ def pack_verify_tokens(
         num_tokens,
         num_requests.bit_length(),
         drafts.stride(0),
-        BLOCK=BLOCK_T,
-    )
-    return out
-
-
-@triton.jit
-def _commit_slots_kernel(
-    slots_ptr,
-    cu_ptr,
-    committed_ptr,
-    out_ptr,
-    num_requests,
-    num_tokens,
-    search_steps,
-    BLOCK: tl.constexpr,
-):
-    """Grid (cdiv(T, BLOCK),); out[t] = slots[t] for the first committed[r] rows of window r, else -1."""
-    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    t_ok = t < num_tokens
-    real = t_ok & (t < tl.load(cu_ptr + num_requests))
-    r = find_window(cu_ptr, num_requests, t, search_steps, 1)
-    i = t - tl.load(cu_ptr + r, mask=real, other=0)
-    keep = real & (i < tl.load(committed_ptr + r, mask=real, other=0))
-    slot = tl.load(slots_ptr + t, mask=keep, other=-1)
-    tl.store(out_ptr + t, tl.where(keep, slot, -1).to(tl.int64), mask=t_ok)
-
-
-def commit_slots(
-    slots: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    num_committed: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Slots for KV injection after acceptance (the reference's commit_slots).
-
-    slots: [T] the step's cache slots; cu_seqlens: [R + 1]; num_committed: [R] rows of each window to
-    keep (accepted + 1 for a verify window, its length for a prefill chunk). Returns [T] int64: the
-    slot for kept rows, -1 elsewhere, so injection runs over the packed rows with no compaction.
-    """
-    num_tokens = slots.shape[0]
-    num_requests = num_committed.shape[0]
-    if out is None:
-        out = torch.empty(num_tokens, dtype=torch.int64, device=slots.device)
-    if num_tokens == 0:
-        return out
-    if num_requests == 0:
-        return out.fill_(-1)
-    _commit_slots_kernel[(triton.cdiv(num_tokens, BLOCK_T),)](
-        slots,
-        cu_seqlens,
-        num_committed,
-        out,
-        num_requests,
-        num_tokens,
-        num_requests.bit_length(),
         BLOCK=BLOCK_T,
     )
     return out

@@ -190,15 +190,8 @@ def pack_verify_tokens(
     return tokens if out is None else out.copy_(tokens)
 
 
-def commit_slots(slots: torch.Tensor, cu_seqlens: torch.Tensor, num_committed: torch.Tensor) -> torch.Tensor:
-    """See reference.commit_slots."""
-    impl = load_kernels().layout if _on_gpu(slots) else reference
-    return impl.commit_slots(slots, cu_seqlens, num_committed)
-
-
 __all__ = [
     "build_window_layout",
-    "commit_slots",
     "exponential_race_sample",
     "greedy_accept",
     "inject_kv",

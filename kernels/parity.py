@@ -474,7 +474,7 @@ def check_layout(
     device: torch.device,
     gen: torch.Generator,
 ) -> float:
-    """build_window_layout, pack_verify_tokens and commit_slots vs their references, exactly."""
+    """build_window_layout and pack_verify_tokens vs their references, exactly."""
     num_requests = len(window_lens)
     starts = torch.tensor(window_starts, dtype=torch.int64, device=device)
     lens = torch.tensor(window_lens, dtype=torch.int64, device=device)
@@ -494,7 +494,7 @@ def check_layout(
     got = kernels.layout.build_window_layout(starts, lens, table, page_size, num_tokens, out=out)
     want = reference.build_window_layout(starts, lens, table, page_size, num_tokens)
     _assert_equal(got, want, "build_window_layout")
-    _, slots, cu, _ = want
+    _, _, cu, _ = want
     anchors = torch.randint(1, 1000, (num_requests,), generator=gen, device=device)
     drafts = torch.randint(
         1, 1000, (num_requests, max(gamma, max(window_lens, default=1))), generator=gen, device=device
@@ -505,11 +505,6 @@ def check_layout(
     _assert_equal(
         (tokens,), (reference.pack_verify_tokens(anchors, drafts, cu, num_tokens),), "pack_verify_tokens"
     )
-    committed = torch.randint(
-        0, max(window_lens, default=0) + 2, (num_requests,), generator=gen, device=device
-    )
-    kept = kernels.layout.commit_slots(slots, cu, committed, out=poisoned((num_tokens,), torch.int64, device))
-    _assert_equal((kept,), (reference.commit_slots(slots, cu, committed),), "commit_slots")
     return 0.0
 
 

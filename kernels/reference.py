@@ -384,15 +384,3 @@ def pack_verify_tokens(
         draft = torch.zeros_like(offsets)
     tokens[: owner.shape[0]] = torch.where(offsets == 0, anchors.to(torch.int64)[owner], draft)
     return tokens
-
-
-def commit_slots(slots: torch.Tensor, cu_seqlens: torch.Tensor, num_committed: torch.Tensor) -> torch.Tensor:
-    """KV-injection slots after acceptance: slots [T] kept for the first num_committed[r] rows of each
-    window (cu_seqlens [R + 1]), -1 elsewhere (skipped by the stores). Returns [T] int64."""
-    out = torch.full_like(slots, -1, dtype=torch.int64)
-    starts = cu_seqlens.tolist()
-    for r, kept in enumerate(num_committed.tolist()):
-        s = starts[r]
-        n = max(0, min(kept, starts[r + 1] - s))
-        out[s : s + n] = slots[s : s + n]
-    return out

@@ -1,4 +1,4 @@
-"""Device-side batch layout (positions, slots, cu_seqlens, kv_lens; verify tokens; committed slots) ==
+"""Device-side batch layout (positions, slots, cu_seqlens, kv_lens; verify tokens) ==
 its torch reference twin, exactly, and AttentionBatch.build (which lays out through them) == a
 per-token loop.
 

@@ -69,8 +69,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     # Longest prompt plus completion; 0 takes the model's max_position_embeddings.
     max_model_len: int = 0
-    # On CUDA with tensor_parallel_size 1, target steps of up to this many tokens replay CUDA graphs (one
-    # per power-of-two token and request count), and so do greedy draft blocks (any TP size); all are
+    # On CUDA, target steps of up to this many tokens replay CUDA graphs (one per power-of-two token
+    # and request count, on every tensor-parallel rank), and so do greedy draft blocks; all are
     # captured at start-up. 0 runs everything eagerly. A Python-driven forward launches hundreds of
     # kernels a step and is bound by the host.
     cuda_graph_max_tokens: int = 512

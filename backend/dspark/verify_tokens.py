@@ -31,4 +31,5 @@ def write_verify_tokens(
     rows = int(cu[-1])
     # One host-to-device copy for both the anchors and the window boundaries.
     meta = torch.cat([token_ids[cu[:-1]], cu]).to(out.device)
-    ops.pack_verify_tokens(meta[:count], drafts.to(out.device), meta[count:], rows, out=out[:rows])
+    cu_seqlens = meta[count:].to(torch.int32)  # the layout's own boundary dtype
+    ops.pack_verify_tokens(meta[:count], drafts.to(out.device), cu_seqlens, rows, out=out[:rows])
