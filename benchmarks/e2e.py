@@ -67,6 +67,32 @@ def _time_engine(
     return sum(len(o.token_ids) for o in outs) / elapsed, [o.token_ids for o in outs], stats.as_dict()
 
 
+def _time_sustained(llm: LLM, ids: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, dict]:
+    """Output tokens/s with `concurrency` requests in flight until every prompt of `ids` is done: a
+    finished request's slot takes the next prompt at once, as a server under steady load does (a
+    batch that starts together instead runs until its slowest request is done). Also the spec stats."""
+    from dspark.outputs import SpecStats
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    pending = list(enumerate(ids))
+    in_flight = 0
+    produced = 0
+    stats = SpecStats()
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and in_flight < concurrency:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"sustained-{i}-{time.perf_counter_ns()}", prompt, params)
+            in_flight += 1
+        for delta in engine.step():
+            produced += len(delta.new_token_ids)
+            if delta.finished:
+                in_flight -= 1
+                stats.merge(delta.spec_stats)
+    return produced / (time.perf_counter() - start), stats.as_dict()
+
+
 def identical_share(expected: list[list[int]], got: list[list[int]]) -> float:
     """The share of sequences whose greedy tokens are identical. In fp32 speculation never changes
     them (tests prove it); in bf16 a verify window and a one-token step round differently, so near-tied
@@ -108,6 +134,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--out", default="")
     parser.add_argument("--phases", action="store_true", help="also record per-phase step times")
+    parser.add_argument(
+        "--sustained",
+        type=int,
+        default=0,
+        help="also run each batch size B as a steady load: B requests in flight, K*B in all (K = this)",
+    )
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     base = EngineConfig(
@@ -142,6 +174,12 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"{mode}: speculation changed greedy output at batch {batch}")
             row[mode] = tps
             row[f"{mode}_tau"] = stats["mean_committed_per_step"]
+        if args.sustained:
+            pool = _prompt_ids(engines["off"], batch * args.sustained)
+            for mode, llm in engines.items():
+                tps, stats = _time_sustained(llm, pool, batch, args.max_tokens)
+                row[f"sustained_{mode}"] = tps
+                row[f"sustained_{mode}_tau"] = stats["mean_committed_per_step"]
         if not args.no_peer:
             row["transformers"] = _time_transformers(
                 str(base.model_path), ids, args.max_tokens, device, dtype
@@ -161,6 +199,20 @@ def main(argv: list[str] | None = None) -> None:
             f"{peer or float('nan'):.1f} | {r['compact'] / r['off']:.2f} | {r['default'] / r['off']:.2f} | "
             f"{(r['compact'] / peer) if peer else float('nan'):.2f} |"
         )
+    if args.sustained:
+        print(
+            f"\nSteady load ({args.sustained}x the batch size in requests, the batch size in flight): "
+            "tok/s (τ) and ratio to off"
+        )
+        print("| in flight | off | static | compact | default |")
+        print("|" + "---|" * 5)
+        for r in rows:
+            cells = [
+                f"{r[f'sustained_{m}']:.1f} ({r[f'sustained_{m}_tau']:.2f}, "
+                f"{r[f'sustained_{m}'] / r['sustained_off']:.2f}x)"
+                for m in ("static", "compact", "default")
+            ]
+            print(f"| {r['batch']} | {r['sustained_off']:.1f} | " + " | ".join(cells) + " |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(

@@ -266,6 +266,8 @@ def part_smollm2(args: argparse.Namespace, report: dict) -> None:
             "--out",
             str(out),
             "--phases",
+            "--sustained",
+            str(args.sustained),
         ]
     )
     report["smollm2"] = json.loads(out.read_text())["rows"]
@@ -318,6 +320,23 @@ def markdown(report: dict) -> str:
                 f"{(r['compact'] / peer) if peer else nan:.2f} |"
             )
         lines.append("")
+    steady = [r for r in report.get("smollm2", []) if "sustained_off" in r]
+    if steady:
+        lines += [
+            "## SmolLM2 under steady load: the batch size in flight, a finished request's slot refilled at "
+            "once (tok/s, τ, ratio to off)",
+            "",
+            "| in flight | off | static | compact | default |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for r in steady:
+            cells = [
+                f"{r[f'sustained_{m}']:.1f} ({r[f'sustained_{m}_tau']:.2f}, "
+                f"{r[f'sustained_{m}'] / r['sustained_off']:.2f}x)"
+                for m in ("static", "compact", "default")
+            ]
+            lines.append(f"| {r['batch']} | {r['sustained_off']:.1f} | " + " | ".join(cells) + " |")
+        lines.append("")
     for key in ("e2e8b", "smollm2"):
         rows = [r for r in report.get(key, []) if r.get("phases_ms")]
         if not rows:
@@ -354,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--accept", type=int, default=4, help="e2e8b: forced accepted drafts per block")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument(
+        "--sustained", type=int, default=4, help="smollm2: steady-load runs with K x batch requests"
+    )
     args = parser.parse_args(argv)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
