@@ -124,3 +124,20 @@ def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
         fresh_tokens, fresh_confidences = _fresh_block(engine, context)
         assert tokens == fresh_tokens, context
         torch.testing.assert_close(confidences, fresh_confidences, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.05, 0.3, 0.9])
+def test_the_block_early_stop_equals_the_position_by_position_one(threshold):
+    """stop_all_at_once (the GPU greedy decode's early stop, after the loop) == _EarlyStop (the
+    position-by-position one the CPU and sampling paths use): lengths and zeroed confidences."""
+    from dspark.spec.proposer import _EarlyStop, stop_all_at_once
+
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    confidences = torch.rand(64, 7, generator=gen) ** 0.5
+    lengths, kept = stop_all_at_once(confidences, threshold)
+    stop = _EarlyStop(threshold, 64, 7, torch.device("cpu"))
+    expected = torch.stack([stop.update(confidences[:, k], k) for k in range(7)], dim=1)
+    assert torch.equal(lengths, stop.lengths)
+    assert torch.equal(kept, expected)
+    if threshold in (0.05, 0.3):
+        assert 0 < int((lengths < 7).sum()) < 64, "some requests stop, some do not"

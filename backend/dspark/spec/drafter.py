@@ -141,10 +141,19 @@ class Drafter(nn.Module):
             return base_logits
         return base_logits + self.markov_w2(markov).float()
 
-    def confidence_at(self, hidden: torch.Tensor, markov: torch.Tensor | None, position: int) -> torch.Tensor:
-        """c_k = sigmoid((w · [h_k ; W1[x_{k-1}]] + b) / T_k): [R]; all ones without a confidence head."""
-        if self.confidence is None:
-            return torch.ones(hidden.shape[0], device=hidden.device)
+    def confidence_logit(self, hidden: torch.Tensor, markov: torch.Tensor | None) -> torch.Tensor:
+        """w · [h_k ; W1[x_{k-1}]] + b, the confidence head before its sigmoid and temperature: hidden
+        [..., hidden], markov [..., rank] (or None) -> [...] fp32."""
+        assert self.confidence is not None
         inputs = hidden if markov is None else torch.cat([hidden, markov.to(hidden.dtype)], dim=-1)
-        logit = self.confidence(inputs).float().squeeze(-1)
-        return torch.sigmoid(logit / self.confidence_temperatures[position])
+        return self.confidence(inputs).float().squeeze(-1)
+
+    def confidence_at(
+        self, hidden: torch.Tensor, markov: torch.Tensor | None, position: int | slice
+    ) -> torch.Tensor:
+        """c_k = sigmoid((w · [h_k ; W1[x_{k-1}]] + b) / T_k) of one block position (hidden [R, hidden]
+        -> [R]) or of a slice of them (hidden [R, n, hidden] -> [R, n]); all ones without a confidence
+        head."""
+        if self.confidence is None:
+            return torch.ones(hidden.shape[:-1], device=hidden.device)
+        return torch.sigmoid(self.confidence_logit(hidden, markov) / self.confidence_temperatures[position])

@@ -170,8 +170,33 @@ class DSparkProposer:
         [R, gamma] int64, confidences [R, gamma] fp32 and drafted lengths [R] int64, on the device."""
         heads = self._block_heads(block_ids, positions, batch)
         anchors = block_ids.view(-1, self.block_size)[:, 0]
+        if self._on_gpu:
+            return self._greedy_decode(heads, anchors)
         tokens, confidences, stop = self._markov_decode(heads, anchors)
         return tokens, confidences, stop.lengths
+
+    def _greedy_decode(
+        self, heads: BlockHeads, anchors: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The greedy Markov decode as a GPU runs it, with few kernels: the loop over positions makes
+        the drafts only (Markov features, corrected logits, argmax), and the confidences and the early
+        stop, which never change a draft, follow for every position at once (a drafted block's
+        confidences depend on its own drafts only). Drafts [R, gamma], confidences [R, gamma] (zero
+        past each request's stop), drafted lengths [R]."""
+        drafts = []
+        previous = anchors
+        for k in range(self.block_size):
+            markov = self.drafter.markov_features(previous)
+            previous = self.drafter.corrected_logits(heads.logits_at(k), markov).argmax(dim=-1)
+            drafts.append(previous)
+        tokens = torch.stack(drafts, dim=1)
+        # The token before each position: the anchor, then the drafts.
+        before = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
+        confidences = self.drafter.confidence_at(
+            heads.hidden, self.drafter.markov_features(before), slice(0, self.block_size)
+        )
+        lengths, confidences = stop_all_at_once(confidences, self.stop_survival)
+        return tokens, confidences, lengths
 
     def _decode_block(self, heads: BlockHeads, anchors: torch.Tensor, seqs: Seq[Sequence]) -> DraftProposal:
         """The Markov decode of a block with sampling requests in it: they draw their drafts with their
@@ -227,6 +252,19 @@ class DSparkProposer:
             previous = logits.argmax(dim=-1) if choose is None else choose(k, logits, stop)
             tokens[:, k] = previous
         return tokens, confidences, stop
+
+
+def stop_all_at_once(confidences: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_EarlyStop` over a whole block at once: (drafted lengths [R] int64, the confidences [R, gamma]
+    zeroed from each request's stop on). A request stops before the first draft k whose survival (the
+    product of c_1..c_k) falls below `threshold` (0: never). Device tensors only, no host sync."""
+    num_requests, gamma = confidences.shape
+    if threshold <= 0.0:
+        return torch.full((num_requests,), gamma, dtype=torch.long, device=confidences.device), confidences
+    below = torch.cumprod(confidences, dim=1) < threshold
+    lengths = torch.where(below.any(dim=1), below.int().argmax(dim=1), gamma).long()
+    kept = torch.arange(gamma, device=confidences.device)[None, :] < lengths[:, None]
+    return lengths, torch.where(kept, confidences, 0.0)
 
 
 class _EarlyStop:

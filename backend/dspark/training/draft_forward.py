@@ -107,5 +107,4 @@ def confidence_logits(drafter: Drafter, hidden: torch.Tensor, markov: torch.Tens
     """w · [h_k ; W1[x_{k-1}]] + b, the confidence head before its sigmoid and temperature: [...]."""
     if drafter.confidence is None:
         raise ValueError("draft_model: this drafter has no confidence head")
-    inputs = hidden if markov is None else torch.cat([hidden, markov.to(hidden.dtype)], dim=-1)
-    return drafter.confidence(inputs).float().squeeze(-1)
+    return drafter.confidence_logit(hidden, markov)
