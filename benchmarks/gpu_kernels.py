@@ -917,6 +917,42 @@ def compile_report(report: Report, kernels, only: str | None) -> None:
         dict(anchors_ptr="i64", drafts_ptr="i64", cu_ptr="i32", tokens_ptr="i64"),
         dict(BLOCK=256),
     )
+    import triton.language as tl
+
+    markov_ptrs = dict(
+        base_ptr="bf16",
+        anchors_ptr="i64",
+        in_val_ptr="fp32",
+        in_idx_ptr="i32",
+        tokens_ptr="i64",
+        w1_ptr="bf16",
+        w2_ptr="bf16",
+        out_val_ptr="fp32",
+        out_idx_ptr="i32",
+    )
+    for first in (True, False):
+        one(
+            f"markov step first={first}",
+            kernels.markov._markov_step_kernel,
+            markov_ptrs,
+            dict(
+                RANK=32,
+                FIRST=first,
+                CORR_DTYPE=tl.bfloat16,
+                DOT_FP32=False,
+                BLOCK_R=16,
+                BLOCK_V=128,
+                BLOCK_K=32,
+                SUB_TILES=8,
+                BLOCK_T=256,
+            ),
+        )
+    one(
+        "markov last",
+        kernels.markov._markov_last_kernel,
+        dict(in_val_ptr="fp32", in_idx_ptr="i32", tokens_ptr="i64"),
+        dict(BLOCK_R=16, BLOCK_T=256),
+    )
 
 
 # Output ------------------------------------------------------------------------------------------

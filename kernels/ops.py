@@ -143,6 +143,17 @@ def exponential_race_sample(probs: torch.Tensor, exponentials: torch.Tensor) -> 
     return reference.exponential_race_sample(probs, exponentials)
 
 
+def markov_decode(
+    base_logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor | None, w2: torch.Tensor | None
+) -> torch.Tensor:
+    """See reference.markov_decode; without a Markov head (w1, w2 None) each draft is the argmax of
+    its base logits."""
+    if w1 is None or w2 is None:
+        return base_logits.float().argmax(dim=-1)
+    impl = load_kernels().markov if _on_gpu(base_logits) else reference
+    return impl.markov_decode(base_logits, anchors, w1, w2)
+
+
 def plan_verify_lens(
     survivals: torch.Tensor,
     max_lens: torch.Tensor,
@@ -195,6 +206,7 @@ __all__ = [
     "exponential_race_sample",
     "greedy_accept",
     "inject_kv",
+    "markov_decode",
     "pack_verify_tokens",
     "paged_attention",
     "plan_verify_lens",

@@ -508,6 +508,37 @@ def check_layout(
     return 0.0
 
 
+def check_markov_decode(
+    kernels: SimpleNamespace,
+    num_requests: int,
+    gamma: int,
+    vocab: int,
+    rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gen: torch.Generator,
+    strided: bool = False,
+) -> float:
+    """markov_decode vs reference, exactly (random logits: no ties within the sums' rounding). With
+    `strided`, the base logits are a view of a wider tensor (the kernel reads them through strides).
+    Returns 0."""
+    shape = (num_requests, gamma, vocab)
+    wide = torch.randn(num_requests, gamma + 2 if strided else gamma, vocab, generator=gen, device=device)
+    base = (wide[:, 1 : gamma + 1] if strided else wide).to(dtype)
+    assert base.shape == shape
+    anchors = torch.randint(0, vocab, (num_requests,), generator=gen, device=device)
+    # Weights that move the argmax: the Markov correction is as large as the base logits.
+    w1 = (torch.randn(vocab, rank, generator=gen, device=device) / rank**0.25).to(dtype)
+    w2 = (torch.randn(vocab, rank, generator=gen, device=device) / rank**0.25).to(dtype)
+    out = poisoned((num_requests, gamma), torch.int64, device)
+    got = kernels.markov.markov_decode(base, anchors, w1, w2, out=out)
+    want = reference.markov_decode(base, anchors, w1, w2)
+    _assert_equal((got,), (want,), "markov_decode")
+    if num_requests * gamma >= 4:  # the correction must matter, or the test would not see it
+        assert not torch.equal(want.cpu(), base.float().argmax(dim=-1).cpu()), "no draft changed"
+    return 0.0
+
+
 def generator(device: torch.device, seed: int | None = None) -> tuple[torch.Generator, int]:
     """A generator on device seeded with `seed`, or with a fresh random seed (returned, for replays)."""
     if seed is None:

@@ -384,3 +384,24 @@ def pack_verify_tokens(
         draft = torch.zeros_like(offsets)
     tokens[: owner.shape[0]] = torch.where(offsets == 0, anchors.to(torch.int64)[owner], draft)
     return tokens
+
+
+def markov_decode(
+    base_logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Greedy Markov decode of a draft block: draft k = argmax_v (U[r, k, v] + W2[v] · W1[x_{k-1}]),
+    x_{-1} the anchor, the correction summed in fp32 and rounded to w2's dtype (ties to the lowest v).
+
+    base_logits: [R, gamma, vocab]; anchors: [R]; w1, w2: [vocab, rank]. Returns [R, gamma] int64.
+    """
+    num_requests, gamma, _ = base_logits.shape
+    previous = anchors.to(torch.int64)
+    w2_t = w2.float().t()
+    drafts = []
+    for k in range(gamma):
+        correction = (w1[previous].float() @ w2_t).to(w2.dtype).float()
+        previous = (base_logits[:, k].float() + correction).argmax(dim=-1)
+        drafts.append(previous)
+    if not drafts:
+        return torch.zeros(num_requests, 0, dtype=torch.int64, device=base_logits.device)
+    return torch.stack(drafts, dim=1)

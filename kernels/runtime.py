@@ -16,7 +16,17 @@ import sys
 import threading
 from types import SimpleNamespace
 
-KERNEL_MODULES = ("common", "attention", "norm", "rotary_store", "accept", "planner", "sampling", "layout")
+KERNEL_MODULES = (
+    "common",
+    "attention",
+    "norm",
+    "rotary_store",
+    "accept",
+    "planner",
+    "sampling",
+    "layout",
+    "markov",
+)
 
 _lock = threading.Lock()
 _loaded: tuple[bool, SimpleNamespace] | None = None

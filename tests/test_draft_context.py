@@ -140,4 +140,4 @@ def test_the_block_early_stop_equals_the_position_by_position_one(threshold):
     assert torch.equal(lengths, stop.lengths)
     assert torch.equal(kept, expected)
     if threshold in (0.05, 0.3):
-        assert 0 < int((lengths < 7).sum()) < 64, "some requests stop, some do not"
+        assert bool((lengths < 7).any()) and lengths.unique().numel() > 2, "requests stop at various places"

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from dspark.attention_batch import AttentionBatch
 from dspark.cuda_graphs import StaticLayout, next_pow2
+from dspark.kernels import ops
 from dspark.kv_cache import PagedKVCache
 from dspark.sampling import filtered_probs, sample_rows
 from dspark.sequence import Sequence
@@ -178,18 +179,21 @@ class DSparkProposer:
     def _greedy_decode(
         self, heads: BlockHeads, anchors: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The greedy Markov decode as a GPU runs it, with few kernels: the loop over positions makes
-        the drafts only (Markov features, corrected logits, argmax), and the confidences and the early
-        stop, which never change a draft, follow for every position at once (a drafted block's
-        confidences depend on its own drafts only). Drafts [R, gamma], confidences [R, gamma] (zero
-        past each request's stop), drafted lengths [R]."""
-        drafts = []
-        previous = anchors
-        for k in range(self.block_size):
-            markov = self.drafter.markov_features(previous)
-            previous = self.drafter.corrected_logits(heads.logits_at(k), markov).argmax(dim=-1)
-            drafts.append(previous)
-        tokens = torch.stack(drafts, dim=1)
+        """The greedy Markov decode as a GPU runs it, in few kernels: the drafts first
+        (`ops.markov_decode`: the block's base logits projected in one GEMM, then one launch a
+        position), then the confidences and the early stop for every position at once (they never
+        change a draft, and a block's confidences depend on its own drafts only). Drafts [R, gamma],
+        confidences [R, gamma] (zero past each request's stop), drafted lengths [R]."""
+        if heads.projected is None:
+            heads.project_all()
+        assert heads.projected is not None
+        w1, w2 = self.drafter.markov_w1, self.drafter.markov_w2
+        tokens = ops.markov_decode(
+            heads.projected,
+            anchors,
+            None if w1 is None else w1.weight,
+            None if w2 is None else w2.weight,
+        )
         # The token before each position: the anchor, then the drafts.
         before = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
         confidences = self.drafter.confidence_at(
