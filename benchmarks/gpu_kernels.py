@@ -585,6 +585,42 @@ def run_accept(runner: Runner, kernels, parity, reference, shapes: Shapes, devic
         )
 
 
+def run_markov(runner: Runner, kernels, parity, reference, shapes: Shapes, device, gen) -> None:
+    """The draft block's greedy Markov decode (rank 32, the shipped drafters') against the torch loop
+    it replaced: per position a W1 gather, a bf16 linear, casts, an add and an argmax."""
+    import torch
+
+    rank, gamma = 32, shapes.gamma
+    for batch in shapes.plan_batches:
+        runner.parity(
+            f"markov_decode R={batch}",
+            lambda b=batch: parity.check_markov_decode(
+                kernels, b, gamma, shapes.vocab, rank, torch.bfloat16, device, gen
+            ),
+        )
+        base = torch.randn(batch, gamma, shapes.vocab, generator=gen, device=device).to(torch.bfloat16)
+        anchors = torch.randint(0, shapes.vocab, (batch,), generator=gen, device=device)
+        w1 = torch.randn(shapes.vocab, rank, generator=gen, device=device).to(torch.bfloat16)
+        w2 = torch.randn(shapes.vocab, rank, generator=gen, device=device).to(torch.bfloat16)
+
+        def torch_loop(base=base, anchors=anchors, w1=w1, w2=w2):
+            previous, drafts = anchors, []
+            for k in range(gamma):
+                correction = torch.nn.functional.linear(w1[previous], w2).float()
+                previous = (base[:, k].float() + correction).argmax(dim=-1)
+                drafts.append(previous)
+            return torch.stack(drafts, dim=1)
+
+        runner.time(
+            f"markov_decode R={batch} gamma={gamma}",
+            lambda b=base, a=anchors, x=w1, y=w2: kernels.markov.markov_decode(b, a, x, y),
+            torch_loop,
+            base.numel() * 2 + w2.numel() * 2 * gamma,
+            2 * batch * gamma * shapes.vocab * rank,
+            "eager torch loop (gather, bf16 linear, casts, add, argmax a position)",
+        )
+
+
 def run_layout(runner: Runner, kernels, parity, reference, shapes: Shapes, device, gen) -> None:
     import torch
 
@@ -1084,7 +1120,7 @@ def main(argv: list[str] | None = None) -> int:
         gen, seed = parity.generator(device)
         report.device["seed"] = seed
         measure_ceilings(report, device, args.tiny)
-        for part in (run_attention, run_norm_rotary, run_accept, run_layout):
+        for part in (run_attention, run_norm_rotary, run_accept, run_layout, run_markov):
             try:
                 part(runner, kernels, parity, reference, shapes, device, gen)
             except Exception as exc:  # noqa: BLE001 - a broken section must not lose the others' results
