@@ -183,3 +183,32 @@ def test_graphs_give_the_eager_engines_tokens(smollm2_dir, smollm2_drafter_dir, 
                 assert llm.engine.proposer.graphs.captured, "no block replayed a draft graph"
         llm.engine.close()
     assert outputs[256] == outputs[0]
+
+
+@pytest.mark.gpu
+@gpu
+def test_sampling_with_speculation_on_the_gpu(smollm2_dir, smollm2_drafter_dir) -> None:
+    """Sampling requests on the GPU path: drafts sampled on the device, windows judged by the rejection
+    kernel, first tokens drawn by the exponential-race kernel. Seeded streams replay, greedy requests
+    in the same batch keep plain decoding's tokens, and sampled drafts do get accepted."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 30))] for _ in range(6)]
+    sampled = [SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=10 + i) for i in range(3)]
+    greedy = [SamplingParams(max_tokens=32, ignore_eos=True) for _ in range(3)]
+    base = EngineConfig(
+        model=str(smollm2_dir),
+        draft_model=str(smollm2_drafter_dir),
+        device="cuda",
+        dtype="float32",
+        adaptive_speculation=False,
+    )
+    llm = LLM(base.replace(spec_mode="static"))
+    first = llm.generate(params=[*sampled, *greedy], prompt_token_ids=prompts)
+    again = llm.generate(params=[*sampled, *greedy], prompt_token_ids=prompts)
+    llm.engine.close()
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert sum(o.spec_stats.accepted_tokens for o in first[:3]) > 0, "no sampled draft was accepted"
+    plain = LLM(base.replace(spec_mode="off"))
+    expected = plain.generate(params=greedy, prompt_token_ids=prompts[3:])
+    plain.engine.close()
+    assert [o.token_ids for o in first[3:]] == [o.token_ids for o in expected]
