@@ -6,8 +6,9 @@
 # Stages (each under its own time limit, each writing into $OUT even when a later one fails):
 #   1. the SmolLM2 target: converted from .carry/ GGUF parts (parked in /tmp/carry by earlier calls, as
 #      training/README.md describes) unless models/SmolLM2-135M-Instruct already exists;
-#   2. the GPU tests: CUDA graphs == eager, training gradients, kernel parity, planner, draft context
-#      and the engine suite (on the GPU when there is one; the slow losslessness suite stays in CI);
+#   2. the GPU tests: CUDA graphs == eager, sampling on the GPU path, training gradients, kernel
+#      parity, planner, draft context and the engine suite (on the GPU when there is one; the slow
+#      losslessness suite stays in CI);
 #   3. benchmarks/profile_host.py: cProfile of one batch-64 SmolLM2 generate() per speculation mode;
 #   4. benchmarks/gpu_e2e.py: SmolLM2 end to end, the Qwen3-8B-shaped step against its floor, and the
 #      8B forced-acceptance end to end (see that script).
@@ -37,7 +38,8 @@ fi
 echo "=== GPU tests"
 TEST_FILES=${TEST_FILES:-"tests/test_cuda_graphs.py tests/test_training_loss.py \
   tests/test_kernels_norm_rotary.py tests/test_kernels_attention.py tests/test_kernels_accept.py \
-  tests/test_kernels_layout.py tests/test_planner.py tests/test_draft_context.py tests/test_engine.py"}
+  tests/test_kernels_layout.py tests/test_kernels_markov.py tests/test_planner.py tests/test_draft_context.py \
+  tests/test_engine.py"}
 # shellcheck disable=SC2086  # a list of paths
 timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider $TEST_FILES > "$OUT/gpu-tests.log" 2>&1
 echo "pytest exit $?"
