@@ -162,7 +162,10 @@ def markov_decode(
         raise ValueError("markov_decode: base_logits must have a unit vocabulary stride")
     if w1.dtype != w2.dtype:
         raise ValueError("markov_decode: w1 and w2 must share a dtype")
-    w1, w2 = w1.contiguous(), w2.contiguous()
+    if tokens.stride(1) != 1:
+        raise ValueError("markov_decode: out must have a unit position stride")
+    # The proposer's anchors are a strided view (the first column of the block ids).
+    anchors, w1, w2 = anchors.contiguous(), w1.contiguous(), w2.contiguous()
     num_tiles = triton.cdiv(vocab, BLOCK_V * SUB_TILES)
     # Two partial buffers, alternating: a launch reads the last position's and writes its own.
     parts = [

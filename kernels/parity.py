@@ -526,7 +526,9 @@ def check_markov_decode(
     wide = torch.randn(num_requests, gamma + 2 if strided else gamma, vocab, generator=gen, device=device)
     base = (wide[:, 1 : gamma + 1] if strided else wide).to(dtype)
     assert base.shape == shape
-    anchors = torch.randint(0, vocab, (num_requests,), generator=gen, device=device)
+    # Anchors as the proposer passes them: the first column of a [R, gamma] block (a strided view).
+    block = torch.randint(0, vocab, (num_requests, max(gamma, 1)), generator=gen, device=device)
+    anchors = block[:, 0]
     # Weights that move the argmax: the Markov correction is as large as the base logits.
     w1 = (torch.randn(vocab, rank, generator=gen, device=device) / rank**0.25).to(dtype)
     w2 = (torch.randn(vocab, rank, generator=gen, device=device) / rank**0.25).to(dtype)
