@@ -100,6 +100,10 @@ class StaticLayout:
         self.cu_seqlens = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)
         self.kv_lens = torch.zeros(max_requests, dtype=torch.int32, device=device)
 
+    def holds(self, pages: list[list[int]]) -> bool:
+        """Whether every window's page list fits the static page table."""
+        return max((len(p) for p in pages), default=0) <= self.max_pages
+
     def fill(
         self,
         token_ids: torch.Tensor,
@@ -190,9 +194,9 @@ def max_pages_per_request(max_positions: int, page_size: int, num_pages: int) ->
 
 @dataclass
 class GraphStepOutput:
-    """A replayed step on the device: final normed hidden [num_tokens, hidden] and captured features (or
-    None), views of the graph's outputs (read them before the next replay), and each token's cache slot
-    (a copy, safe to keep)."""
+    """A replayed step on the device: final normed hidden [num_tokens, hidden], captured features (or
+    None) and each token's cache slot, views of the graph's buffers (read them before the next
+    replay)."""
 
     hidden: torch.Tensor
     features: torch.Tensor | None
@@ -251,7 +255,7 @@ class CudaGraphs:
         """Replay (capturing first if needed) the forward of this step; None when it does not fit.
         verify_drafts: see TargetStep (packed into the static token ids on the device)."""
         tiers = step_tiers(len(token_ids), len(window_lens), self.max_tokens, self.max_requests)
-        if tiers is None or max((len(p) for p in pages), default=0) > self.layout.max_pages:
+        if tiers is None or not self.layout.holds(pages):
             return None
         tokens, requests = tiers
         self.layout.fill(token_ids, pages, window_starts, window_lens, requests)
@@ -265,7 +269,7 @@ class CudaGraphs:
         assert hidden is not None
         n = len(token_ids)
         features = None if features is None else features[:n]
-        return GraphStepOutput(hidden[:n], features, self.layout.slots[:n].clone())
+        return GraphStepOutput(hidden[:n], features, self.layout.slots[:n])
 
     def capture_all(self, capture_layers: tuple[int, ...]) -> None:
         """Capture every tier now (at start-up) rather than on a step's first use, which would stall it.

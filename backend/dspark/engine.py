@@ -59,10 +59,12 @@ class _VerifyPlan:
     block_size: int = 0
     # Per request: how many positions it drafted (for its statistics).
     drafted: list[int] = field(default_factory=list)
-    # Per request: the drafts it verifies as host ints, once read back (see `drafts`).
-    _drafts: list[list[int]] | None = None
+    # Per request: the drafts it verifies as host ints, brought back by greedy acceptance together
+    # with the committed tokens (until then empty: nothing on the host needs them earlier).
+    drafts: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.drafts = [[] for _ in self.verify_lens]
         if self.proposal is None:
             self.drafted = [0] * len(self.verify_lens)
             return
@@ -71,21 +73,6 @@ class _VerifyPlan:
         self.drafted = (
             [gamma] * len(self.verify_lens) if lengths is None else [min(gamma, n) for n in lengths.tolist()]
         )
-
-    def drafts(self) -> list[list[int]]:
-        """Per request: the drafts it verifies, as host ints (read back from the proposal on first use,
-        unless acceptance already brought them back with the committed tokens)."""
-        if self._drafts is None:
-            self.set_drafts([] if self.proposal is None else self.proposal.tokens.tolist())
-        assert self._drafts is not None
-        return self._drafts
-
-    def set_drafts(self, rows: list[list[int]]) -> None:
-        """Take the proposal's rows (at least each request's verify length long) read back."""
-        if not rows:
-            self._drafts = [[] for _ in self.verify_lens]
-            return
-        self._drafts = [row[:n] for row, n in zip(rows, self.verify_lens, strict=True)]
 
 
 class LLMEngine:
@@ -371,7 +358,7 @@ class LLMEngine:
             accepted, next_token = (greedy.accepted[r], greedy.bonus[r]) if seq.params.greedy else sampled[r]
             seq.spec_stats.record_step(plan.drafted[r], plan.verify_lens[r], accepted)
             seq.num_cached += accepted + 1
-            committed.append((seq, [*plan.drafts()[r][:accepted], next_token]))
+            committed.append((seq, [*plan.drafts[r][:accepted], next_token]))
         first_prefill_row = windows.logit_offsets[len(decode)] if prefill else 0
         for i, chunk in enumerate(prefill):
             seq = chunk.seq
@@ -389,11 +376,12 @@ class LLMEngine:
         self, decode: list[Sequence], plan: _VerifyPlan, logits: torch.Tensor, windows: _Windows
     ) -> dict[int, tuple[int, int]]:
         """Rejection sampling of every sampling request's window (up to its commit cap), in one call
-        where the logits are: {decode row: (drafts kept, next token)}."""
+        where the logits are: {decode row: (drafts kept, next token)}. Runs after `_greedy_accept`,
+        which brings the drafts back to the host."""
         rows = [r for r, seq in enumerate(decode) if not seq.params.greedy]
         if not rows:
             return {}
-        drafts = plan.drafts()
+        drafts = plan.drafts
         limits = [plan.commit_caps[r] for r in rows]
         probs = [plan.proposal.probs[r] if plan.proposal is not None else None for r in rows]
         offsets = [windows.logit_offsets[r] for r in rows]
@@ -437,7 +425,7 @@ class LLMEngine:
         host = torch.cat([accepted, bonus, drafts[:, :width].flatten().to(device), rest]).tolist()
         if proposal is not None:
             flat = host[2 * num : 2 * num + num * width]
-            plan.set_drafts([flat[r * width : (r + 1) * width] for r in range(num)])
+            plan.drafts = [flat[r * width : r * width + n] for r, n in enumerate(plan.verify_lens)]
         return _GreedyOutcome(host[:num], host[num : 2 * num], host[2 * num + num * width :])
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> RequestDelta:

@@ -74,8 +74,8 @@ class TargetResult:
     """What the driver gets back: logits [num_logit_rows, vocab] fp32 (on the host after `run` when
     the step asks for host logits, else on the device), their argmax [num_logit_rows] int64 (on the
     device: acceptance runs there),
-    captured features [num_tokens, len(capture_layers) * hidden] on the device (or None; after a
-    replay a view that the next step overwrites), and each token's cache slot."""
+    captured features [num_tokens, len(capture_layers) * hidden] on the device (or None), and each
+    token's cache slot (after a replay, features and slots are views that the next step overwrites)."""
 
     logits: torch.Tensor | None
     features: torch.Tensor | None

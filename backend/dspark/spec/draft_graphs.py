@@ -51,7 +51,7 @@ class DraftGraphs:
         requests do not fit a captured size."""
         count = len(starts)
         requests = next_pow2(count)
-        if requests > self.max_requests or max(len(p) for p in pages) > self.layout.max_pages:
+        if requests > self.max_requests or not self.layout.holds(pages):
             return None
         self.layout.fill(block_ids, pages, starts, [self.gamma] * count, requests)
         captured = self.captured.get(requests)

@@ -184,9 +184,7 @@ class DSparkProposer:
         position), then the confidences and the early stop for every position at once (they never
         change a draft, and a block's confidences depend on its own drafts only). Drafts [R, gamma],
         confidences [R, gamma] (zero past each request's stop), drafted lengths [R]."""
-        if heads.projected is None:
-            heads.project_all()
-        assert heads.projected is not None
+        assert heads.projected is not None, "a GPU block pass projects every position (_block_heads)"
         w1, w2 = self.drafter.markov_w1, self.drafter.markov_w2
         tokens = ops.markov_decode(
             heads.projected,
