@@ -93,6 +93,19 @@ def _time_sustained(llm: LLM, ids: list[list[int]], concurrency: int, max_tokens
     return produced / (time.perf_counter() - start), stats.as_dict()
 
 
+def steady_load_table(rows: list[dict]) -> list[str]:
+    """Markdown lines of the --sustained runs: per batch size in flight, tok/s (τ, ratio to off)."""
+    lines = ["| in flight | off | static | compact | default |", "|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        cells = [
+            f"{r[f'sustained_{m}']:.1f} ({r[f'sustained_{m}_tau']:.2f}, "
+            f"{r[f'sustained_{m}'] / r['sustained_off']:.2f}x)"
+            for m in ("static", "compact", "default")
+        ]
+        lines.append(f"| {r['batch']} | {r['sustained_off']:.1f} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def identical_share(expected: list[list[int]], got: list[list[int]]) -> float:
     """The share of sequences whose greedy tokens are identical. In fp32 speculation never changes
     them (tests prove it); in bf16 a verify window and a one-token step round differently, so near-tied
@@ -204,15 +217,7 @@ def main(argv: list[str] | None = None) -> None:
             f"\nSteady load ({args.sustained}x the batch size in requests, the batch size in flight): "
             "tok/s (τ) and ratio to off"
         )
-        print("| in flight | off | static | compact | default |")
-        print("|" + "---|" * 5)
-        for r in rows:
-            cells = [
-                f"{r[f'sustained_{m}']:.1f} ({r[f'sustained_{m}_tau']:.2f}, "
-                f"{r[f'sustained_{m}'] / r['sustained_off']:.2f}x)"
-                for m in ("static", "compact", "default")
-            ]
-            print(f"| {r['batch']} | {r['sustained_off']:.1f} | " + " | ".join(cells) + " |")
+        print("\n".join(steady_load_table(rows)))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(

@@ -326,17 +326,9 @@ def markdown(report: dict) -> str:
             "## SmolLM2 under steady load: the batch size in flight, a finished request's slot refilled at "
             "once (tok/s, τ, ratio to off)",
             "",
-            "| in flight | off | static | compact | default |",
-            "|---:|---:|---:|---:|---:|",
+            *e2e.steady_load_table(steady),
+            "",
         ]
-        for r in steady:
-            cells = [
-                f"{r[f'sustained_{m}']:.1f} ({r[f'sustained_{m}_tau']:.2f}, "
-                f"{r[f'sustained_{m}'] / r['sustained_off']:.2f}x)"
-                for m in ("static", "compact", "default")
-            ]
-            lines.append(f"| {r['batch']} | {r['sustained_off']:.1f} | " + " | ".join(cells) + " |")
-        lines.append("")
     for key in ("e2e8b", "smollm2"):
         rows = [r for r in report.get(key, []) if r.get("phases_ms")]
         if not rows:

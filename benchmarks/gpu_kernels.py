@@ -652,6 +652,7 @@ def run_layout(runner: Runner, kernels, parity, reference, shapes: Shapes, devic
 def compile_report(report: Report, kernels, only: str | None) -> None:
     """Compile every kernel variant for sm_90 without a GPU; record registers, spills and key SASS ops."""
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -953,8 +954,6 @@ def compile_report(report: Report, kernels, only: str | None) -> None:
         dict(anchors_ptr="i64", drafts_ptr="i64", cu_ptr="i32", tokens_ptr="i64"),
         dict(BLOCK=256),
     )
-    import triton.language as tl
-
     markov_ptrs = dict(
         base_ptr="bf16",
         anchors_ptr="i64",
