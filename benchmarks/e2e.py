@@ -144,6 +144,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", default="1,4")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sps-table", default="")
+    parser.add_argument(
+        "--default-mode",
+        default=EngineConfig.spec_mode,
+        help="the spec_mode of the gated 'default' engine (the serve default unless told otherwise)",
+    )
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--out", default="")
     parser.add_argument("--phases", action="store_true", help="also record per-phase step times")
@@ -165,12 +170,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     rows = []
     # static and compact draft on every step (what speculation itself does); "default" is the serve
-    # default, compact behind the adaptive gate that drafts only while drafting pays.
+    # default (--default-mode, compact unless told) behind the adaptive gate that drafts only while
+    # drafting pays.
     engines = {
         mode: LLM(base.replace(spec_mode=mode, adaptive_speculation=False))
         for mode in ("off", "static", "compact")
     }
-    engines["default"] = LLM(base.replace(spec_mode="compact", adaptive_speculation=True))
+    engines["default"] = LLM(base.replace(spec_mode=args.default_mode, adaptive_speculation=True))
     device = engines["off"].engine.limits.device.type
     dtype = engines["off"].engine.limits.dtype
     for batch in batch_sizes:
@@ -228,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
                     "device": device,
                     "cpu_count": torch.get_num_threads(),
                     "max_tokens": args.max_tokens,
+                    "sps_table": args.sps_table,
+                    "default_mode": args.default_mode,
                     "rows": rows,
                 },
                 indent=1,

@@ -12,7 +12,8 @@
 #   3. benchmarks/profile_host.py: cProfile of one batch-64 SmolLM2 generate() per speculation mode;
 #   4. benchmarks/gpu_e2e.py: SmolLM2 end to end, the Qwen3-8B-shaped step against its floor, and the
 #      8B forced-acceptance end to end (see that script).
-# Limits (seconds): TESTS_S (default 200), PROFILE_S (default 100; 0 skips it), E2E_S (default 330).
+# Limits (seconds): TESTS_S (default 200), PROFILE_S (default 100; 0 skips it), E2E_S (default 330;
+# 0 skips it). PROFILE_ARGS go to profile_host.py (e.g. "--kernels --modes off,static").
 # TEST_FILES and PARTS (gpu_e2e.py --parts) narrow a call down. Results:
 # $OUT/gpu-tests.log, $OUT/profile/<mode>-b64.txt, $OUT/e2e/results.{json,md}, $OUT/e2e.log.
 set -uo pipefail
@@ -41,18 +42,22 @@ TEST_FILES=${TEST_FILES:-"tests/test_cuda_graphs.py tests/test_training_loss.py 
   tests/test_kernels_layout.py tests/test_kernels_markov.py tests/test_planner.py tests/test_draft_context.py \
   tests/test_engine.py"}
 # shellcheck disable=SC2086  # a list of paths
-timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider $TEST_FILES > "$OUT/gpu-tests.log" 2>&1
+# -v and --durations: a call that runs out of time still says which test it was in and what was slow;
+# faulthandler dumps the stacks of a test that runs past 120 s.
+timeout "${TESTS_S:-200}" python3 -m pytest -v --durations=30 -o faulthandler_timeout=120 -p no:cacheprovider \
+  $TEST_FILES > "$OUT/gpu-tests.log" 2>&1
 echo "pytest exit $?"
 tail -5 "$OUT/gpu-tests.log"
 
 echo "=== benchmarks/profile_host.py (where the host time of a batch-64 step goes)"
+# shellcheck disable=SC2086  # PROFILE_ARGS is a list of arguments
 [[ "${PROFILE_S:-100}" == 0 ]] || (cd benchmarks && timeout "${PROFILE_S:-100}" python3 profile_host.py --device cuda --batch 64 \
-  --max-tokens 32 --out "$OUT/profile") > "$OUT/profile.log" 2>&1
+  --max-tokens 32 --out "$OUT/profile" ${PROFILE_ARGS:-}) > "$OUT/profile.log" 2>&1
 echo "profile exit $?"
 tail -3 "$OUT/profile.log"
 
 echo "=== benchmarks/gpu_e2e.py"
-timeout "${E2E_S:-330}" python3 benchmarks/gpu_e2e.py --out "$OUT/e2e" --parts "${PARTS:-step,smollm2,e2e8b}" \
+[[ "${E2E_S:-330}" == 0 ]] || timeout "${E2E_S:-330}" python3 benchmarks/gpu_e2e.py --out "$OUT/e2e" --parts "${PARTS:-step,smollm2,e2e8b}" \
   --step-batches 1,8,64,256 --repeats 9 --e2e-batches 1,8,64 --max-tokens 96 --accept 4 \
   > "$OUT/e2e.log" 2>&1
 echo "gpu_e2e exit $?"

@@ -3,7 +3,9 @@
     python benchmarks/profile_host.py --device cuda --batch 64 --max-tokens 32 --out /tmp/profile
 
 Writes <out>/<mode>-b<batch>.txt (the top functions by own time and by cumulative time) and prints a
-line per mode with tokens/s. On a GPU, time spent in `.cpu()` / `.tolist()` / `.item()` is the host
+line per mode with tokens/s. With --kernels (a GPU), the table is torch.profiler's instead: the device
+kernels of the whole generate() by their own device time, with launch counts, and the step count.
+On a GPU, time spent in `.cpu()` / `.tolist()` / `.item()` is the host
 waiting for the device; everything else at the top is Python work that a faster step must remove.
 """
 
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--modes", default="off,static,compact")
     parser.add_argument("--top", type=int, default=35)
+    parser.add_argument("--kernels", action="store_true", help="device kernels, not cProfile")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -51,17 +54,39 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         llm.generate(params=params, prompt_token_ids=ids)
         elapsed = time.perf_counter() - start
-        profile = cProfile.Profile()
-        profile.enable()
-        llm.generate(params=params, prompt_token_ids=ids)
-        profile.disable()
-        text = io.StringIO()
-        stats = pstats.Stats(profile, stream=text)
-        stats.sort_stats("tottime").print_stats(args.top)
-        stats.sort_stats("cumulative").print_stats(args.top)
-        (args.out / f"{mode}-b{args.batch}.txt").write_text(text.getvalue())
+        if args.kernels:
+            text = _kernel_table(llm, params, ids, args.top)
+        else:
+            text = _host_table(llm, params, ids, args.top)
+        (args.out / f"{mode}-b{args.batch}.txt").write_text(text)
         print(f"{mode} batch {args.batch}: {args.batch * args.max_tokens / elapsed:.0f} tok/s", flush=True)
         llm.close()
+
+
+def _host_table(llm: LLM, params: SamplingParams, ids: list[list[int]], top: int) -> str:
+    """cProfile of one generate(): the top functions by own and by cumulative time."""
+    profile = cProfile.Profile()
+    profile.enable()
+    llm.generate(params=params, prompt_token_ids=ids)
+    profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
+
+
+def _kernel_table(llm: LLM, params: SamplingParams, ids: list[list[int]], top: int) -> str:
+    """torch.profiler over one generate(): device kernels by own device time, and the engine steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        outputs = llm.generate(params=params, prompt_token_ids=ids)
+    committed = sum(len(o.token_ids) for o in outputs)
+    steps = max(o.spec_stats.steps for o in outputs)
+    header = f"{len(ids)} requests, {committed} tokens committed, the longest request took {steps} steps\n"
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70)
+    return header + table
 
 
 if __name__ == "__main__":

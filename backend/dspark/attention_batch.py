@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.host_to_device import to_device
 from dspark.kernels import ops
 
 
@@ -57,10 +58,9 @@ class AttentionBatch:
         starts[:count] = torch.tensor(window_starts, dtype=torch.int64)
         lens[:count] = torch.tensor(window_lens, dtype=torch.int64)
         num_tokens = max(num_tokens, int(lens.sum()))
-        table = build_page_table(pages, num_requests).to(device)
-        _, slots, cu, kv_lens = ops.build_window_layout(
-            starts.to(device), lens.to(device), table, page_size, num_tokens
-        )
+        table = to_device(build_page_table(pages, num_requests), device)
+        bounds = to_device(torch.stack([starts, lens]), device)
+        _, slots, cu, kv_lens = ops.build_window_layout(bounds[0], bounds[1], table, page_size, num_tokens)
         return cls(cu, kv_lens, table, slots, causal)
 
 

@@ -18,6 +18,7 @@ from typing import TypeVar
 import torch
 
 from dspark.attention_batch import AttentionBatch, build_page_table
+from dspark.host_to_device import copy_to_device
 from dspark.kernels import ops
 from dspark.kv_cache import PagedKVCache
 from dspark.models.llama import CausalLM
@@ -115,16 +116,16 @@ class StaticLayout:
         """Copy a step (host tensors and lists) in; windows past its own up to `requests` are empty."""
         count = len(window_lens)
         n = len(token_ids)
-        self.token_ids[:n].copy_(token_ids, non_blocking=True)
+        copy_to_device(self.token_ids[:n], token_ids)
         bounds = torch.zeros(2, requests, dtype=torch.long)
         bounds[0, :count] = torch.tensor(window_starts, dtype=torch.long)
         bounds[1, :count] = torch.tensor(window_lens, dtype=torch.long)
-        self.window_starts[:requests].copy_(bounds[0], non_blocking=True)
-        self.window_lens[:requests].copy_(bounds[1], non_blocking=True)
+        copy_to_device(self.window_starts[:requests], bounds[0])
+        copy_to_device(self.window_lens[:requests], bounds[1])
         if count:
             # Columns past a step's widest row keep older pages: no key of a shorter row reaches them.
             table = build_page_table(pages, count)
-            self.page_table[:count, : table.shape[1]].copy_(table, non_blocking=True)
+            copy_to_device(self.page_table[:count, : table.shape[1]], table)
 
     def compute(self, tokens: int, requests: int) -> None:
         """Lay out a (tokens, requests) tier from the filled windows, on the device."""

@@ -16,6 +16,7 @@ import torch
 
 from dspark.config import SPS_PROFILE, EngineConfig
 from dspark.cuda_graphs import max_pages_per_request
+from dspark.host_to_device import to_device
 from dspark.kernels import ops
 from dspark.model_runner import TargetStep, create_runner
 from dspark.models.loader import resolve_device, resolve_dtype
@@ -411,13 +412,13 @@ class LLMEngine:
         cu[1:] = torch.cumsum(lens + 1, 0)
         window_rows = int(cu[-1])
         # One host-to-device copy of the per-window numbers.
-        meta = torch.cat([cu, lens, torch.tensor(plan.commit_caps, dtype=torch.long)]).to(device)
+        meta = to_device(torch.cat([cu, lens, torch.tensor(plan.commit_caps, dtype=torch.long)]), device)
         cu_d, lens_d, caps_d = meta[: num + 1], meta[num + 1 : 2 * num + 1], meta[2 * num + 1 :]
         proposal = plan.proposal
         if proposal is None:
             drafts = torch.zeros(num, 1, dtype=torch.long, device=device)
         else:
-            drafts = proposal.tokens.to(device)
+            drafts = to_device(proposal.tokens, device)
         accepted, bonus = ops.greedy_accept(drafts, argmax[:window_rows], cu_d, lens_d, caps_d)
         # The verified drafts come back in the same copy (the host emits the accepted ones).
         width = max(plan.verify_lens) if proposal is not None else 0

@@ -27,6 +27,7 @@ from dspark.distributed import (
     leave_group,
     rendezvous_store,
 )
+from dspark.host_to_device import to_device
 from dspark.kv_cache import PagedKVCache
 from dspark.models.hf_config import ModelConfig
 from dspark.models.llama import CausalLM
@@ -167,6 +168,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: TargetStep) -> TargetResult:
         """`run` with the logits left on the device: what every tensor-parallel rank executes."""
+        # Queued before the forward, so that nothing after it waits for the device.
+        logit_rows = to_device(step.logit_rows, self.device)
         if self.graphs is not None:
             replayed = self.graphs.run(
                 step.token_ids,
@@ -177,19 +180,19 @@ class ModelRunner:
                 step.verify_drafts,
             )
             if replayed is not None:
-                logits = self.model.compute_logits(replayed.hidden[step.logit_rows.to(self.device)])
+                logits = self.model.compute_logits(replayed.hidden[logit_rows])
                 return TargetResult(logits, replayed.features, replayed.slots)
         batch = AttentionBatch.build(
             step.pages, step.window_starts, step.window_lens, self.cache.page_size, True, self.device
         )
-        positions = step.positions.to(self.device)
-        token_ids = step.token_ids.to(self.device)
+        positions = to_device(step.positions, self.device)
+        token_ids = to_device(step.token_ids, self.device)
         if step.verify_drafts is not None:
             write_verify_tokens(step.token_ids, step.window_lens, step.verify_drafts, token_ids)
         hidden, features = self.model(token_ids, positions, batch, self.cache, step.capture_layers)
         if features is not None and self.feature_sink is not None:
             self.feature_sink(features, positions, batch.slots)
-        logits = self.model.compute_logits(hidden[step.logit_rows.to(self.device)])
+        logits = self.model.compute_logits(hidden[logit_rows])
         return TargetResult(logits, features, batch.slots)
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from dspark.host_to_device import to_device
 from dspark.kernels import ops
 
 
@@ -30,6 +31,6 @@ def write_verify_tokens(
     cu[1:] = torch.cumsum(torch.tensor(window_lens[:count], dtype=torch.long), 0)
     rows = int(cu[-1])
     # One host-to-device copy for both the anchors and the window boundaries.
-    meta = torch.cat([token_ids[cu[:-1]], cu]).to(out.device)
+    meta = to_device(torch.cat([token_ids[cu[:-1]], cu]), out.device)
     cu_seqlens = meta[count:].to(torch.int32)  # the layout's own boundary dtype
-    ops.pack_verify_tokens(meta[:count], drafts.to(out.device), cu_seqlens, rows, out=out[:rows])
+    ops.pack_verify_tokens(meta[:count], to_device(drafts, out.device), cu_seqlens, rows, out=out[:rows])

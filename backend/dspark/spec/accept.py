@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dspark.host_to_device import to_device
 from dspark.kernels import ops
 from dspark.sampling import filtered_probs
 from dspark.sampling_params import SamplingParams
@@ -56,13 +57,13 @@ def rejection_accept_all(
     cu = torch.zeros(count + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(window_lens + 1, 0)
     accepted, next_tokens = ops.rejection_accept(
-        tokens.to(device),
+        to_device(tokens, device),
         proposed,
         target,
-        cu.to(device),
-        window_lens.to(device),
-        uniforms.to(device),
-        exponentials.to(device),
+        to_device(cu, device),
+        to_device(window_lens, device),
+        to_device(uniforms, device),
+        to_device(exponentials, device),
     )
     both = torch.cat([accepted, next_tokens]).tolist()
     return both[:count], both[count:]

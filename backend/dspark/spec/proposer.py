@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from dspark.attention_batch import AttentionBatch
 from dspark.cuda_graphs import StaticLayout, next_pow2
+from dspark.host_to_device import to_device
 from dspark.kernels import ops
 from dspark.kv_cache import PagedKVCache
 from dspark.sampling import filtered_probs, sample_rows
@@ -138,15 +139,17 @@ class DSparkProposer:
             if drafted is None:
                 batch = self._block_layout(pages, starts)
                 drafted = self._greedy_block(
-                    block.flatten().to(self.device), positions.to(self.device), batch
+                    to_device(block.flatten(), self.device), to_device(positions, self.device), batch
                 )
             tokens, confidences, lengths = drafted
             # Copies: a graph's outputs are rewritten by its next replay.
             lengths = lengths.cpu() if stopping else None
             return DraftProposal(tokens.clone(), confidences.clone(), [None] * num_requests, lengths)
         batch = self._block_layout(pages, starts)
-        heads = self._block_heads(block.flatten().to(self.device), positions.to(self.device), batch)
-        return self._decode_block(heads, block[:, 0].to(self.device), seqs)
+        heads = self._block_heads(
+            to_device(block.flatten(), self.device), to_device(positions, self.device), batch
+        )
+        return self._decode_block(heads, to_device(block[:, 0].contiguous(), self.device), seqs)
 
     def _block_layout(self, pages: list[list[int]], starts: list[int]) -> AttentionBatch:
         """Every request's block: gamma positions from its first uncached one, seeing the whole block."""
