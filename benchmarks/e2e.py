@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import time
 from datetime import date
@@ -145,6 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sps-table", default="")
     parser.add_argument(
+        "--block-size", type=int, default=0, help="every engine's block_size (0: the drafter's)"
+    )
+    parser.add_argument(
         "--default-mode",
         default=EngineConfig.spec_mode,
         help="the spec_mode of the gated 'default' engine (the serve default unless told otherwise)",
@@ -159,12 +163,16 @@ def main(argv: list[str] | None = None) -> None:
         help="also run each batch size B as a steady load: B requests in flight, K*B in all (K = this)",
     )
     args = parser.parse_args(argv)
+    if args.sps_table == "profile":
+        # The engine logs the table it measured (INFO): the planner's plans are read against it.
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     base = EngineConfig(
         model=args.model,
         draft_model=args.draft_model,
         device=args.device,
         sps_table=args.sps_table,
+        block_size=args.block_size,
         num_kv_pages=max(1024, 16 * max(batch_sizes)),
         max_num_seqs=max(32, max(batch_sizes)),
     )
@@ -235,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
                     "cpu_count": torch.get_num_threads(),
                     "max_tokens": args.max_tokens,
                     "sps_table": args.sps_table,
+                    "block_size": args.block_size,
                     "default_mode": args.default_mode,
                     "rows": rows,
                 },

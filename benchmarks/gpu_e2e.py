@@ -268,6 +268,8 @@ def part_smollm2(args: argparse.Namespace, report: dict) -> None:
             "--phases",
             "--sustained",
             str(args.sustained),
+            "--block-size",
+            str(args.smollm2_block_size),
         ]
     )
     report["smollm2"] = json.loads(out.read_text())["rows"]
@@ -367,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument(
         "--sustained", type=int, default=4, help="smollm2: steady-load runs with K x batch requests"
+    )
+    parser.add_argument(
+        "--smollm2-block-size", type=int, default=0, help="smollm2: block_size (0: the drafter's 7)"
     )
     args = parser.parse_args(argv)
     Path(args.work).mkdir(parents=True, exist_ok=True)

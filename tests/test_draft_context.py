@@ -54,7 +54,9 @@ def _fresh_block(engine, context: list[int]) -> tuple[list[int], torch.Tensor]:
     anchor = len(context) - 1
     with torch.inference_mode():
         _, features = target_pass(model, torch.tensor([context], device=device), inner.target_layer_ids)
-    proposer = DSparkProposer(inner.drafter, inner.embedding, inner.lm_head, 64, PAGE, inner.stop_survival)
+    proposer = DSparkProposer(
+        inner.drafter, inner.embedding, inner.lm_head, 64, PAGE, inner.stop_survival, inner.block_size
+    )
     proposer._on_gpu = False  # position by position, leaving the loop early: the other way to draft
     pages = list(range(-(-(anchor + inner.block_size) // PAGE)))
     slots = torch.tensor([pages[i // PAGE] * PAGE + i % PAGE for i in range(anchor)], device=device)
@@ -70,22 +72,31 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 
 @pytest.mark.parametrize(
-    ("device", "graphs", "gpu_drafting"),
+    ("device", "graphs", "gpu_drafting", "block_size"),
     [
-        ("cpu", False, False),
-        ("cpu", True, False),
-        ("cpu", False, True),
-        pytest.param("cuda", False, True, marks=[pytest.mark.gpu, gpu]),
-        pytest.param("cuda", True, True, marks=[pytest.mark.gpu, gpu]),
+        ("cpu", False, False, 0),
+        ("cpu", True, False, 0),
+        ("cpu", False, True, 0),
+        ("cpu", True, True, 2),
+        pytest.param("cuda", False, True, 0, marks=[pytest.mark.gpu, gpu]),
+        pytest.param("cuda", True, True, 0, marks=[pytest.mark.gpu, gpu]),
     ],
-    ids=["cpu-eager", "cpu-emulated-graphs", "cpu-gpu-drafting", "gpu-eager", "gpu-graphs"],
+    ids=[
+        "cpu-eager",
+        "cpu-emulated-graphs",
+        "cpu-gpu-drafting",
+        "cpu-short-block",
+        "gpu-eager",
+        "gpu-graphs",
+    ],
 )
 def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
-    tiny_target_dir, tiny_drafter_dir, device, graphs, gpu_drafting
+    tiny_target_dir, tiny_drafter_dir, device, graphs, gpu_drafting, block_size
 ) -> None:
     # gpu_drafting: the engine's proposer drafts as on a GPU (every position projected in one GEMM, no
     # early exit from the position loop); the fresh proposer it is checked against drafts as on a CPU.
     # On the GPU in fp32 with real CUDA graphs: the captured injection and draft blocks, checked too.
+    # block_size 2: the engine drafts blocks shorter than the drafter's trained 4 positions.
     seed = random.randrange(2**31)
     print(f"seed={seed}")
     rng = random.Random(seed)
@@ -103,6 +114,7 @@ def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
         dtype="float32",
         cuda_graph_max_tokens=32 if graphs else 0,
         adaptive_speculation=False,
+        block_size=block_size,
     )
     llm = LLM(config)
     engine = llm.engine
@@ -121,6 +133,8 @@ def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
     assert len(recorder.blocks) > 20
     if graphs:
         assert recorder.inner.graphs is not None and engine.runner.graphs is not None
+    if block_size:
+        assert recorder.inner.block_size == block_size < recorder.inner.drafter.config.block_size
     for context, tokens, confidences in recorder.blocks:
         fresh_tokens, fresh_confidences = _fresh_block(engine, context)
         assert tokens == fresh_tokens, context

@@ -196,8 +196,8 @@ def test_step_timer_splits_each_step_into_phases(tiny_target_dir, tiny_drafter_d
 
 
 def test_a_smaller_engine_block_counts_only_its_own_drafts(tiny_target_dir, tiny_drafter_dir) -> None:
-    # The drafter drafts 4 positions a block (its pages must be there); an engine block of 2 verifies
-    # and counts 2 of them, and greedy output stays the target's.
+    # The drafter was trained on blocks of 4 positions; an engine block of 2 drafts a block of 2,
+    # verifies and counts them, and greedy output stays the target's.
     prompts = _prompts(3, seed=2)
     llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static", block_size=2))
     outs = llm.generate(params=GREEDY, prompt_token_ids=prompts)

@@ -45,8 +45,9 @@ class EngineConfig:
     planner_policy: str = "sync"
     # Steps between the confidences that fix K and their use, for the lagged policy (>= 1).
     planner_lag: int = 1
-    # Most drafts a request verifies per step (gamma), at most the drafter's block_size (which it still
-    # drafts whole); 0 takes the drafter checkpoint's block_size.
+    # Positions a draft block drafts, and the most drafts a request verifies per step (gamma): at most
+    # the drafter's trained block_size, 0 takes it. A shorter block drafts and verifies less (for a
+    # small target whose drafts rarely survive past the first few).
     block_size: int = 0
     # compact only: a request stops drafting once the survival of its next draft (the product of the
     # confidences so far) falls below this, and verifies only what it drafted; 0 drafts whole blocks.

@@ -104,7 +104,9 @@ class LLMEngine:
                 raise ValueError("draft_model: vocabulary size differs from the target's")
             embedding, lm_head = self.runner.vocab_weights()
             stop = config.draft_stop_survival if config.spec_mode == "compact" else 0.0
-            proposer = DSparkProposer(drafter, embedding, lm_head, config.num_kv_pages, page_size, stop)
+            proposer = DSparkProposer(
+                drafter, embedding, lm_head, config.num_kv_pages, page_size, stop, config.block_size
+            )
             if device.type == "cuda" and config.cuda_graph_max_tokens > 0:
                 max_pages = max_pages_per_request(cfg.max_position_embeddings, page_size, config.num_kv_pages)
                 proposer.use_graphs(config.max_num_seqs, max_pages)
@@ -122,8 +124,8 @@ class LLMEngine:
             block_size = config.block_size or self.proposer.block_size
             if block_size > self.proposer.block_size:
                 raise ValueError(f"block_size: the drafter drafts at most {self.proposer.block_size}")
-        # Positions a decoding request may touch past its cache: its verify window, and the drafter's
-        # whole block (it drafts all its positions even when the engine verifies fewer of them).
+        # Positions a decoding request may touch past its cache: its verify window, and the proposer's
+        # block (a proposer given from outside may draft more positions than the engine verifies).
         window = max(block_size + 1, self.proposer.block_size if self.proposer is not None else 0)
         capacity = config.num_kv_pages * page_size - window
         limit = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings - window)

@@ -119,17 +119,19 @@ class Drafter(nn.Module):
         batch: AttentionBatch,
         cache: PagedKVCache,
         lm_head: torch.Tensor,
+        block_len: int = 0,
     ) -> BlockHeads:
         """One non-causal pass over every request's block [anchor, mask, ..., mask].
 
         block_embeddings: [R * gamma, hidden]; positions: [R * gamma]; the batch's windows are the
-        blocks, seeing all injected context before them and the whole block.
+        blocks, seeing all injected context before them and the whole block. block_len: gamma, the
+        positions of a block (0: the trained block size; fewer drafts a shorter block).
         """
         x, residual = block_embeddings.to(self.fc.weight.dtype), None
         for index, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, batch, cache.layer(index), self.cos_sin)
         hidden, _ = self.norm(x, residual)
-        return BlockHeads(hidden.view(-1, self.config.block_size, hidden.shape[-1]), lm_head)
+        return BlockHeads(hidden.view(-1, block_len or self.config.block_size, hidden.shape[-1]), lm_head)
 
     def markov_features(self, previous_tokens: torch.Tensor) -> torch.Tensor | None:
         """W1[x_{k-1}]: [R, rank] low-rank embedding of the previously chosen tokens (None when r = 0)."""

@@ -71,14 +71,19 @@ class DSparkProposer:
         num_pages: int,
         page_size: int,
         stop_survival: float = 0.0,
+        draft_len: int = 0,
     ) -> None:
+        """draft_len: positions a block drafts (0: the drafter's trained block size; fewer draft a
+        shorter block, which costs less and changes which drafts come out, never the output)."""
         cfg = drafter.config
+        if not 0 <= draft_len <= cfg.block_size:
+            raise ValueError(f"block_size: the drafter drafts at most {cfg.block_size}")
         device = drafter.fc.weight.device
         self.drafter = drafter
         # The target's full embedding and LM head [vocab, hidden]: shared, never copied.
         self.embedding = embedding
         self.lm_head = lm_head
-        self.block_size = cfg.block_size
+        self.block_size = draft_len or cfg.block_size
         self.target_layer_ids = list(cfg.target_layer_ids)
         self.page_size = page_size
         self.cache = PagedKVCache(
@@ -160,7 +165,9 @@ class DSparkProposer:
         self, block_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
     ) -> BlockHeads:
         embeddings = F.embedding(block_ids, self.embedding)
-        heads = self.drafter.block_pass(embeddings, positions, batch, self.cache, self.lm_head)
+        heads = self.drafter.block_pass(
+            embeddings, positions, batch, self.cache, self.lm_head, self.block_size
+        )
         if self._on_gpu:
             # One GEMM reads the LM head once a block; the CPU projects position by position instead,
             # so that requests which stop drafting early skip the rest of theirs.
