@@ -14,7 +14,7 @@ import pytest
 import torch
 from kernel_setup import DEVICE, KERNELS, gpu_only
 
-from dspark.attention_batch import AttentionBatch
+from dspark.attention_batch import AttentionBatch, build_page_table
 from dspark.kernels import ops, parity, reference
 
 
@@ -54,6 +54,22 @@ def test_attention_batch_build_lays_out_every_token_by_hand(device, gen):
     assert batch.kv_lens.cpu().tolist() == [12, 25, 6, 67, 0, 0]
     for r, row in enumerate(pages):
         assert batch.page_table[r, : len(row)].cpu().tolist() == row
+
+
+@pytest.mark.parametrize("num_requests", [0, 1, 5, 64])
+def test_page_table_lists_each_requests_pages_and_pads_with_zeros(num_requests, gen):
+    """build_page_table (the host half of every step's layout) against a row-by-row expectation, with
+    empty requests and padding rows."""
+    host = torch.Generator().manual_seed(gen.initial_seed())  # gen may live on the GPU
+    counts = torch.randint(0, 9, (num_requests,), generator=host)
+    pages = [torch.randperm(500, generator=host)[: int(n)].tolist() for n in counts]
+    extra = 2
+    table = build_page_table(pages, num_requests + extra)
+    width = max([len(p) for p in pages] + [1])
+    assert table.dtype == torch.int32 and table.shape == (num_requests + extra, width)
+    for r in range(num_requests + extra):
+        row = pages[r] if r < num_requests else []
+        assert table[r].tolist() == row + [0] * (width - len(row))
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["ops-reference", "kernel"])
