@@ -80,6 +80,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
         ("cpu", True, True, 2),
         pytest.param("cuda", False, True, 0, marks=[pytest.mark.gpu, gpu]),
         pytest.param("cuda", True, True, 0, marks=[pytest.mark.gpu, gpu]),
+        pytest.param("cuda", True, True, 2, marks=[pytest.mark.gpu, gpu]),
     ],
     ids=[
         "cpu-eager",
@@ -88,6 +89,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
         "cpu-short-block",
         "gpu-eager",
         "gpu-graphs",
+        "gpu-graphs-short-block",
     ],
 )
 def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
