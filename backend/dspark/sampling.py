@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dspark.host_to_device import to_device
 from dspark.kernels import ops
 from dspark.sampling_params import SamplingParams
 
@@ -34,7 +35,7 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     exponentials = torch.empty(probs.shape, dtype=torch.float32, device="cpu").exponential_(
         generator=generator
     )
-    return ops.exponential_race_sample(probs, exponentials.to(probs.device))
+    return ops.exponential_race_sample(probs, to_device(exponentials, probs.device))
 
 
 def choose_tokens(
