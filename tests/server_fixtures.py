@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -39,15 +40,34 @@ def _die_with_parent() -> None:
 
 
 def free_ports(count: int) -> list[int]:
-    """Ports nobody listens on now (bound to port 0 at once, then released)."""
-    sockets = [socket.socket() for _ in range(count)]
+    """Ports nobody listens on now, below the kernel's ephemeral range.
+
+    A port taken from port 0 and released can be handed out again by the kernel to the next port-0
+    bind, such as the tensor-parallel driver's rendezvous store, which binds while the server starts
+    and then holds the port its HTTP service was to take (it happened: "Socket already in use"). The
+    kernel never hands out a port below its ephemeral range for port 0."""
+    low = _ephemeral_port_range_start()
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = rng.randrange(max(1024, low - 10000), low)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # the wildcard address, as tritonserver binds it
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
+
+
+def _ephemeral_port_range_start() -> int:
+    """The first port the kernel may pick for port 0 (Linux: ip_local_port_range; 32768 if unknown)."""
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def render_model_repository(root: Path, config: EngineConfig) -> Path:
