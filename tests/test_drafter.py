@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark import LLM, EngineConfig, SamplingParams
+from dspark.model_runner import ModelRunner
 from dspark.spec.draft_checkpoint import load_drafter
 from dspark.spec.draft_config import DraftConfig
 from dspark.spec.profile import profile_sps_table
@@ -65,7 +66,7 @@ def test_profiled_sps_table_covers_powers_of_two(tiny_target_dir) -> None:
 
 
 def test_engine_profiles_its_own_sps_table_at_start_and_stays_lossless(
-    tiny_target_dir, tiny_drafter_dir
+    tiny_target_dir, tiny_drafter_dir, monkeypatch
 ) -> None:
     base = EngineConfig(
         model=str(tiny_target_dir),
@@ -76,7 +77,20 @@ def test_engine_profiles_its_own_sps_table_at_start_and_stays_lossless(
         max_num_batched_tokens=64,
         adaptive_speculation=False,
     )
+    # The profiled steps are the engine's own: they hand the drafter its target layers (the same graphs,
+    # KV injection included), not a plain forward.
+    profiled: list[tuple[int, ...]] = []
+    forward = ModelRunner.forward
+
+    def recording(runner, step):
+        profiled.append(tuple(step.capture_layers))
+        return forward(runner, step)
+
+    monkeypatch.setattr(ModelRunner, "forward", recording)
     llm = LLM(base.replace(sps_table="profile"))
+    monkeypatch.setattr(ModelRunner, "forward", forward)
+    layers = tuple(llm.engine.proposer.target_layer_ids)
+    assert profiled and layers and set(profiled) == {layers}
     table = llm.engine.planner.sps
     # 4 requests x (block 4 + 1) = 20 tokens at most per decoding step: profiled up to 16.
     assert [p.tokens for p in table.points] == [1, 2, 4, 8, 16]

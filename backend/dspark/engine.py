@@ -177,6 +177,7 @@ class LLMEngine:
             repeats=3,
             device=str(limits.device),
             dtype=str(limits.dtype).split(".")[-1],
+            capture_layers=self._capture_layers,
         )
         logger.info(
             "profiled SPS table: %s", [(p.tokens, round(p.steps_per_second, 1)) for p in table.points]

@@ -30,11 +30,19 @@ def profile_sps_table(config: EngineConfig, max_tokens: int = 256, repeats: int 
 
 
 def profile_runner(
-    runner: ModelRunner, config: EngineConfig, max_tokens: int, repeats: int, device: str, dtype: str
+    runner: ModelRunner,
+    config: EngineConfig,
+    max_tokens: int,
+    repeats: int,
+    device: str,
+    dtype: str,
+    capture_layers: tuple[int, ...] = (),
 ) -> SpsTable:
     """The SPS table of an already loaded runner (its KV cache is scribbled on: call it before serving).
 
-    Sizes are capped by what the cache can hold, so any engine configuration can profile itself."""
+    Sizes are capped by what the cache can hold, so any engine configuration can profile itself.
+    capture_layers: the layers an engine's steps hand its drafter, so that the profiled steps are the
+    engine's own (the same captured graphs, the drafter's KV injection included)."""
     per_request = -(-(CONTEXT + WINDOW) // config.kv_page_size)
     if config.num_kv_pages < per_request:
         raise ValueError(
@@ -43,7 +51,7 @@ def profile_runner(
         )
     max_tokens = min(max_tokens, (config.num_kv_pages // per_request) * WINDOW)
     sizes = [1 << i for i in range(max_tokens.bit_length()) if (1 << i) <= max_tokens]
-    points = [(n, 1.0 / _median_step_seconds(runner, n, config, repeats)) for n in sizes]
+    points = [(n, 1.0 / _median_step_seconds(runner, n, config, repeats, capture_layers)) for n in sizes]
     return SpsTable(points, model=str(config.model_path.name), device=device, dtype=dtype)
 
 
@@ -52,8 +60,10 @@ def startup_max_tokens(config: EngineConfig, block_size: int) -> int:
     return min(config.max_num_batched_tokens, config.max_num_seqs * (block_size + 1))
 
 
-def _median_step_seconds(runner: ModelRunner, num_tokens: int, config: EngineConfig, repeats: int) -> float:
-    step = _synthetic_step(num_tokens, config, runner.model_config.vocab_size)
+def _median_step_seconds(
+    runner: ModelRunner, num_tokens: int, config: EngineConfig, repeats: int, capture_layers: tuple[int, ...]
+) -> float:
+    step = _synthetic_step(num_tokens, config, runner.model_config.vocab_size, capture_layers)
     runner.run(step)  # warm-up
     times = []
     for _ in range(repeats):
@@ -67,7 +77,9 @@ def _median_step_seconds(runner: ModelRunner, num_tokens: int, config: EngineCon
     return statistics.median(times)
 
 
-def _synthetic_step(num_tokens: int, config: EngineConfig, vocab_size: int) -> TargetStep:
+def _synthetic_step(
+    num_tokens: int, config: EngineConfig, vocab_size: int, capture_layers: tuple[int, ...]
+) -> TargetStep:
     """Windows of up to WINDOW tokens, each after CONTEXT cached positions, on disjoint pages."""
     lens = [WINDOW] * (num_tokens // WINDOW) + ([num_tokens % WINDOW] if num_tokens % WINDOW else [])
     pages_per_request = -(-(CONTEXT + WINDOW) // config.kv_page_size)
@@ -83,6 +95,6 @@ def _synthetic_step(num_tokens: int, config: EngineConfig, vocab_size: int) -> T
         window_lens=lens,
         pages=pages,
         logit_rows=torch.arange(num_tokens),
-        capture_layers=(),
+        capture_layers=capture_layers,
         host_logits=False,  # as the engine's steps: the logits stay where they are computed
     )
