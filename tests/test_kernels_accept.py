@@ -43,9 +43,13 @@ def test_rejection_accept_matches_its_twin_with_the_same_random_numbers(num_spli
     parity.check_rejection_accept(KERNELS, [7, 0, 3, 7, 1], 7, 300, DEVICE, gen, num_splits)
 
 
-def test_batched_sampling_acceptance_does_not_depend_on_the_batch(cpu_gen):
+@pytest.mark.parametrize(
+    "device", [CPU, pytest.param(DEVICE, marks=[pytest.mark.gpu, gpu_only])], ids=["cpu", "gpu"]
+)
+def test_batched_sampling_acceptance_does_not_depend_on_the_batch(cpu_gen, device):
     """The engine judges every sampling request of a step in one call (spec.accept): each request's
-    result, and what it draws from its generator, are the same as if it were judged alone."""
+    result, and what it draws from its generator, are the same as if it were judged alone. On a GPU
+    the generators live there, as the engine's do, and draw there."""
     vocab, gamma = 50, 5
     params = [
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
@@ -65,10 +69,12 @@ def test_batched_sampling_acceptance_does_not_depend_on_the_batch(cpu_gen):
             noise = torch.randn(verified + 1, vocab, generator=cpu_gen)
             target_logits = torch.cat([draft_logits, draft_logits[-1:]])[: verified + 1] + noise
             seed = int(torch.randint(0, 2**31, (1,), generator=cpu_gen))
-            requests.append((drafts[:verified].tolist(), draft_probs, target_logits, p, seed))
+            requests.append(
+                (drafts[:verified].tolist(), draft_probs.to(device), target_logits.to(device), p, seed)
+            )
 
         def judge(batch):
-            generators = [torch.Generator().manual_seed(r[4]) for r in batch]
+            generators = [torch.Generator(device=device).manual_seed(r[4]) for r in batch]
             result = rejection_accept_all(
                 [r[0] for r in batch],
                 [r[1] for r in batch],
@@ -86,9 +92,9 @@ def test_batched_sampling_acceptance_does_not_depend_on_the_batch(cpu_gen):
             assert torch.equal(state, states[i])
             outcomes.add("rejected" if together[i][0] < len(request[0]) else "bonus")
         # A fixed amount a step: gamma uniforms, then one exponential per vocabulary entry.
-        expected = torch.Generator().manual_seed(requests[0][4])
-        torch.rand(gamma, generator=expected)
-        torch.empty(vocab).exponential_(generator=expected)
+        expected = torch.Generator(device=device).manual_seed(requests[0][4])
+        torch.rand(gamma, generator=expected, device=device)
+        torch.empty(vocab, device=device).exponential_(generator=expected)
         assert torch.equal(expected.get_state(), states[0])
     assert outcomes == {"rejected", "bonus"}
 

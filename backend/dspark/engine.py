@@ -223,7 +223,8 @@ class LLMEngine:
             arrival=next(self._arrivals),
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            generator=torch.Generator().manual_seed(seed),
+            # On the engine's device: a GPU draws the request's random numbers itself.
+            generator=torch.Generator(device=self.limits.device).manual_seed(seed),
         )
         self._seqs[request_id] = seq
         self._outputs[request_id] = OutputProcessor(

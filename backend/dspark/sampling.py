@@ -30,12 +30,26 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
+def draw_uniforms(count: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """`count` uniforms in [0, 1) from a request's generator, drawn where the generator lives, on `device`."""
+    where = generator.device if generator is not None else device
+    return to_device(torch.rand(count, generator=generator, device=where), device)
+
+
+def draw_exponentials(
+    shape: torch.Size | tuple[int, ...], generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
+    """Exp(1) draws of `shape` (fp32) from a request's generator, drawn where the generator lives, on
+    `device`. The engine gives each request a generator on its own device, so a GPU draws them itself:
+    a vocabulary's worth a token on the host took about a millisecond and then a copy."""
+    where = generator.device if generator is not None else device
+    drawn = torch.empty(shape, dtype=torch.float32, device=where).exponential_(generator=generator)
+    return to_device(drawn, device)
+
+
 def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of `probs` [num_rows, vocab], drawn with the request's generator."""
-    exponentials = torch.empty(probs.shape, dtype=torch.float32, device="cpu").exponential_(
-        generator=generator
-    )
-    return ops.exponential_race_sample(probs, to_device(exponentials, probs.device))
+    return ops.exponential_race_sample(probs, draw_exponentials(probs.shape, generator, probs.device))
 
 
 def choose_tokens(

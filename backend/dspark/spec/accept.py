@@ -16,7 +16,7 @@ import torch
 
 from dspark.host_to_device import to_device
 from dspark.kernels import ops
-from dspark.sampling import filtered_probs
+from dspark.sampling import draw_exponentials, draw_uniforms, filtered_probs
 from dspark.sampling_params import SamplingParams
 
 
@@ -46,13 +46,13 @@ def rejection_accept_all(
             assert probs is not None
             proposed[i, :n] = probs[:n].to(device=device, dtype=torch.float32)
     tokens = torch.zeros(count, width, dtype=torch.long)
-    uniforms = torch.zeros(count, width)
-    exponentials = torch.empty(count, vocab)
+    uniforms = torch.zeros(count, width, device=device)
+    exponentials = torch.empty(count, vocab, device=device)
     for i, (row, n, generator) in enumerate(zip(drafts, lens, generators, strict=True)):
         tokens[i, :n] = torch.tensor(row, dtype=torch.long)
-        drawn = torch.rand(num_uniforms, generator=generator)
+        drawn = draw_uniforms(num_uniforms, generator, device)
         uniforms[i, :n] = drawn[:n]
-        exponentials[i].exponential_(generator=generator)
+        exponentials[i] = draw_exponentials((vocab,), generator, device)
     window_lens = torch.tensor(lens, dtype=torch.long)
     cu = torch.zeros(count + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(window_lens + 1, 0)
@@ -62,8 +62,8 @@ def rejection_accept_all(
         target,
         to_device(cu, device),
         to_device(window_lens, device),
-        to_device(uniforms, device),
-        to_device(exponentials, device),
+        uniforms,
+        exponentials,
     )
     both = torch.cat([accepted, next_tokens]).tolist()
     return both[:count], both[count:]

@@ -212,8 +212,8 @@ class DSparkProposer:
 
     def _decode_block(self, heads: BlockHeads, anchors: torch.Tensor, seqs: Seq[Sequence]) -> DraftProposal:
         """The Markov decode of a block with sampling requests in it: they draw their drafts with their
-        own host generators, so this path runs eagerly. Their draft distributions stay on the device,
-        where acceptance reads them."""
+        own generators (on the engine's device), one request at a time, so this path runs eagerly.
+        Their draft distributions stay on the device, where acceptance reads them."""
         gamma, vocab = self.block_size, heads.lm_head.shape[0]
         sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
         probs: list[torch.Tensor | None] = [
