@@ -92,8 +92,9 @@ class StaticLayout:
         self.page_size = page_size
         self.max_pages = max_pages
         self.token_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
-        self.window_starts = torch.zeros(max_requests, dtype=torch.long, device=device)
-        self.window_lens = torch.zeros(max_requests, dtype=torch.long, device=device)
+        # Starts and lengths in one buffer, so that `fill` copies both at once.
+        self._bounds = torch.zeros(2, max_requests, dtype=torch.long, device=device)
+        self.window_starts, self.window_lens = self._bounds[0], self._bounds[1]
         self.page_table = torch.zeros(max_requests, max_pages, dtype=torch.int32, device=device)
         # Written by `compute`.
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
@@ -120,8 +121,7 @@ class StaticLayout:
         bounds = torch.zeros(2, requests, dtype=torch.long)
         bounds[0, :count] = torch.tensor(window_starts, dtype=torch.long)
         bounds[1, :count] = torch.tensor(window_lens, dtype=torch.long)
-        copy_to_device(self.window_starts[:requests], bounds[0])
-        copy_to_device(self.window_lens[:requests], bounds[1])
+        copy_to_device(self._bounds[:, :requests], bounds)
         if count:
             # Columns past a step's widest row keep older pages: no key of a shorter row reaches them.
             table = build_page_table(pages, count)

@@ -427,7 +427,7 @@ class LLMEngine:
         # The verified drafts come back in the same copy (the host emits the accepted ones).
         width = max(plan.verify_lens) if proposal is not None else 0
         rest = argmax[window_rows:]
-        host = torch.cat([accepted, bonus, drafts[:, :width].flatten().to(device), rest]).tolist()
+        host = torch.cat([accepted, bonus, drafts[:, :width].flatten(), rest]).tolist()
         if proposal is not None:
             flat = host[2 * num : 2 * num + num * width]
             plan.drafts = [flat[r * width : r * width + n] for r, n in enumerate(plan.verify_lens)]

@@ -134,7 +134,6 @@ class DSparkProposer:
         block = torch.full((num_requests, gamma), self.drafter.config.mask_token_id, dtype=torch.long)
         block[:, 0] = torch.tensor([s.anchor for s in seqs])
         starts = [s.num_cached for s in seqs]
-        positions = (torch.tensor(starts)[:, None] + torch.arange(gamma)[None, :]).flatten()
         pages = [s.pages for s in seqs]
         stopping = self.stop_survival > 0.0
         if all(s.params.greedy for s in seqs):
@@ -142,24 +141,24 @@ class DSparkProposer:
             if self.graphs is not None:
                 drafted = self.graphs.run(block.flatten(), pages, starts)
             if drafted is None:
-                batch = self._block_layout(pages, starts)
-                drafted = self._greedy_block(
-                    to_device(block.flatten(), self.device), to_device(positions, self.device), batch
-                )
+                drafted = self._greedy_block(*self._eager_block_inputs(block, pages, starts))
             tokens, confidences, lengths = drafted
             # Copies: a graph's outputs are rewritten by its next replay.
             lengths = lengths.cpu() if stopping else None
             return DraftProposal(tokens.clone(), confidences.clone(), [None] * num_requests, lengths)
-        batch = self._block_layout(pages, starts)
-        heads = self._block_heads(
-            to_device(block.flatten(), self.device), to_device(positions, self.device), batch
-        )
+        heads = self._block_heads(*self._eager_block_inputs(block, pages, starts))
         return self._decode_block(heads, to_device(block[:, 0].contiguous(), self.device), seqs)
 
-    def _block_layout(self, pages: list[list[int]], starts: list[int]) -> AttentionBatch:
-        """Every request's block: gamma positions from its first uncached one, seeing the whole block."""
-        gamma = [self.block_size] * len(starts)
-        return AttentionBatch.build(pages, starts, gamma, self.page_size, False, self.device)
+    def _eager_block_inputs(
+        self, block: torch.Tensor, pages: list[list[int]], starts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """What a block pass outside a graph takes: block ids and positions [R * gamma] on the device,
+        and every request's block laid out (gamma positions from its first uncached one, seeing the
+        whole block). A replayed block lays itself out on the device instead."""
+        gamma = self.block_size
+        positions = (torch.tensor(starts)[:, None] + torch.arange(gamma)[None, :]).flatten()
+        batch = AttentionBatch.build(pages, starts, [gamma] * len(starts), self.page_size, False, self.device)
+        return to_device(block.flatten(), self.device), to_device(positions, self.device), batch
 
     def _block_heads(
         self, block_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
