@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import platform
+import statistics
 import time
 from datetime import date
 from pathlib import Path
@@ -44,17 +45,22 @@ def _prompt_ids(llm: LLM, count: int) -> list[list[int]]:
 
 
 def _time_engine(
-    llm: LLM, ids: list[list[int]], max_tokens: int, phases: dict | None = None
+    llm: LLM, ids: list[list[int]], max_tokens: int, phases: dict | None = None, repeats: int = 1
 ) -> tuple[float, list[list[int]], dict]:
-    """Output tokens/s of one timed run (after a warm-up on the same batch), its tokens and spec stats.
-    With `phases` (a dict), a second timed run records where each step's time goes into it (the
-    engine's StepTimer synchronises the device per phase, so it does not count for tokens/s)."""
+    """Output tokens/s of the median of `repeats` timed runs (after a warm-up on the same batch), the
+    tokens and spec stats of the first. With `phases` (a dict), one more run records where each step's
+    time goes into it (the engine's StepTimer synchronises the device per phase, so it does not count
+    for tokens/s)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     # Warm-up on the same batch: compiles kernels and captures the CUDA graphs of the step sizes it meets.
     llm.generate(params=SamplingParams(max_tokens=min(32, max_tokens), ignore_eos=True), prompt_token_ids=ids)
-    start = time.perf_counter()
-    outs = llm.generate(params=params, prompt_token_ids=ids)
-    elapsed = time.perf_counter() - start
+    times, outs = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run = llm.generate(params=params, prompt_token_ids=ids)
+        times.append(time.perf_counter() - start)
+        outs = outs or run
+    elapsed = statistics.median(times)
     if phases is not None:
         timer = llm.engine.timer
         timer.reset()
@@ -68,10 +74,20 @@ def _time_engine(
     return sum(len(o.token_ids) for o in outs) / elapsed, [o.token_ids for o in outs], stats.as_dict()
 
 
-def _time_sustained(llm: LLM, ids: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, dict]:
-    """Output tokens/s with `concurrency` requests in flight until every prompt of `ids` is done: a
-    finished request's slot takes the next prompt at once, as a server under steady load does (a
-    batch that starts together instead runs until its slowest request is done). Also the spec stats."""
+def _time_sustained(
+    llm: LLM, ids: list[list[int]], concurrency: int, max_tokens: int, repeats: int = 1
+) -> tuple[float, dict]:
+    """Output tokens/s (the median of `repeats` runs) with `concurrency` requests in flight until every
+    prompt of `ids` is done: a finished request's slot takes the next prompt at once, as a server under
+    steady load does (a batch that starts together instead runs until its slowest request is done).
+    Also the spec stats of the first run."""
+    runs = [_time_sustained_once(llm, ids, concurrency, max_tokens) for _ in range(repeats)]
+    return statistics.median(tps for tps, _ in runs), runs[0][1]
+
+
+def _time_sustained_once(
+    llm: LLM, ids: list[list[int]], concurrency: int, max_tokens: int
+) -> tuple[float, dict]:
     from dspark.outputs import SpecStats
 
     engine = llm.engine
@@ -156,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--out", default="")
     parser.add_argument("--phases", action="store_true", help="also record per-phase step times")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per figure (the median counts)")
     parser.add_argument(
         "--sustained",
         type=int,
@@ -190,12 +207,16 @@ def main(argv: list[str] | None = None) -> None:
     for batch in batch_sizes:
         ids = _prompt_ids(engines["off"], batch)
         phases: dict[str, dict] = {mode: {} for mode in engines} if args.phases else {}
-        plain_tps, plain_tokens, _ = _time_engine(engines["off"], ids, args.max_tokens, phases.get("off"))
+        plain_tps, plain_tokens, _ = _time_engine(
+            engines["off"], ids, args.max_tokens, phases.get("off"), args.repeats
+        )
         row = {"batch": batch, "off": plain_tps}
         if phases:
             row["phases_ms"] = phases
         for mode in ("static", "compact", "default"):
-            tps, tokens, stats = _time_engine(engines[mode], ids, args.max_tokens, phases.get(mode))
+            tps, tokens, stats = _time_engine(
+                engines[mode], ids, args.max_tokens, phases.get(mode), args.repeats
+            )
             row[f"{mode}_identical"] = identical_share(plain_tokens, tokens)
             if tokens != plain_tokens and dtype == torch.float32:
                 raise SystemExit(f"{mode}: speculation changed greedy output at batch {batch}")
@@ -204,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.sustained:
             pool = _prompt_ids(engines["off"], batch * args.sustained)
             for mode, llm in engines.items():
-                tps, stats = _time_sustained(llm, pool, batch, args.max_tokens)
+                tps, stats = _time_sustained(llm, pool, batch, args.max_tokens, args.repeats)
                 row[f"sustained_{mode}"] = tps
                 row[f"sustained_{mode}_tau"] = stats["mean_committed_per_step"]
         if not args.no_peer:
@@ -245,6 +266,7 @@ def main(argv: list[str] | None = None) -> None:
                     "sps_table": args.sps_table,
                     "block_size": args.block_size,
                     "default_mode": args.default_mode,
+                    "repeats": args.repeats,
                     "rows": rows,
                 },
                 indent=1,

@@ -490,6 +490,30 @@ def run_norm_rotary(runner: Runner, kernels, parity, reference, shapes: Shapes, 
         )
 
 
+def run_activation(runner: Runner, kernels, parity, reference, shapes: Shapes, device, gen) -> None:
+    """SwiGLU's silu(gate) * up at the 8B shape's width (3 x hidden, Qwen3-8B's 12288): one pass
+    against torch's two (silu, then the product)."""
+    import torch
+
+    dtype = torch.float32 if runner.tiny else torch.bfloat16
+    elem = 4 if runner.tiny else 2
+    width = 3 * shapes.hidden
+    for rows in shapes.norm_rows:
+        runner.parity(
+            f"silu_mul {rows}x{width}",
+            lambda r=rows: parity.check_silu_mul(kernels, r, width, dtype, device, gen),
+        )
+        gate_up = parity.randn((rows, 2 * width), dtype, device, gen)
+        runner.time(
+            f"silu_mul {rows}x{width}",
+            lambda g=gate_up: kernels.activation.silu_mul(g),
+            lambda g=gate_up: reference.silu_mul(g),
+            3 * rows * width * elem,
+            0,
+            "eager torch (silu, then the product)",
+        )
+
+
 def run_accept(runner: Runner, kernels, parity, reference, shapes: Shapes, device, gen) -> None:
     import torch
 
@@ -1119,7 +1143,7 @@ def main(argv: list[str] | None = None) -> int:
         gen, seed = parity.generator(device)
         report.device["seed"] = seed
         measure_ceilings(report, device, args.tiny)
-        for part in (run_attention, run_norm_rotary, run_accept, run_layout, run_markov):
+        for part in (run_attention, run_norm_rotary, run_activation, run_accept, run_layout, run_markov):
             try:
                 part(runner, kernels, parity, reference, shapes, device, gen)
             except Exception as exc:  # noqa: BLE001 - a broken section must not lose the others' results

@@ -38,6 +38,13 @@ def rms_norm(
     return reference.rms_norm(x, weight, eps, residual)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """See reference.silu_mul."""
+    if _on_gpu(gate_up):
+        return load_kernels().activation.silu_mul(gate_up)
+    return reference.silu_mul(gate_up)
+
+
 def rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

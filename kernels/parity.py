@@ -179,6 +179,27 @@ def check_rms_norm(
     return rel_err(normed, ref_normed)
 
 
+def check_silu_mul(
+    kernels: SimpleNamespace,
+    num_rows: int,
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gen: torch.Generator,
+    row_stride: int = 0,
+) -> float:
+    """Fused silu(gate) * up vs reference on rows of [gate | up] (row_stride > 2 * width: the rows are
+    a strided view of a wider buffer); returns the relative error."""
+    wide = randn((num_rows, max(row_stride, 2 * width)), dtype, device, gen) * 4
+    gate_up = wide[:, : 2 * width]
+    out = poisoned((num_rows, width), dtype, device)
+    got = kernels.activation.silu_mul(gate_up, out=out)
+    _assert_written(got, "silu_mul")
+    ref = reference.silu_mul(gate_up)
+    torch.testing.assert_close(got, ref, **ulp_tolerance(dtype))
+    return rel_err(got, ref)
+
+
 @dataclass
 class RotaryCase:
     """Inputs of the rotary / store ops: q [T, Hq, D], k, v [T, Hkv, D], positions, slots [T] (some -1),

@@ -25,6 +25,12 @@ def rms_norm(
     return (normed.to(x.dtype) * weight), residual
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: gate_up [..., 2 * width] (gate then up) -> silu(gate) * up [..., width]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

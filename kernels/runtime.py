@@ -20,6 +20,7 @@ KERNEL_MODULES = (
     "common",
     "attention",
     "norm",
+    "activation",
     "rotary_store",
     "accept",
     "planner",

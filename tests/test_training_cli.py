@@ -25,7 +25,8 @@ def test_training_commands_produce_a_calibrated_drafter_the_engine_serves(tiny_t
     _write_prompts(prompts)
     target = f"--target {tiny_target_dir}"
     commands = [
-        f"distill-data {target} --prompts {prompts} --out-dir {data} --max-new-tokens 16 --val-prompts 6",
+        f"distill-data {target} --prompts {prompts} --out-dir {data} --max-new-tokens 16 --val-prompts 6 "
+        "--responses-per-prompt 2",
         f"train-draft {target} --data {data}/distill_train.jsonl --out {drafter} --block-size 4 "
         "--markov-rank 4 --num-target-features 2 --steps 4 --batch-size 4 --anchors 2",
         f"calibrate-draft {target} --draft {drafter} --data {data}/distill_val.jsonl --anchors 3 "
@@ -36,6 +37,13 @@ def test_training_commands_produce_a_calibrated_drafter_the_engine_serves(tiny_t
     for command in commands:
         assert dspark(command.split()) == 0, command
 
+    # 6 held-out prompts answered once; the other 12 twice, the second answer sampled.
+    val = [json.loads(line) for line in (data / "distill_val.jsonl").read_text().splitlines()]
+    train = [json.loads(line) for line in (data / "distill_train.jsonl").read_text().splitlines()]
+    assert len(val) == 6 and len(train) == 24
+    assert {r["id"] for r in val}.isdisjoint(r["id"] for r in train)
+    assert sorted(r["id"] for r in train) == sorted(2 * [r["id"] for r in train[:12]])
+    assert all(r["temperature"] == 1.0 for r in train[12:])
     config = json.loads((drafter / "config.json").read_text())
     report = json.loads((tmp_path / "cal.json").read_text())
     assert config["confidence_temperatures"] == [round(t, 6) for t in report["temperatures"]]

@@ -12,7 +12,7 @@ import torch
 from dspark import LLM, EngineConfig, SamplingParams, SpecStats
 from dspark.models.loader import load_target_model
 from dspark.spec.draft_checkpoint import save_drafter
-from dspark.training.data import AnchorSampler, distill
+from dspark.training.data import AnchorSampler, distill, distill_with_engine
 from dspark.training.losses import LossWeights, position_weights
 from dspark.training.trainer import TrainConfig, Trainer, drafter_loss, new_drafter
 
@@ -32,6 +32,22 @@ def records(tiny_target):
     prompts = [(str(i), "chat", [rng.randrange(1, 8) for _ in range(rng.randrange(2, 8))]) for i in range(24)]
     temperatures = [0.0, 1.0] * 12
     return distill(tiny_target, prompts, temperatures, [], 20, 24, seed=0)
+
+
+def test_the_engine_answers_greedy_prompts_as_the_dense_generator_does(tiny_target, tiny_target_dir) -> None:
+    rng = random.Random(2)
+    prompts = [(str(i), "code", [rng.randrange(1, 8) for _ in range(rng.randrange(2, 9))]) for i in range(12)]
+    temperatures = [0.0] * 8 + [1.0] * 4
+    config = EngineConfig(model=str(tiny_target_dir), spec_mode="off", num_kv_pages=64, max_num_seqs=4)
+    with LLM(config) as llm:
+        served = distill_with_engine(llm, prompts, temperatures, 16, chunk_size=5, seed=0)
+        eos = llm.engine.eos_token_ids
+    dense = distill(tiny_target, prompts, temperatures, eos, 16, 12, seed=0)
+    assert [r.id for r in served] == [p[0] for p in prompts]
+    assert [r.response_ids for r in served[:8]] == [r.response_ids for r in dense[:8]]
+    for record in served[8:]:
+        assert record.temperature == 1.0 and 1 <= len(record.response_ids) <= 16
+        assert all(0 <= t < 8 for t in record.response_ids)
 
 
 def _drafter(tiny_target):

