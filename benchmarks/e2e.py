@@ -1,5 +1,5 @@
 """End-to-end decoding speed, side by side in one run: dspark with speculation off / static / compact
-(drafting every step), the serve default (compact behind the adaptive gate, `adaptive_speculation`),
+(drafting every step), the serve default (`spec_mode` behind the adaptive gate, `adaptive_speculation`),
 and Hugging Face transformers `generate()` on the same checkpoint (the peer a user reaches for first).
 
     python benchmarks/e2e.py --batch-sizes 1,4 --max-tokens 64 --out benchmarks/results/e2e-cpu.json
@@ -76,18 +76,23 @@ def _time_engine(
 
 def _time_sustained(
     llm: LLM, ids: list[list[int]], concurrency: int, max_tokens: int, repeats: int = 1
-) -> tuple[float, dict]:
-    """Output tokens/s (the median of `repeats` runs) with `concurrency` requests in flight until every
-    prompt of `ids` is done: a finished request's slot takes the next prompt at once, as a server under
-    steady load does (a batch that starts together instead runs until its slowest request is done).
-    Also the spec stats of the first run."""
+) -> tuple[float, float, dict]:
+    """Output tokens/s with `concurrency` requests in flight until every prompt of `ids` is done: a
+    finished request's slot takes the next prompt at once, as a server under steady load does (a
+    batch that starts together instead runs until its slowest request is done).
+
+    Returns the median over `repeats` runs of the whole run's tokens/s and of its steady window's (from
+    the first finished request to the admission of the last prompt: no ramp-up, no drain; NaN when
+    no prompt waits for a slot), and the spec stats of the first run."""
     runs = [_time_sustained_once(llm, ids, concurrency, max_tokens) for _ in range(repeats)]
-    return statistics.median(tps for tps, _ in runs), runs[0][1]
+    whole = statistics.median(r[0] for r in runs)
+    steady = statistics.median(r[1] for r in runs)
+    return whole, steady, runs[0][2]
 
 
 def _time_sustained_once(
     llm: LLM, ids: list[list[int]], concurrency: int, max_tokens: int
-) -> tuple[float, dict]:
+) -> tuple[float, float, dict]:
     from dspark.outputs import SpecStats
 
     engine = llm.engine
@@ -95,6 +100,9 @@ def _time_sustained_once(
     pending = list(enumerate(ids))
     in_flight = 0
     produced = 0
+    # (time, tokens produced) when the first request finished and when the last prompt was admitted.
+    window_start: tuple[float, int] | None = None
+    window_end: tuple[float, int] | None = None
     stats = SpecStats()
     start = time.perf_counter()
     while pending or engine.has_unfinished_requests():
@@ -102,24 +110,34 @@ def _time_sustained_once(
             i, prompt = pending.pop(0)
             engine.add_request(f"sustained-{i}-{time.perf_counter_ns()}", prompt, params)
             in_flight += 1
+            if not pending and window_start is not None:
+                window_end = (time.perf_counter(), produced)
         for delta in engine.step():
             produced += len(delta.new_token_ids)
             if delta.finished:
                 in_flight -= 1
                 stats.merge(delta.spec_stats)
-    return produced / (time.perf_counter() - start), stats.as_dict()
+                if window_start is None:
+                    window_start = (time.perf_counter(), produced)
+    whole = produced / (time.perf_counter() - start)
+    steady = float("nan")
+    if window_start is not None and window_end is not None and window_end[0] > window_start[0]:
+        steady = (window_end[1] - window_start[1]) / (window_end[0] - window_start[0])
+    return whole, steady, stats.as_dict()
 
 
-def steady_load_table(rows: list[dict]) -> list[str]:
-    """Markdown lines of the --sustained runs: per batch size in flight, tok/s (τ, ratio to off)."""
+def steady_load_table(rows: list[dict], window: str = "") -> list[str]:
+    """Markdown lines of the --sustained runs: per batch size in flight, tok/s (τ, ratio to off) of
+    the whole runs, or (window="_steady") of their steady windows."""
     lines = ["| in flight | off | static | compact | default |", "|---:|---:|---:|---:|---:|"]
     for r in rows:
+        off = r[f"sustained_off{window}"]
         cells = [
-            f"{r[f'sustained_{m}']:.1f} ({r[f'sustained_{m}_tau']:.2f}, "
-            f"{r[f'sustained_{m}'] / r['sustained_off']:.2f}x)"
+            f"{r[f'sustained_{m}{window}']:.1f} ({r[f'sustained_{m}_tau']:.2f}, "
+            f"{r[f'sustained_{m}{window}'] / off:.2f}x)"
             for m in ("static", "compact", "default")
         ]
-        lines.append(f"| {r['batch']} | {r['sustained_off']:.1f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['batch']} | {off:.1f} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -195,8 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     rows = []
     # static and compact draft on every step (what speculation itself does); "default" is the serve
-    # default (--default-mode, compact unless told) behind the adaptive gate that drafts only while
-    # drafting pays.
+    # default (--default-mode: EngineConfig's spec_mode unless told) behind the adaptive gate that drafts
+    # only while drafting pays.
     engines = {
         mode: LLM(base.replace(spec_mode=mode, adaptive_speculation=False))
         for mode in ("off", "static", "compact")
@@ -225,8 +243,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.sustained:
             pool = _prompt_ids(engines["off"], batch * args.sustained)
             for mode, llm in engines.items():
-                tps, stats = _time_sustained(llm, pool, batch, args.max_tokens, args.repeats)
+                tps, steady, stats = _time_sustained(llm, pool, batch, args.max_tokens, args.repeats)
                 row[f"sustained_{mode}"] = tps
+                row[f"sustained_{mode}_steady"] = steady
                 row[f"sustained_{mode}_tau"] = stats["mean_committed_per_step"]
         if not args.no_peer:
             row["transformers"] = _time_transformers(
@@ -253,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
             "tok/s (τ) and ratio to off"
         )
         print("\n".join(steady_load_table(rows)))
+        print("\nThe same runs' steady windows (first finished request to last admitted prompt):")
+        print("\n".join(steady_load_table(rows, "_steady")))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(

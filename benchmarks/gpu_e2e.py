@@ -304,8 +304,8 @@ def markdown(report: dict) -> str:
         lines += [
             f"## End to end: {title}, {report['args']['max_tokens']} greedy tokens per request (tok/s)",
             "",
-            "static and compact draft on every step; default is compact behind the adaptive gate (the "
-            "serve default; SmolLM2 rows only).",
+            "static and compact draft on every step; default is the serve default's spec_mode behind the "
+            "adaptive gate (SmolLM2 rows only).",
             "",
             "| batch | off | static (τ) | compact (τ) | default (τ) | transformers | compact / off "
             "| default / off | compact / transformers |",
@@ -329,6 +329,10 @@ def markdown(report: dict) -> str:
             "once (tok/s, τ, ratio to off)",
             "",
             *e2e.steady_load_table(steady),
+            "",
+            "Their steady windows (first finished request to last admitted prompt):",
+            "",
+            *e2e.steady_load_table(steady, "_steady"),
             "",
         ]
     for key in ("e2e8b", "smollm2"):

@@ -75,6 +75,7 @@ def test_engine_profiles_its_own_sps_table_at_start_and_stays_lossless(
         kv_page_size=4,
         max_num_seqs=4,
         max_num_batched_tokens=64,
+        spec_mode="compact",  # the mode whose planner reads the table
         adaptive_speculation=False,
     )
     # The profiled steps are the engine's own: they hand the drafter its target layers (the same graphs,
@@ -107,6 +108,7 @@ def test_profiling_in_a_cache_too_small_for_it_is_a_clear_error(tiny_target_dir,
     config = EngineConfig(
         model=str(tiny_target_dir),
         draft_model=str(tiny_drafter_dir),
+        spec_mode="compact",
         sps_table="profile",
         num_kv_pages=8,
         kv_page_size=4,

@@ -13,7 +13,7 @@ from dspark.training.calibration import write_temperatures
 from dspark.training.data import distill
 from dspark.training.dense import target_pass
 from dspark.training.draft_forward import block_hidden, confidence_logits
-from dspark.training.trainer import TrainConfig, Trainer, new_drafter
+from dspark.training.trainer import TrainConfig, Trainer, new_drafter, trainable_from_checkpoint
 
 
 def _trained(target_dir, tmp_path):
@@ -62,3 +62,22 @@ def test_calibrated_temperatures_are_read_back(tiny_drafter_dir, tmp_path) -> No
     write_temperatures(draft_dir, [0.5, 1.25, 2.0, 3.5])
     loaded = load_drafter(draft_dir, torch.float32, "cpu")
     assert loaded.confidence_temperatures.tolist() == [0.5, 1.25, 2.0, 3.5]
+
+
+def test_training_continues_from_a_checkpoint_on_blocks_of_another_length(tiny_target_dir, tmp_path) -> None:
+    target, drafter = _trained(tiny_target_dir, tmp_path)
+    save_drafter(drafter, tmp_path / "start", dtype=torch.float32)
+    write_temperatures(tmp_path / "start", [0.5, 1.25, 2.0, 3.5])
+    resumed = trainable_from_checkpoint(tmp_path / "start", block_size=2)
+    assert resumed.config.block_size == 2 and resumed.confidence_temperatures.tolist() == [1.0, 1.0]
+    for (name, a), b in zip(drafter.state_dict().items(), resumed.state_dict().values(), strict=True):
+        if name != "confidence_temperatures":
+            torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    assert all(p.requires_grad for p in resumed.parameters())
+    rng = random.Random(1)
+    prompts = [(str(i), "code", [rng.randrange(1, 8) for _ in range(4)]) for i in range(8)]
+    records = distill(target, prompts, [0.0] * 8, [], 12, 8, seed=0)
+    config = TrainConfig(steps=2, batch_size=4, anchors_per_sequence=2, warmup_steps=1, save_every=100)
+    trained = Trainer(target, resumed, records, config, tmp_path / "work2", torch.device("cpu")).run()
+    save_drafter(trained, tmp_path / "continued")
+    assert load_drafter(tmp_path / "continued", torch.float32, "cpu").config.block_size == 2

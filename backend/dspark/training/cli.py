@@ -170,8 +170,8 @@ def train_draft(argv: list[str]) -> int:
     parser.add_argument(
         "--init-draft",
         default=None,
-        help="start from this drafter checkpoint (its architecture; the size flags are ignored) instead "
-        "of a fresh one initialised from the target",
+        help="start from this drafter checkpoint's weights instead of a fresh drafter initialised from "
+        "the target (its layers, Markov rank and features; --block-size still sets the block trained)",
     )
     parser.add_argument("--block-size", type=int, default=7)
     parser.add_argument("--num-layers", type=int, default=1)
@@ -226,7 +226,7 @@ def train_draft(argv: list[str]) -> int:
         weights=LossWeights(args.l1_weight, args.confidence_weight, args.decay),
     )
     if args.init_draft:
-        drafter = trainable_from_checkpoint(args.init_draft)
+        drafter = trainable_from_checkpoint(args.init_draft, args.block_size)
     else:
         drafter = new_drafter(
             target.config,

@@ -8,6 +8,7 @@ wall-clock when that comes first, so a run fits a fixed machine budget on any GP
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -74,12 +75,15 @@ def new_drafter(
     return drafter.train().requires_grad_(True)
 
 
-def trainable_from_checkpoint(draft_dir: str | Path) -> Drafter:
-    """A drafter to train further, from a DSpark draft checkpoint: fp32 weights, its confidence
-    temperatures reset to 1 as a fresh drafter's are (training ignores them; calibration refits them)."""
+def trainable_from_checkpoint(draft_dir: str | Path, block_size: int) -> Drafter:
+    """A drafter to train further on blocks of `block_size` positions, from a DSpark draft checkpoint
+    (no weight depends on the block's length): fp32 weights, confidence temperatures 1 as a fresh
+    drafter's are (training ignores them; calibration refits them)."""
     drafter = load_drafter(draft_dir, torch.float32, "cpu")
-    drafter.config.confidence_temperatures = [1.0] * drafter.config.block_size
-    drafter.confidence_temperatures.fill_(1.0)
+    drafter.config = dataclasses.replace(
+        drafter.config, block_size=block_size, confidence_temperatures=[1.0] * block_size
+    )
+    drafter.confidence_temperatures = torch.ones(block_size)
     return drafter.train().requires_grad_(True)
 
 
