@@ -12,7 +12,7 @@ import torch
 from kernel_setup import DEVICE, KERNELS, gpu_only
 
 from dspark.kernels import parity, reference
-from dspark.sampling import filtered_probs
+from dspark.sampling import filtered_probs, filtered_probs_of_requests
 from dspark.sampling_params import SamplingParams
 from dspark.spec.accept import rejection_accept_all
 from dspark.spec.planner import global_argmax_budget, split_budget, sync_budget
@@ -56,6 +56,9 @@ def test_batched_sampling_acceptance_does_not_depend_on_the_batch(cpu_gen, devic
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=0.5, top_p=0.7),
         SamplingParams(temperature=1.3, top_k=7),
+        # Requests with the same parameters are filtered in one call (sampling.filtered_probs_of_requests).
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
     ]
     outcomes = set()
     for _ in range(10):
@@ -97,6 +100,24 @@ def test_batched_sampling_acceptance_does_not_depend_on_the_batch(cpu_gen, devic
         torch.empty(vocab, device=device).exponential_(generator=expected)
         assert torch.equal(expected.get_state(), states[0])
     assert outcomes == {"rejected", "bonus"}
+
+
+@pytest.mark.parametrize(
+    "device", [CPU, pytest.param(DEVICE, marks=[pytest.mark.gpu, gpu_only])], ids=["cpu", "gpu"]
+)
+def test_requests_filtered_together_get_what_each_gets_alone(cpu_gen, device):
+    params = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.2, top_p=0.8),
+        SamplingParams(temperature=0.7, top_k=5),
+    ]
+    logits = [torch.randn(n, 300, generator=cpu_gen).to(device) * 3 for n in (1, 4, 2, 3, 1)]
+    together = filtered_probs_of_requests(logits, params)
+    alone = torch.cat([filtered_probs(rows, p) for rows, p in zip(logits, params, strict=True)])
+    assert torch.equal(together, alone)
+    assert torch.equal(filtered_probs_of_requests(logits[:1] * 3, params[:1] * 3), alone[:1].repeat(3, 1))
 
 
 @pytest.mark.parametrize("num_splits", [None, 4])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from dspark.host_to_device import to_device
@@ -28,6 +30,48 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def filtered_probs_of_requests(
+    logits: Sequence[torch.Tensor], params: Sequence[SamplingParams]
+) -> torch.Tensor:
+    """`filtered_probs` of every request's rows (logits[i]: [rows_i, vocab], params[i]), concatenated in
+    order: fp32 [sum of rows, vocab]. Requests with the same temperature, top-k and top-p share one
+    call, whose every row is what the request's own call gives (each row is filtered on its own)."""
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+    if len(groups) == 1:
+        return filtered_probs(torch.cat(list(logits)), params[0])
+    sizes = [rows.shape[0] for rows in logits]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    out = torch.empty(starts[-1], logits[0].shape[-1], dtype=torch.float32, device=logits[0].device)
+    for members in groups.values():
+        rows = [r for i in members for r in range(starts[i], starts[i] + sizes[i])]
+        out[to_device(torch.tensor(rows), out.device)] = filtered_probs(
+            torch.cat([logits[i] for i in members]), params[members[0]]
+        )
+    return out
+
+
+def draw_uniforms_into(out: torch.Tensor, generator: torch.Generator | None) -> None:
+    """Fill `out` (contiguous) with U(0, 1) draws from a request's generator: the numbers `draw_uniforms`
+    gives, drawn in place when the generator lives on `out`'s device."""
+    if generator is None or generator.device == out.device:
+        out.uniform_(generator=generator)
+    else:
+        out.copy_(draw_uniforms(out.numel(), generator, out.device).view_as(out))
+
+
+def draw_exponentials_into(out: torch.Tensor, generator: torch.Generator | None) -> None:
+    """Fill `out` (contiguous) with Exp(1) draws from a request's generator: the numbers
+    `draw_exponentials` gives, drawn in place when the generator lives on `out`'s device."""
+    if generator is None or generator.device == out.device:
+        out.exponential_(generator=generator)
+    else:
+        out.copy_(draw_exponentials(out.shape, generator, out.device))
 
 
 def draw_uniforms(count: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

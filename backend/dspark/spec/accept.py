@@ -16,7 +16,7 @@ import torch
 
 from dspark.host_to_device import to_device
 from dspark.kernels import ops
-from dspark.sampling import draw_exponentials, draw_uniforms, filtered_probs
+from dspark.sampling import draw_exponentials_into, draw_uniforms_into, filtered_probs_of_requests
 from dspark.sampling_params import SamplingParams
 
 
@@ -39,20 +39,20 @@ def rejection_accept_all(
     lens = [len(d) for d in drafts]
     width = max(max(lens), 1)
     vocab = target_logits[0].shape[-1]
-    target = torch.cat([filtered_probs(rows, p) for rows, p in zip(target_logits, params, strict=True)])
+    target = filtered_probs_of_requests(target_logits, params)
     proposed = torch.zeros(count, width, vocab, dtype=torch.float32, device=device)
     for i, (probs, n) in enumerate(zip(draft_probs, lens, strict=True)):
         if n:
             assert probs is not None
             proposed[i, :n] = probs[:n].to(device=device, dtype=torch.float32)
-    tokens = torch.zeros(count, width, dtype=torch.long)
-    uniforms = torch.zeros(count, width, device=device)
+    tokens = torch.tensor([row + [0] * (width - len(row)) for row in drafts], dtype=torch.long)
+    # Each request's draws land in its own rows: two launches a request, nothing copied.
+    uniforms = torch.zeros(count, max(width, num_uniforms), device=device)
     exponentials = torch.empty(count, vocab, device=device)
-    for i, (row, n, generator) in enumerate(zip(drafts, lens, generators, strict=True)):
-        tokens[i, :n] = torch.tensor(row, dtype=torch.long)
-        drawn = draw_uniforms(num_uniforms, generator, device)
-        uniforms[i, :n] = drawn[:n]
-        exponentials[i] = draw_exponentials((vocab,), generator, device)
+    for i, generator in enumerate(generators):
+        draw_uniforms_into(uniforms[i, :num_uniforms], generator)
+        draw_exponentials_into(exponentials[i], generator)
+    uniforms = uniforms[:, :width].contiguous()
     window_lens = torch.tensor(lens, dtype=torch.long)
     cu = torch.zeros(count + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(window_lens + 1, 0)
