@@ -270,6 +270,8 @@ def part_smollm2(args: argparse.Namespace, report: dict) -> None:
             str(args.sustained),
             "--block-size",
             str(args.smollm2_block_size),
+            "--repeats",
+            str(args.e2e_repeats),
         ]
     )
     report["smollm2"] = json.loads(out.read_text())["rows"]
@@ -375,7 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         "--sustained", type=int, default=4, help="smollm2: steady-load runs with K x batch requests"
     )
     parser.add_argument(
-        "--smollm2-block-size", type=int, default=0, help="smollm2: block_size (0: the drafter's 7)"
+        "--smollm2-block-size", type=int, default=0, help="smollm2: block_size (0: the drafter's)"
+    )
+    parser.add_argument(
+        "--e2e-repeats", type=int, default=3, help="smollm2: timed runs per figure (the median counts)"
     )
     args = parser.parse_args(argv)
     Path(args.work).mkdir(parents=True, exist_ok=True)

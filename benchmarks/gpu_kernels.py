@@ -668,6 +668,18 @@ def run_layout(runner: Runner, kernels, parity, reference, shapes: Shapes, devic
         0,
         "eager torch twin (repeat_interleave)",
     )
+    anchors = torch.randint(0, shapes.vocab, (big,), generator=gen, device=device)
+    drafts = torch.randint(0, shapes.vocab, (big, shapes.gamma), generator=gen, device=device)
+    cu = torch.zeros(big + 1, dtype=torch.int32, device=device)
+    cu[1:] = torch.cumsum(lens, 0)
+    runner.time(
+        f"layout pack_verify_tokens R={big}",
+        lambda: kernels.layout.pack_verify_tokens(anchors, drafts, cu, num_tokens),
+        lambda: reference.pack_verify_tokens(anchors, drafts, cu, num_tokens),
+        num_tokens * 16 + big * 8,
+        0,
+        "eager torch twin (repeat_interleave)",
+    )
 
 
 # Offline compile report --------------------------------------------------------------------------
