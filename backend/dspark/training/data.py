@@ -10,7 +10,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,41 +91,21 @@ def distill(
     seed: int,
     max_seconds: float = 0.0,
 ) -> list[DistillRecord]:
-    """The target's responses to `prompts` (id, domain, prompt ids), each at its own temperature.
+    """The target's responses to `prompts` (id, domain, prompt ids), each at its own temperature, in
+    padded batches over a dense KV cache.
 
     Prompts are batched by length so little of a batch is padding. With `max_seconds`, no new batch
     starts after that much time, and the prompts left unanswered are dropped.
     """
     device = model.embed_tokens.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
+
+    def answer(rows: list[int]) -> list[list[int]]:
+        ids, temps = [prompts[i][2] for i in rows], [temperatures[i] for i in rows]
+        return generate_batch(model, ids, max_new_tokens, temps, eos_token_ids, generator)
+
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][2]))
-    records: list[DistillRecord | None] = [None] * len(prompts)
-    start, done_tokens = time.perf_counter(), 0
-    for first in range(0, len(order), batch_size):
-        if max_seconds and time.perf_counter() - start > max_seconds:
-            print(f"distill: time is up after {first} prompts", file=sys.stderr, flush=True)
-            break
-        rows = order[first : first + batch_size]
-        responses = generate_batch(
-            model,
-            [prompts[i][2] for i in rows],
-            max_new_tokens,
-            [temperatures[i] for i in rows],
-            eos_token_ids,
-            generator,
-        )
-        for i, response in zip(rows, responses, strict=True):
-            pid, domain, ids = prompts[i]
-            records[i] = DistillRecord(pid, domain, float(temperatures[i]), list(ids), response)
-            done_tokens += len(response)
-        elapsed = time.perf_counter() - start
-        print(
-            f"distill: {min(first + batch_size, len(order))}/{len(order)} prompts, {done_tokens} tokens, "
-            f"{done_tokens / max(elapsed, 1e-9):.0f} tokens/s",
-            file=sys.stderr,
-            flush=True,
-        )
-    return [r for r in records if r is not None]
+    return _answer_in_batches(prompts, temperatures, order, batch_size, max_seconds, answer)
 
 
 def distill_with_engine(
@@ -138,38 +118,56 @@ def distill_with_engine(
     max_seconds: float = 0.0,
 ) -> list[DistillRecord]:
     """`distill` through the serving engine (paged KV cache, continuous batching, CUDA graphs on a
-    GPU), which answers several times faster than the dense batches: the same responses, greedy or
-    sampled from the same distribution (each sampled request with its own seed).
+    GPU), which answers faster than the dense batches: the same responses, greedy or sampled from the
+    same distribution (each sampled request with its own seed).
 
     Prompts go to the engine `chunk_size` at a time; with `max_seconds`, no chunk starts after that
     much time, and the prompts left unanswered are dropped. llm: a plain-decoding engine of the target.
     """
     rng = random.Random(seed)
     seeds = [rng.randrange(2**31) for _ in prompts]
-    records: list[DistillRecord] = []
-    start, done_tokens = time.perf_counter(), 0
-    for first in range(0, len(prompts), chunk_size):
-        if max_seconds and time.perf_counter() - start > max_seconds:
-            print(f"distill: time is up after {first} prompts", file=sys.stderr, flush=True)
-            break
-        rows = range(first, min(first + chunk_size, len(prompts)))
+
+    def answer(rows: list[int]) -> list[list[int]]:
         params = [
             SamplingParams(max_tokens=max_new_tokens, temperature=float(temperatures[i]), seed=seeds[i])
             for i in rows
         ]
         outs = llm.generate(params=params, prompt_token_ids=[prompts[i][2] for i in rows])
-        for i, out in zip(rows, outs, strict=True):
+        return [list(out.token_ids) for out in outs]
+
+    order = list(range(len(prompts)))
+    return _answer_in_batches(prompts, temperatures, order, chunk_size, max_seconds, answer)
+
+
+def _answer_in_batches(
+    prompts: Sequence[tuple[str, str, list[int]]],
+    temperatures: Sequence[float],
+    order: list[int],
+    batch_size: int,
+    max_seconds: float,
+    answer: Callable[[list[int]], list[list[int]]],
+) -> list[DistillRecord]:
+    """Records of the prompts `answer` gives responses to, `batch_size` of `order` at a time (no batch
+    starts after `max_seconds`, 0: none), in the prompts' order; progress on stderr."""
+    records: list[DistillRecord | None] = [None] * len(prompts)
+    start, done_tokens = time.perf_counter(), 0
+    for first in range(0, len(order), batch_size):
+        if max_seconds and time.perf_counter() - start > max_seconds:
+            print(f"distill: time is up after {first} prompts", file=sys.stderr, flush=True)
+            break
+        rows = order[first : first + batch_size]
+        for i, response in zip(rows, answer(rows), strict=True):
             pid, domain, ids = prompts[i]
-            records.append(DistillRecord(pid, domain, float(temperatures[i]), list(ids), list(out.token_ids)))
-            done_tokens += len(out.token_ids)
+            records[i] = DistillRecord(pid, domain, float(temperatures[i]), list(ids), response)
+            done_tokens += len(response)
         elapsed = time.perf_counter() - start
         print(
-            f"distill: {rows.stop}/{len(prompts)} answers, {done_tokens} tokens, "
+            f"distill: {first + len(rows)}/{len(order)} answers, {done_tokens} tokens, "
             f"{done_tokens / max(elapsed, 1e-9):.0f} tokens/s",
             file=sys.stderr,
             flush=True,
         )
-    return records
+    return [r for r in records if r is not None]
 
 
 @dataclass
