@@ -318,7 +318,9 @@ def eval_acceptance(argv: list[str]) -> int:
     parser.add_argument("--prompts", required=True, help="evaluation prompts (JSON lines with a domain)")
     parser.add_argument("--per-domain", type=int, default=32, help="prompts per domain")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=7)
+    parser.add_argument(
+        "--block-size", type=int, default=0, help="drafts verified per step (0: the drafter's)"
+    )
     parser.add_argument("--modes", default="static,compact")
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--sps-table", default="", help="SPS table for compact planning (empty: flat)")
@@ -336,6 +338,8 @@ def eval_acceptance(argv: list[str]) -> int:
     from dspark.training.acceptance import evaluate_acceptance, markdown_table
     from dspark.training.data import read_prompts
 
+    draft_config = DraftConfig.load(args.draft_model)
+    block_size = args.block_size or draft_config.block_size
     by_domain: dict[str, list[str]] = {}
     for prompt in read_prompts(args.prompts):
         texts = by_domain.setdefault(prompt.domain, [])
@@ -346,11 +350,11 @@ def eval_acceptance(argv: list[str]) -> int:
         draft_model=args.draft_model,
         device=args.device,
         dtype=args.dtype,
-        block_size=args.block_size,
+        block_size=block_size,
         sps_table=args.sps_table,
         max_num_seqs=args.max_num_seqs,
         num_kv_pages=args.num_kv_pages,
-        max_num_batched_tokens=max(2048, args.max_num_seqs * (args.block_size + 1)),
+        max_num_batched_tokens=max(2048, args.max_num_seqs * (block_size + 1)),
         seed=args.seed,
     )
     modes = [m for m in args.modes.split(",") if m]
@@ -358,8 +362,8 @@ def eval_acceptance(argv: list[str]) -> int:
     result = {
         "model": args.model,
         "draft_model": args.draft_model,
-        "confidence_temperatures": DraftConfig.load(args.draft_model).confidence_temperatures,
-        "block_size": args.block_size,
+        "confidence_temperatures": draft_config.confidence_temperatures,
+        "block_size": block_size,
         "max_tokens": args.max_tokens,
         "sps_table": args.sps_table or "flat",
         "device": args.device,
@@ -374,12 +378,12 @@ def eval_acceptance(argv: list[str]) -> int:
             flush=True,
         )
         # Written after every row, so a run stopped early still leaves what it measured.
-        table = markdown_table(result["rows"], args.block_size)
+        table = markdown_table(result["rows"], block_size)
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         if args.markdown:
             Path(args.markdown).write_text(table)
-    print(markdown_table(result["rows"], args.block_size))
+    print(markdown_table(result["rows"], block_size))
     return 0
 
 
