@@ -35,9 +35,11 @@ PROMPTS = [
 ]
 
 
-def _prompt_ids(llm: LLM, count: int) -> list[list[int]]:
+def _prompt_ids(llm: LLM, count: int, texts: list[str] | None = None) -> list[list[int]]:
+    """`count` chat-formatted prompts, cycling through `texts` (default: PROMPTS)."""
     tok = llm.tokenizer
-    texts = [PROMPTS[i % len(PROMPTS)] for i in range(count)]
+    pool = texts or PROMPTS
+    texts = [pool[i % len(pool)] for i in range(count)]
     return [
         tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
         for t in texts
@@ -187,6 +189,11 @@ def main(argv: list[str] | None = None) -> None:
         default=EngineConfig.spec_mode,
         help="the spec_mode of the gated 'default' engine (the serve default unless told otherwise)",
     )
+    parser.add_argument(
+        "--prompts",
+        default="",
+        help="JSON lines with a 'prompt' each (e.g. training/prompts_eval.jsonl); default: the 8 built in",
+    )
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--out", default="")
     parser.add_argument("--phases", action="store_true", help="also record per-phase step times")
@@ -202,6 +209,10 @@ def main(argv: list[str] | None = None) -> None:
         # The engine logs the table it measured (INFO): the planner's plans are read against it.
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    texts = None
+    if args.prompts:
+        with open(args.prompts, encoding="utf-8") as f:
+            texts = [json.loads(line)["prompt"] for line in f if line.strip()]
     base = EngineConfig(
         model=args.model,
         draft_model=args.draft_model,
@@ -223,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     device = engines["off"].engine.limits.device.type
     dtype = engines["off"].engine.limits.dtype
     for batch in batch_sizes:
-        ids = _prompt_ids(engines["off"], batch)
+        ids = _prompt_ids(engines["off"], batch, texts)
         phases: dict[str, dict] = {mode: {} for mode in engines} if args.phases else {}
         plain_tps, plain_tokens, _ = _time_engine(
             engines["off"], ids, args.max_tokens, phases.get("off"), args.repeats
@@ -241,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
             row[mode] = tps
             row[f"{mode}_tau"] = stats["mean_committed_per_step"]
         if args.sustained:
-            pool = _prompt_ids(engines["off"], batch * args.sustained)
+            pool = _prompt_ids(engines["off"], batch * args.sustained, texts)
             for mode, llm in engines.items():
                 tps, steady, stats = _time_sustained(llm, pool, batch, args.max_tokens, args.repeats)
                 row[f"sustained_{mode}"] = tps
@@ -288,6 +299,7 @@ def main(argv: list[str] | None = None) -> None:
                     "block_size": args.block_size,
                     "default_mode": args.default_mode,
                     "repeats": args.repeats,
+                    "prompts": args.prompts or "built in",
                     "rows": rows,
                 },
                 indent=1,
