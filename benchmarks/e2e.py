@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from dspark import LLM, EngineConfig, SamplingParams
+from dspark.training.data import read_prompts
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -192,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--prompts",
         default="",
-        help="JSON lines with a 'prompt' each (e.g. training/prompts_eval.jsonl); default: the 8 built in",
+        help="a prompt set (JSON lines with id, domain, prompt; e.g. training/prompts_eval.jsonl); "
+        "default: the 8 built in",
     )
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--out", default="")
@@ -209,10 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         # The engine logs the table it measured (INFO): the planner's plans are read against it.
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    texts = None
-    if args.prompts:
-        with open(args.prompts, encoding="utf-8") as f:
-            texts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    texts = [p.prompt for p in read_prompts(args.prompts)] if args.prompts else None
     base = EngineConfig(
         model=args.model,
         draft_model=args.draft_model,
