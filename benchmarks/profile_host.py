@@ -2,11 +2,12 @@
 
     python benchmarks/profile_host.py --device cuda --batch 64 --max-tokens 32 --out /tmp/profile
 
-Writes <out>/<mode>-b<batch>.txt (the top functions by own time and by cumulative time) and prints a
-line per mode with tokens/s. With --kernels (a GPU), the table is torch.profiler's instead: the device
-kernels of the whole generate() by their own device time, with launch counts, and the step count.
-On a GPU, time spent in `.cpu()` / `.tolist()` / `.item()` is the host
-waiting for the device; everything else at the top is Python work that a faster step must remove.
+Writes <out>/<mode>-b<batch>.txt (the host's milliseconds per step in each engine phase, then the
+top functions by own time and by cumulative time) and prints a line per mode with tokens/s. With
+--kernels (a GPU), the table is torch.profiler's instead: the device kernels of the whole generate()
+by their own device time, with launch counts, and the device's busy time per step against the wall
+time per step. On a GPU, time spent in `.cpu()` / `.tolist()` / `.item()` is the host waiting for
+the device; everything else at the top is Python work that a faster step must remove.
 """
 
 from __future__ import annotations
@@ -55,12 +56,24 @@ def main(argv: list[str] | None = None) -> None:
         llm.generate(params=params, prompt_token_ids=ids)
         elapsed = time.perf_counter() - start
         if args.kernels:
-            text = _kernel_table(llm, params, ids, args.top)
+            text = _kernel_table(llm, params, ids, args.top, elapsed)
         else:
-            text = _host_table(llm, params, ids, args.top)
+            text = _host_phases(llm, params, ids) + _host_table(llm, params, ids, args.top)
         (args.out / f"{mode}-b{args.batch}.txt").write_text(text)
         print(f"{mode} batch {args.batch}: {args.batch * args.max_tokens / elapsed:.0f} tok/s", flush=True)
         llm.close()
+
+
+def _host_phases(llm: LLM, params: SamplingParams, ids: list[list[int]]) -> str:
+    """The engine's phase timer over one generate() without device synchronisation: the host's own
+    milliseconds per step in each phase (the phase holding the first wait for the device absorbs it)."""
+    timer = llm.engine.timer
+    timer.reset()
+    timer.enabled, timer.synchronize = True, False
+    llm.generate(params=params, prompt_token_ids=ids)
+    timer.enabled, timer.synchronize = False, True
+    phases = {k: round(v, 3) for k, v in timer.summary().items()}
+    return f"host ms per step by phase (no device sync): {phases}\n\n"
 
 
 def _host_table(llm: LLM, params: SamplingParams, ids: list[list[int]], top: int) -> str:
@@ -76,16 +89,24 @@ def _host_table(llm: LLM, params: SamplingParams, ids: list[list[int]], top: int
     return text.getvalue()
 
 
-def _kernel_table(llm: LLM, params: SamplingParams, ids: list[list[int]], top: int) -> str:
-    """torch.profiler over one generate(): device kernels by own device time, and the engine steps."""
+def _kernel_table(llm: LLM, params: SamplingParams, ids: list[list[int]], top: int, wall_s: float) -> str:
+    """torch.profiler over one generate(): device kernels by own device time, and the engine steps.
+    The header compares the device's busy time per step with the wall time per step of the unprofiled
+    run (`wall_s`): what is left is the device idle, waiting for the host."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         outputs = llm.generate(params=params, prompt_token_ids=ids)
     committed = sum(len(o.token_ids) for o in outputs)
     steps = max(o.spec_stats.steps for o in outputs)
-    header = f"{len(ids)} requests, {committed} tokens committed, the longest request took {steps} steps\n"
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70)
+    averages = prof.key_averages()
+    busy_us = sum(e.self_device_time_total for e in averages)
+    header = (
+        f"{len(ids)} requests, {committed} tokens committed, the longest request took {steps} steps\n"
+        f"per step: device busy {busy_us / 1e3 / steps:.3f} ms, wall (unprofiled run) "
+        f"{wall_s * 1e3 / steps:.3f} ms\n"
+    )
+    table = averages.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70)
     return header + table
 
 

@@ -126,8 +126,10 @@ def _verify_tokens_kernel(
     search_steps,
     stride_d,
     BLOCK: tl.constexpr,
+    KEEP_PAST_END: tl.constexpr,
 ):
-    """Grid (cdiv(T, BLOCK),); window r = [anchor[r], drafts[r, 0], ..., drafts[r, len - 2]]."""
+    """Grid (cdiv(T, BLOCK),); window r = [anchor[r], drafts[r, 0], ..., drafts[r, len - 2]]. Rows
+    from cu[R] on are zeroed, or left as they are with KEEP_PAST_END."""
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     t_ok = t < num_tokens
     real = t_ok & (t < tl.load(cu_ptr + num_requests))
@@ -135,7 +137,8 @@ def _verify_tokens_kernel(
     i = t - tl.load(cu_ptr + r, mask=real, other=0)
     anchor = tl.load(anchors_ptr + r, mask=real & (i == 0), other=0)
     draft = tl.load(drafts_ptr + r.to(tl.int64) * stride_d + i - 1, mask=real & (i > 0), other=0)
-    tl.store(tokens_ptr + t, tl.where(i == 0, anchor, draft).to(tl.int64), mask=t_ok)
+    keep = real if KEEP_PAST_END else t_ok
+    tl.store(tokens_ptr + t, tl.where(i == 0, anchor, draft).to(tl.int64), mask=keep)
 
 
 def pack_verify_tokens(
@@ -144,11 +147,14 @@ def pack_verify_tokens(
     cu_seqlens: torch.Tensor,
     num_tokens: int,
     out: torch.Tensor | None = None,
+    keep_past_end: bool = False,
 ) -> torch.Tensor:
     """Packed verify-window tokens (the reference's pack_verify_tokens).
 
     anchors: [R]; drafts: [R, gamma]; cu_seqlens: [R + 1] (window r has 1 + verify_len[r] tokens).
-    Returns token ids [num_tokens] int64 (padding rows 0).
+    Returns token ids [num_tokens] int64 (padding rows 0; with keep_past_end, `out`'s rows from
+    cu_seqlens[R] on are left as they are: no host sync, so a CUDA graph can pack a step's verify
+    windows in front of its prompt chunks).
     """
     num_requests = anchors.shape[0]
     if out is None:
@@ -156,7 +162,7 @@ def pack_verify_tokens(
     if num_tokens == 0:
         return out
     if num_requests == 0:
-        return out.zero_()
+        return out if keep_past_end else out.zero_()
     drafts = drafts if drafts.stride(-1) == 1 else drafts.contiguous()
     _verify_tokens_kernel[(triton.cdiv(num_tokens, BLOCK_T),)](
         anchors,
@@ -168,5 +174,6 @@ def pack_verify_tokens(
         num_requests.bit_length(),
         drafts.stride(0),
         BLOCK=BLOCK_T,
+        KEEP_PAST_END=keep_past_end,
     )
     return out

@@ -200,10 +200,17 @@ def pack_verify_tokens(
     cu_seqlens: torch.Tensor,
     num_tokens: int,
     out: torch.Tensor | None = None,
+    keep_past_end: bool = False,
 ) -> torch.Tensor:
-    """See reference.pack_verify_tokens; `out` [num_tokens]: written in place and returned."""
+    """See reference.pack_verify_tokens; `out` [num_tokens]: written in place and returned (with
+    keep_past_end, its rows past the windows keep what they hold)."""
     if _on_gpu(anchors):
-        return load_kernels().layout.pack_verify_tokens(anchors, drafts, cu_seqlens, num_tokens, out)
+        return load_kernels().layout.pack_verify_tokens(
+            anchors, drafts, cu_seqlens, num_tokens, out, keep_past_end
+        )
+    if keep_past_end:
+        assert out is not None, "keep_past_end writes into `out`"
+        return reference.pack_verify_tokens(anchors, drafts, cu_seqlens, num_tokens, out)
     tokens = reference.pack_verify_tokens(anchors, drafts, cu_seqlens, num_tokens)
     return tokens if out is None else out.copy_(tokens)
 

@@ -526,6 +526,15 @@ def check_layout(
     _assert_equal(
         (tokens,), (reference.pack_verify_tokens(anchors, drafts, cu, num_tokens),), "pack_verify_tokens"
     )
+    # Into a step whose later rows hold other windows' tokens: those rows must survive.
+    held = torch.randint(1, 1000, (num_tokens,), generator=gen, device=device)
+    got = kernels.layout.pack_verify_tokens(
+        anchors, drafts, cu, num_tokens, out=held.clone(), keep_past_end=True
+    )
+    want = reference.pack_verify_tokens(anchors, drafts, cu, num_tokens, out=held.clone())
+    _assert_equal((got,), (want,), "pack_verify_tokens keep_past_end")
+    end = int(cu[-1])
+    assert torch.equal(got[end:], held[end:]), "pack_verify_tokens keep_past_end overwrote later rows"
     return 0.0
 
 

@@ -372,14 +372,20 @@ def build_window_layout(
 
 
 def pack_verify_tokens(
-    anchors: torch.Tensor, drafts: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int
+    anchors: torch.Tensor,
+    drafts: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    num_tokens: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Verify-window tokens packed by cu_seqlens [R + 1]: window r = [anchors[r], drafts[r, :len - 1]].
 
-    anchors: [R]; drafts: [R, gamma]. Returns [num_tokens] int64 (padding rows 0).
+    anchors: [R]; drafts: [R, gamma]. Returns [num_tokens] int64 (padding rows 0). With `out`
+    [num_tokens], the windows' rows are written into it and rows from cu_seqlens[R] on keep what
+    they hold (the tokens of windows packed after the verify windows, e.g. prompt chunks).
     """
     device = anchors.device
-    tokens = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    tokens = torch.zeros(num_tokens, dtype=torch.int64, device=device) if out is None else out
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     lens = cu[1:] - cu[:-1]
     owner = torch.repeat_interleave(torch.arange(anchors.shape[0], device=device), lens)

@@ -11,20 +11,31 @@ import torch
 
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.attention_batch import AttentionBatch
-from dspark.cuda_graphs import CudaGraphs, all_tiers, next_pow2, pow2_upto, step_tiers
+from dspark.cuda_graphs import CudaGraphs, all_tiers, next_pow2, pow2_upto, step_tiers, token_tiers
 from dspark.model_runner import ModelRunner
 
 PAGE = 4
 
 
-def test_tiers_are_powers_of_two_and_refuse_what_does_not_fit() -> None:
+def test_tiers_pad_to_powers_of_two_then_quarter_steps_and_refuse_what_does_not_fit() -> None:
     assert [next_pow2(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     assert step_tiers(1, 1, 256, 32) == (1, 1)
     assert step_tiers(3, 3, 256, 32) == (4, 4)
     assert step_tiers(8, 1, 256, 32) == (8, 1)  # one verify window of 8 tokens
-    assert step_tiers(200, 30, 256, 32) == (256, 32)
+    assert step_tiers(200, 30, 256, 32) == (224, 32)
+    assert step_tiers(129, 3, 256, 32) == (160, 4)
+    # 64 verify windows of 4 tokens and one new prompt of 34: a quarter step above 256, not 512.
+    assert step_tiers(64 * 4 + 34, 64, 512, 64) == (320, 64)
     assert pow2_upto(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert token_tiers(512) == [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 224, 256, 320, 384, 448, 512]
     assert all_tiers(4, 2) == [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]
+    # Every tier step_tiers returns is captured at start-up.
+    for max_requests in (64, 256):
+        captured = set(all_tiers(512, max_requests))
+        for tokens in range(1, 513):
+            for requests in (1, 3, 17, 64, 129, 256):
+                if requests <= min(tokens, max_requests):
+                    assert step_tiers(tokens, requests, 512, max_requests) in captured
     assert step_tiers(257, 1, 256, 32) is None
     assert step_tiers(40, 33, 256, 32) is None
 
@@ -121,14 +132,27 @@ def test_engine_through_emulated_graphs_gives_the_eager_tokens(
     config = _emulated_engine_config(tiny_target_dir, tiny_drafter_dir, spec_mode=spec_mode)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     eager = LLM(config).generate(params=params, prompt_token_ids=prompts)
-    llm = LLM(config)
-    runner = llm.engine.runner
-    runner.use_graphs(CudaGraphs(runner.model, runner.cache, runner.device, 32, 4, emulate=True))
-    replayed = llm.generate(params=params, prompt_token_ids=prompts)
-    assert [o.token_ids for o in replayed] == [o.token_ids for o in eager]
-    tiers = set(runner.graphs.captured)
-    assert len(tiers) > 2, tiers
-    assert llm.engine.allocator.num_used == 0
+    for draft_graphs in (False, True):
+        llm = LLM(config)
+        runner = llm.engine.runner
+        runner.use_graphs(CudaGraphs(runner.model, runner.cache, runner.device, 32, 4, emulate=True))
+        if draft_graphs and spec_mode != "off":
+            # Blocks replayed too; `static` ones draft inside the target step, from its layout.
+            llm.engine.proposer.use_graphs(config.max_num_seqs, max_pages=64, emulate=True)
+        replayed = llm.generate(params=params, prompt_token_ids=prompts)
+        assert [o.token_ids for o in replayed] == [o.token_ids for o in eager]
+        # The same drafts, not only the same output (which any drafts would give): the same ones
+        # accepted, and some are.
+        accepted = [o.spec_stats.accepted_tokens for o in replayed]
+        assert accepted == [o.spec_stats.accepted_tokens for o in eager]
+        assert spec_mode == "off" or sum(accepted) > 0
+        tiers = set(runner.graphs.captured)
+        assert len(tiers) > 2, tiers
+        assert llm.engine.allocator.num_used == 0
+        if draft_graphs and spec_mode != "off":
+            graphs = llm.engine.proposer.graphs
+            assert bool(graphs.captured_in_step) == (spec_mode == "static"), graphs.captured_in_step
+            assert bool(graphs.captured) == (spec_mode == "compact"), graphs.captured
 
 
 def test_graphs_captured_at_start_up_serve_every_step(tiny_target_dir, tiny_drafter_dir) -> None:
@@ -140,14 +164,17 @@ def test_graphs_captured_at_start_up_serve_every_step(tiny_target_dir, tiny_draf
     runner.use_graphs(CudaGraphs(runner.model, runner.cache, runner.device, 32, 4, emulate=True))
     engine.proposer.use_graphs(config.max_num_seqs, max_pages=64, emulate=True)
     engine._capture_graphs()
-    target_tiers, draft_tiers = set(runner.graphs.captured), set(engine.proposer.graphs.captured)
+    graphs = engine.proposer.graphs
+    target_tiers, draft_tiers = set(runner.graphs.captured), set(graphs.captured)
     assert {key[:2] for key in target_tiers} == set(all_tiers(32, 4))
     assert draft_tiers == {1, 2, 4}
+    assert set(graphs.captured_in_step) == {1, 2, 4}  # `static` (the default) drafts in the step
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 8) for _ in range(rng.randrange(2, 30))] for _ in range(6)]
     llm.generate(params=SamplingParams(max_tokens=12, ignore_eos=True), prompt_token_ids=prompts)
     assert set(runner.graphs.captured) == target_tiers
-    assert set(engine.proposer.graphs.captured) == draft_tiers
+    assert set(graphs.captured) == draft_tiers
+    assert set(graphs.captured_in_step) == {1, 2, 4}
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

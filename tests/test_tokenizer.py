@@ -10,6 +10,9 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from dspark.output_processor import OutputProcessor
+from dspark.sampling_params import SamplingParams
+from dspark.sequence import Sequence
 from dspark.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -351,3 +354,42 @@ def test_smollm2_streamed_text_concatenates_to_full_decode(rng: random.Random) -
         ids = tok.encode(text, add_special_tokens=False) + tok.eos_token_ids[:1]
         pieces = _stream(tok, prompt, _random_split(ids, rng))
         assert "".join(pieces) == tok.decode(ids) == text
+
+
+def _commit_stream(
+    tokenizer: Tokenizer, ids: list[int], chunks: list[list[int]], params: SamplingParams
+) -> tuple[list[int], str, str | None]:
+    """Commit `chunks` through an OutputProcessor until it finishes: (tokens kept, text, reason)."""
+    seq = Sequence("r", 0, ids[:2], params, None)
+    processor = OutputProcessor(seq, tokenizer, tokenizer.eos_token_ids, max_model_len=10_000)
+    text, reason = "", None
+    for chunk in chunks:
+        _, piece, reason = processor.commit(chunk)
+        text += piece
+        if reason is not None:
+            break
+    return seq.output_token_ids, text, reason
+
+
+def test_output_processor_gives_the_same_stream_whatever_the_commit_sizes(
+    tokenizer: Tokenizer, rng: random.Random
+) -> None:
+    """A speculative step commits several tokens at once: the tokens kept, the text and the finish
+    reason are those of committing one token at a time, with EOS, stop token ids, max_tokens and
+    stop strings (including one split across commits) ending the request mid-chunk."""
+    eos = tokenizer.eos_token_ids[0]
+    for _ in range(150):
+        text = " ".join(rng.sample(SAMPLE_TEXTS + CORPUS, 2))
+        ids = [tokenizer.token_to_id("<|im_start|>")] + tokenizer.encode(text, add_special_tokens=False)
+        generated = ids[2:] + [eos] * rng.randint(0, 1) + tokenizer.encode("tail", add_special_tokens=False)
+        words = text.split()
+        params = SamplingParams(
+            max_tokens=rng.randint(1, len(generated) + 2),
+            stop=[rng.choice(words)[-3:]] if rng.random() < 0.4 else [],
+            stop_token_ids=[rng.choice(generated)] if rng.random() < 0.2 else [],
+            ignore_eos=rng.random() < 0.3,
+        )
+        one_by_one = _commit_stream(tokenizer, ids, [[t] for t in generated], params)
+        chunked = _commit_stream(tokenizer, ids, _random_split(generated, rng), params)
+        assert chunked == one_by_one
+        assert one_by_one[2] is not None or len(one_by_one[0]) == len(generated)

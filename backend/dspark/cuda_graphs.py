@@ -1,19 +1,20 @@
 """Captured target steps: a step of up to `max_tokens` tokens replays a CUDA graph of the forward.
 
 A Python-driven forward launches hundreds of kernels per step, so a decode or verify step of a large
-model is bound by the host, not by the GPU. One graph is captured per (token tier, request tier), the
-powers of two a step is padded up to: padding tokens store nothing (slot -1) and padding windows are
-empty with no keys. A replay copies the step's tokens and windows (start, length, pages) into the
-static buffers the graph reads, and the graph lays them out itself (the layout kernel, see
-`StaticLayout`); logits are computed after it, for the rows the driver asks for only. A feature sink
-(the drafter's KV injection) is captured into the same graph, so a speculative step injects for free.
+model is bound by the host, not by the GPU. One graph is captured per (token tier, request tier) a
+step is padded up to (`token_tiers`; requests: powers of two): padding tokens store nothing (slot
+-1) and padding windows are empty with no keys. A replay copies the step's tokens and windows
+(start, length, pages) into the static buffers the graph reads, and the graph lays them out itself
+(the layout kernel, see `StaticLayout`); logits are computed after it, for the rows the driver asks
+for only. A feature sink (the drafter's KV injection) is captured into the same graph, so a
+speculative step injects for free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -26,6 +27,25 @@ from dspark.verify_tokens import write_verify_tokens
 
 # Takes (features [T, L * hidden], positions [T], slots [T]) of every token of a step (padding: slot -1).
 FeatureSink = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class StepDrafter(Protocol):
+    """Drafts the verify windows of a target step while the step runs (the first `num_windows`
+    windows; their token ids hold the anchor, then placeholders)."""
+
+    num_windows: int
+
+    def draft_into(self, layout: StaticLayout, token_ids: torch.Tensor, window_lens: list[int]) -> None:
+        """Draft once the step is in `layout`'s buffers, packing the drafts into its token ids
+        (token_ids, window_lens: the step's host token ids and window lengths)."""
+        ...
+
+    def draft(self) -> torch.Tensor:
+        """Draft for a step that runs outside the graphs: the drafts [num_windows, >= longest window
+        - 1], for `write_verify_tokens`."""
+        ...
+
+
 Outputs = TypeVar("Outputs")
 
 
@@ -60,16 +80,39 @@ def step_tiers(
     (max_tokens, max_requests: powers of two, max_requests <= max_tokens)."""
     if num_tokens < 1 or num_tokens > max_tokens or num_requests > max_requests:
         return None
-    tokens = next_pow2(num_tokens)
-    return tokens, min(next_pow2(max(num_requests, 1)), tokens)
+    requests = next_pow2(max(num_requests, 1))
+    # A tier holds at least one token per request tier's window (the power of two is a tier).
+    tokens = next(t for t in token_tiers(max_tokens) if t >= max(num_tokens, requests))
+    return tokens, requests
+
+
+def token_tiers(max_tokens: int) -> list[int]:
+    """The token counts steps are padded up to: powers of two to FINE_TIERS_FROM, then quarter steps
+    between powers of two (160, 192, 224, 256, 320, ...) up to `max_tokens` (a power of two).
+
+    Why quarters: a busy speculative batch sits right at a power of two (64 requests verifying 4
+    tokens each are 256), so the prompt chunk of one new arrival would pad it to 512 and make every
+    such step pay for twice the tokens; a quarter step bounds the padding at 25%."""
+    tiers = []
+    for power in pow2_upto(max_tokens):
+        if power > FINE_TIERS_FROM:
+            quarter = power // 8  # a quarter of the gap from power / 2 to power
+            tiers.extend(power // 2 + quarter * k for k in (1, 2, 3))
+        tiers.append(power)
+    return tiers
+
+
+# Below this many tokens a step is padded to the next power of two (the graphs are few and cheap).
+FINE_TIERS_FROM = 128
 
 
 def all_tiers(max_tokens: int, max_requests: int) -> list[tuple[int, int]]:
     """Every (tokens, requests) tier `step_tiers` can return: the graphs a start-up capture makes."""
     return [
         (tokens, requests)
-        for tokens in pow2_upto(max_tokens)
-        for requests in pow2_upto(min(tokens, max_requests))
+        for tokens in token_tiers(max_tokens)
+        for requests in pow2_upto(min(next_pow2(tokens), max_requests))
+        if requests <= tokens
     ]
 
 
@@ -87,15 +130,26 @@ class StaticLayout:
     `compute` rewrites."""
 
     def __init__(
-        self, max_tokens: int, max_requests: int, max_pages: int, page_size: int, device: torch.device
+        self,
+        max_tokens: int,
+        max_requests: int,
+        max_pages: int,
+        page_size: int,
+        device: torch.device,
+        page_table: torch.Tensor | None = None,
     ) -> None:
+        """page_table: another layout's [>= max_requests, max_pages] table to read instead of an own
+        one (a draft block laid out over the target step's windows)."""
         self.page_size = page_size
         self.max_pages = max_pages
         self.token_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
-        # Starts and lengths in one buffer, so that `fill` copies both at once.
-        self._bounds = torch.zeros(2, max_requests, dtype=torch.long, device=device)
-        self.window_starts, self.window_lens = self._bounds[0], self._bounds[1]
-        self.page_table = torch.zeros(max_requests, max_pages, dtype=torch.int32, device=device)
+        # Starts, lengths and verify flags (1: a verify window, whose drafts the step packs in) in one
+        # buffer, so that `fill` copies them at once.
+        self._bounds = torch.zeros(3, max_requests, dtype=torch.long, device=device)
+        self.window_starts, self.window_lens, self.verify_flags = self._bounds
+        if page_table is None:
+            page_table = torch.zeros(max_requests, max_pages, dtype=torch.int32, device=device)
+        self.page_table = page_table
         # Written by `compute`.
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.slots = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
@@ -113,14 +167,17 @@ class StaticLayout:
         window_starts: list[int],
         window_lens: list[int],
         requests: int,
+        num_verify: int = 0,
     ) -> None:
-        """Copy a step (host tensors and lists) in; windows past its own up to `requests` are empty."""
+        """Copy a step (host tensors and lists) in; windows past its own up to `requests` are empty.
+        The first `num_verify` windows are flagged as verify windows."""
         count = len(window_lens)
         n = len(token_ids)
         copy_to_device(self.token_ids[:n], token_ids)
-        bounds = torch.zeros(2, requests, dtype=torch.long)
-        bounds[0, :count] = torch.tensor(window_starts, dtype=torch.long)
-        bounds[1, :count] = torch.tensor(window_lens, dtype=torch.long)
+        pad = [0] * (requests - count)
+        flags = [1] * num_verify + [0] * (requests - num_verify)
+        # One host tensor in one call: cheaper than filling a zeroed one row by row.
+        bounds = torch.tensor([[*window_starts, *pad], [*window_lens, *pad], flags], dtype=torch.long)
         copy_to_device(self._bounds[:, :requests], bounds)
         if count:
             # Columns past a step's widest row keep older pages: no key of a shorter row reaches them.
@@ -252,15 +309,20 @@ class CudaGraphs:
         window_lens: list[int],
         capture_layers: tuple[int, ...],
         verify_drafts: torch.Tensor | None = None,
+        drafter: StepDrafter | None = None,
     ) -> GraphStepOutput | None:
         """Replay (capturing first if needed) the forward of this step; None when it does not fit.
-        verify_drafts: see TargetStep (packed into the static token ids on the device)."""
+        verify_drafts, drafter: see TargetStep (drafts packed into the static token ids on the
+        device; a drafter drafts once the step's windows are in the static buffers)."""
         tiers = step_tiers(len(token_ids), len(window_lens), self.max_tokens, self.max_requests)
         if tiers is None or not self.layout.holds(pages):
             return None
         tokens, requests = tiers
-        self.layout.fill(token_ids, pages, window_starts, window_lens, requests)
-        if verify_drafts is not None:
+        num_verify = drafter.num_windows if drafter is not None else 0
+        self.layout.fill(token_ids, pages, window_starts, window_lens, requests, num_verify)
+        if drafter is not None:
+            drafter.draft_into(self.layout, token_ids, window_lens)
+        elif verify_drafts is not None:
             write_verify_tokens(token_ids, window_lens, verify_drafts, self.layout.token_ids)
         key = (tokens, requests, tuple(capture_layers))
         captured = self.captured.get(key)

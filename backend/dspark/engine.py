@@ -18,7 +18,7 @@ from dspark.config import SPS_PROFILE, EngineConfig
 from dspark.cuda_graphs import max_pages_per_request
 from dspark.host_to_device import to_device
 from dspark.kernels import ops
-from dspark.model_runner import TargetStep, create_runner
+from dspark.model_runner import ModelRunner, TargetStep, create_runner
 from dspark.models.loader import resolve_device, resolve_dtype
 from dspark.output_processor import OutputProcessor
 from dspark.outputs import EngineLoad, RequestDelta, SpecStats
@@ -33,6 +33,7 @@ from dspark.spec.gate import SpeculationGate
 from dspark.spec.planner import VerifyPlanner
 from dspark.spec.proposer import DraftProposal, DSparkProposer, Proposer
 from dspark.spec.sps_table import SpsTable
+from dspark.spec.step_draft import InStepDraft
 from dspark.step_timer import StepTimer
 from dspark.tokenizer import Tokenizer
 
@@ -63,11 +64,22 @@ class _VerifyPlan:
     # Per request: the drafts it verifies as host ints, brought back by greedy acceptance together
     # with the committed tokens (until then empty: nothing on the host needs them earlier).
     drafts: list[list[int]] = field(default_factory=list)
+    # Drafts the runner makes inside the target step (`proposal` is None until `take_in_step_drafts`).
+    in_step: InStepDraft | None = None
 
     def __post_init__(self) -> None:
         self.drafts = [[] for _ in self.verify_lens]
+        self._count_drafted()
+
+    def take_in_step_drafts(self) -> None:
+        """After the target step: the proposal its drafter made."""
+        assert self.in_step is not None and self.in_step.proposal is not None, "the step made no drafts"
+        self.proposal = self.in_step.proposal
+        self._count_drafted()
+
+    def _count_drafted(self) -> None:
         if self.proposal is None:
-            self.drafted = [0] * len(self.verify_lens)
+            self.drafted = [self.block_size if self.in_step is not None else 0] * len(self.verify_lens)
             return
         gamma = self.block_size
         lengths = self.proposal.lengths
@@ -159,7 +171,20 @@ class LLMEngine:
         that step by far more than the step itself."""
         self.runner.capture_graphs(self._capture_layers)
         if isinstance(self.proposer, DSparkProposer):
+            self._drafts_in_step()  # follows the target graphs' layout: its blocks are captured too
             self.proposer.capture_graphs()
+
+    def _drafts_in_step(self) -> bool:
+        """Whether a static step's greedy drafts can be made inside the target step, from the target
+        graphs' layout (`InStepDraft`): a single-process runner with graphs and a drafter with them."""
+        runner, proposer = self.runner, self.proposer
+        return (
+            self.config.spec_mode == "static"
+            and isinstance(runner, ModelRunner)
+            and runner.graphs is not None
+            and isinstance(proposer, DSparkProposer)
+            and proposer.follow_target_layout(runner.graphs.layout)
+        )
 
     def _sps_table(self, config: EngineConfig, block_size: int) -> SpsTable:
         """The planner's steps/s table: flat, loaded from a file, or measured now on this runner."""
@@ -275,6 +300,8 @@ class LLMEngine:
         step = windows.to_step(self._capture_layers)
         timer.lap("layout")
         result = self.runner.run(step)
+        if plan.in_step is not None:
+            plan.take_in_step_drafts()
         timer.lap("target")
         assert result.argmax is not None
         committed = self._accept(decode, plan, schedule.prefill, result.logits, result.argmax, windows)
@@ -297,10 +324,14 @@ class LLMEngine:
         gated = self.gate is not None and not seeded
         if plain or (gated and not self.gate.should_speculate(len(decode))):
             return _VerifyPlan(None, [0] * len(decode), [0] * len(decode))
-        proposal = self.proposer.propose(decode)
-        self.timer.lap("draft")
         gamma = self.limits.block_size
         mode = self.config.spec_mode
+        if mode == "static" and all(s.params.greedy for s in decode) and self._drafts_in_step():
+            # Verify lengths do not depend on the drafts: the runner drafts inside the target step.
+            assert isinstance(self.proposer, DSparkProposer)
+            return _VerifyPlan(None, caps, caps, gamma, in_step=InStepDraft(self.proposer, decode))
+        proposal = self.proposer.propose(decode)
+        self.timer.lap("draft")
         if mode == "static":
             return _VerifyPlan(proposal, caps, caps, gamma)
         if proposal.lengths is not None:
@@ -336,6 +367,7 @@ class LLMEngine:
             windows.add(seq, [seq.anchor] + [0] * num_drafts, seq.num_cached, logits="all")
         if plan.proposal is not None:
             windows.verify_drafts = plan.proposal.tokens
+        windows.drafter = plan.in_step
         for chunk in prefill:
             seq = chunk.seq
             wants_logits = chunk.completes_prefill and seq.num_output_tokens == 0
@@ -500,8 +532,10 @@ class _Windows:
         self.lens: list[int] = []
         self.logit_offsets: list[int] = []
         self.logit_rows: list[int] = []
-        # Drafts of the first windows (verify windows), packed in where they are (see TargetStep).
+        # Drafts of the first windows (verify windows), packed in where they are, or their drafter
+        # (see TargetStep).
         self.verify_drafts: torch.Tensor | None = None
+        self.drafter: InStepDraft | None = None
 
     def add(self, seq: Sequence, tokens: list[int], start: int, logits: str) -> None:
         """Append a window of `tokens` at positions start.. of `seq`; `logits` says which rows' logits
@@ -530,4 +564,5 @@ class _Windows:
             capture_layers=capture_layers,
             host_logits=False,
             verify_drafts=self.verify_drafts,
+            drafter=self.drafter,
         )

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from dspark.attention_batch import AttentionBatch
 from dspark.config import EngineConfig
-from dspark.cuda_graphs import CudaGraphs, FeatureSink
+from dspark.cuda_graphs import CudaGraphs, FeatureSink, StepDrafter
 from dspark.distributed import (
     SINGLE,
     TensorParallel,
@@ -59,15 +59,20 @@ class TargetStep:
     # token_ids rows after the anchor are placeholders), on the drafter's device or the host; None:
     # token_ids are complete.
     verify_drafts: torch.Tensor | None = None
+    # Or the drafter of those windows, which drafts while the step runs (`cuda_graphs.StepDrafter`:
+    # in the target graphs' layout when the step replays one); None: the drafts are given or there
+    # are none.
+    drafter: StepDrafter | None = None
 
     def with_host_tokens(self) -> TargetStep:
         """This step with every token id on the host (what other ranks are sent): the verify windows'
-        drafts are read back and packed in."""
-        if self.verify_drafts is None:
+        drafts are made if need be, read back and packed in."""
+        drafts = self.drafter.draft() if self.drafter is not None else self.verify_drafts
+        if drafts is None:
             return self
         token_ids = self.token_ids.clone()
-        write_verify_tokens(self.token_ids, self.window_lens, self.verify_drafts.cpu(), token_ids)
-        return replace(self, token_ids=token_ids, verify_drafts=None)
+        write_verify_tokens(self.token_ids, self.window_lens, drafts.cpu(), token_ids)
+        return replace(self, token_ids=token_ids, verify_drafts=None, drafter=None)
 
 
 @dataclass
@@ -168,8 +173,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: TargetStep) -> TargetResult:
         """`run` with the logits left on the device: what every tensor-parallel rank executes."""
+        rows = step.logit_rows
+        num_rows = rows.shape[0]
+        # Rows are increasing: the first and last tell a leading run (every row of an all-verify or
+        # all-decode step), which is a view, with no copy or gather.
+        leading = num_rows == 0 or (int(rows[0]) == 0 and int(rows[-1]) == num_rows - 1)
         # Queued before the forward, so that nothing after it waits for the device.
-        logit_rows = to_device(step.logit_rows, self.device)
+        logit_rows = slice(0, num_rows) if leading else to_device(rows, self.device)
         if self.graphs is not None:
             replayed = self.graphs.run(
                 step.token_ids,
@@ -178,6 +188,7 @@ class ModelRunner:
                 step.window_lens,
                 step.capture_layers,
                 step.verify_drafts,
+                step.drafter,
             )
             if replayed is not None:
                 logits = self.model.compute_logits(replayed.hidden[logit_rows])
@@ -187,8 +198,9 @@ class ModelRunner:
         )
         positions = to_device(step.positions, self.device)
         token_ids = to_device(step.token_ids, self.device)
-        if step.verify_drafts is not None:
-            write_verify_tokens(step.token_ids, step.window_lens, step.verify_drafts, token_ids)
+        drafts = step.drafter.draft() if step.drafter is not None else step.verify_drafts
+        if drafts is not None:
+            write_verify_tokens(step.token_ids, step.window_lens, drafts, token_ids)
         hidden, features = self.model(token_ids, positions, batch, self.cache, step.capture_layers)
         if features is not None and self.feature_sink is not None:
             self.feature_sink(features, positions, batch.slots)

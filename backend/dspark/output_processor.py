@@ -26,29 +26,52 @@ class OutputProcessor:
 
         Returns (tokens actually appended, new text, finish reason or None).
         """
+        if self.stops is not None:
+            return self._commit_matching_stops(new_token_ids)
+        # Without stop strings no text decides the finish, so the tokens up to the finishing one are
+        # turned into text in one detokenizer call (a speculative step commits several at once).
         seq = self.seq
         appended: list[int] = []
-        text: list[str] = []
         reason: str | None = None
         for token in new_token_ids:
             seq.token_ids.append(token)
             appended.append(token)
-            piece = self.detokenizer.push([token])
-            if self.stops is not None:
-                piece, stopped = self.stops.feed(piece)
-                text.append(piece)
-                if stopped:
-                    return appended, "".join(text), "stop"
-            else:
-                text.append(piece)
-            if token in self.eos or token in self.stop_ids:
-                reason = "stop"
-            elif seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-                reason = "length"
-            if reason:
+            reason = self._finish_reason(token)
+            if reason is not None:
+                break
+        text = self.detokenizer.push(appended)
+        if reason is not None:
+            text += self._flush()
+        return appended, text, reason
+
+    def _commit_matching_stops(self, new_token_ids: list[int]) -> tuple[list[int], str, str | None]:
+        """`commit` for a request with stop strings: token by token, each one's text fed to the matcher
+        (a stop string ends the request at the token that completes it)."""
+        assert self.stops is not None
+        seq = self.seq
+        appended: list[int] = []
+        text: list[str] = []
+        for token in new_token_ids:
+            seq.token_ids.append(token)
+            appended.append(token)
+            piece, stopped = self.stops.feed(self.detokenizer.push([token]))
+            text.append(piece)
+            if stopped:
+                return appended, "".join(text), "stop"
+            reason = self._finish_reason(token)
+            if reason is not None:
                 text.append(self._flush())
                 return appended, "".join(text), reason
         return appended, "".join(text), None
+
+    def _finish_reason(self, token: int) -> str | None:
+        """Why the request ends at `token`, just appended (None: it goes on)."""
+        if token in self.eos or token in self.stop_ids:
+            return "stop"
+        seq = self.seq
+        if seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
 
     def _flush(self) -> str:
         tail = self.detokenizer.flush()

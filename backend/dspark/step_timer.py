@@ -13,10 +13,13 @@ class StepTimer:
     emit), for benchmarks and profiling; off by default, when each `lap` is one attribute check.
 
     Enabled on CUDA it synchronises the device at every phase boundary, so device work is charged to
-    the phase that queued it (the step gets a little slower; the split is what it is for)."""
+    the phase that queued it (the step gets a little slower; the split is what it is for). With
+    `synchronize` off it times the host alone: a phase's figure is then the host's time in it, and
+    the phase where the host first waits for the device (greedy acceptance's copy) absorbs the wait."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, synchronize: bool = True) -> None:
         self.enabled = False
+        self.synchronize = synchronize
         self._cuda = device.type == "cuda"
         self._last = 0.0
         self._seconds: dict[str, float] = defaultdict(float)
@@ -55,5 +58,5 @@ class StepTimer:
         self._steps = 0
 
     def _sync(self) -> None:
-        if self._cuda:
+        if self._cuda and self.synchronize:
             torch.cuda.synchronize()

@@ -4,6 +4,12 @@ Eagerly, a block is a few hundred small kernel launches (the block pass, then pe
 and confidence heads, the vocabulary projection and an argmax), so drafting is bound by the host. One
 graph per power-of-two request count replays all of it; padding requests are empty windows whose
 tokens store nothing (see `StaticLayout`).
+
+A block either takes its own inputs (`run`: block ids, starts and pages copied in) or, once it
+follows a target step's layout (`follow`), reads them from that step's static buffers (`run_in_step`):
+the anchors are the first tokens of the step's verify windows, the starts and pages theirs, and the
+drafts are packed straight into the step's token ids. A static-length step then copies its windows to
+the device once, and the host does nothing between the block and the target forward.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 
 from dspark.attention_batch import AttentionBatch
 from dspark.cuda_graphs import Captured, StaticLayout, next_pow2, pow2_upto
+from dspark.kernels import ops
 
 # (block ids [R * gamma], positions [R * gamma], layout) -> (drafts [R, gamma], confidences [R, gamma],
 # drafted lengths [R]), device work only.
@@ -42,6 +49,41 @@ class DraftGraphs:
         self.max_requests = layout.kv_lens.shape[0]
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
         self.captured: dict[int, Captured] = {}
+        # Set by `follow`: the target step layout blocks read, their own layout over its page table,
+        # the mask token of the positions after the anchor, and the captured in-step blocks.
+        self.target: StaticLayout | None = None
+        self._in_step_layout: StaticLayout | None = None
+        self._mask_token_id = 0
+        self._verify_cu = torch.zeros(self.max_requests + 1, dtype=torch.int32, device=device)
+        self.captured_in_step: dict[int, Captured] = {}
+
+    def follow(self, target: StaticLayout, mask_token_id: int) -> None:
+        """Let `run_in_step` read a target step's windows from `target` (the target graphs' layout);
+        in-step blocks captured for another layout are dropped."""
+        if target is self.target:
+            return
+        self.target = target
+        self._mask_token_id = mask_token_id
+        rows = min(self.max_requests, target.page_table.shape[0])
+        self._in_step_layout = StaticLayout(
+            rows * self.gamma, rows, target.max_pages, target.page_size, self.device, target.page_table[:rows]
+        )
+        self.captured_in_step.clear()
+
+    def run_in_step(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Replay the greedy block of the followed step's first `count` windows (its verify windows,
+        flagged in its layout, which `fill` has written), packing the drafts into the step's token
+        ids; drafts, confidences, lengths as `run` returns them. None when `count` requests do not fit."""
+        layout = self._in_step_layout
+        requests = next_pow2(count)
+        if layout is None or requests > layout.kv_lens.shape[0]:
+            return None
+        captured = self.captured_in_step.get(requests)
+        if captured is None:
+            captured = self.captured_in_step[requests] = self._capture_in_step(requests)
+        drafts, confidences, drafted = captured.replay()
+        assert drafts is not None and confidences is not None and drafted is not None
+        return drafts[:count], confidences[:count], drafted[:count]
 
     def run(
         self, block_ids: torch.Tensor, pages: list[list[int]], starts: list[int]
@@ -62,11 +104,16 @@ class DraftGraphs:
         return drafts[:count], confidences[:count], drafted[:count]
 
     def capture_all(self) -> None:
-        """Capture every request tier now (at start-up), each over an all-padding layout."""
+        """Capture every request tier now (at start-up), each over an all-padding layout, and the
+        in-step blocks of a followed layout (whose windows are all padding until a step fills it)."""
         for requests in pow2_upto(self.max_requests):
             if requests not in self.captured:
                 self.layout.fill(torch.zeros(0, dtype=torch.long), [], [], [], requests)
                 self.captured[requests] = self._capture(requests)
+        if self._in_step_layout is not None:
+            for requests in pow2_upto(self._in_step_layout.kv_lens.shape[0]):
+                if requests not in self.captured_in_step:
+                    self.captured_in_step[requests] = self._capture_in_step(requests)
 
     def _capture(self, requests: int) -> Captured:
         layout, tokens = self.layout, requests * self.gamma
@@ -76,5 +123,34 @@ class DraftGraphs:
         def block() -> tuple[torch.Tensor | None, ...]:
             layout.compute(tokens, requests)
             return self.block_fn(block_ids, positions, batch)
+
+        return Captured.capture(block, self.device, self.pool, self.emulate)
+
+    def _capture_in_step(self, requests: int) -> Captured:
+        target, layout, gamma = self.target, self._in_step_layout, self.gamma
+        assert target is not None and layout is not None
+        tokens = requests * gamma
+        batch = layout.batch(tokens, requests, causal=False)
+        block_ids, positions = layout.token_ids[:tokens], layout.positions[:tokens]
+        # The verify windows' rows of the step's packed token ids (they come first).
+        verify_rows = min(requests * (gamma + 1), target.token_ids.shape[0])
+        cu = self._verify_cu[: requests + 1]
+
+        def block() -> tuple[torch.Tensor | None, ...]:
+            flags = target.verify_flags[:requests]
+            # Verify windows' lengths (anchor included) and boundaries; 0 for any other window.
+            cu[1:] = torch.cumsum(target.window_lens[:requests] * flags, 0)
+            anchors = target.token_ids[cu[:-1].long().clamp(max=target.token_ids.shape[0] - 1)]
+            layout.window_starts[:requests] = target.window_starts[:requests]
+            layout.window_lens[:requests] = flags * gamma
+            ids = block_ids.view(requests, gamma)
+            ids[:, 0] = anchors
+            ids[:, 1:] = self._mask_token_id
+            layout.compute(tokens, requests)
+            drafts, confidences, drafted = self.block_fn(block_ids, positions, batch)
+            ops.pack_verify_tokens(
+                anchors, drafts, cu, verify_rows, out=target.token_ids[:verify_rows], keep_past_end=True
+            )
+            return drafts, confidences, drafted
 
         return Captured.capture(block, self.device, self.pool, self.emulate)

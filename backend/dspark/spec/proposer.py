@@ -120,6 +120,30 @@ class DSparkProposer:
             emulate,
         )
 
+    def follow_target_layout(self, layout: StaticLayout) -> bool:
+        """Let greedy blocks draft inside a target step laid out in `layout` (the target graphs'):
+        `propose_in_step`. False when this proposer replays no graphs."""
+        if self.graphs is None:
+            return False
+        self.graphs.follow(layout, self.drafter.config.mask_token_id)
+        return True
+
+    @torch.inference_mode()
+    def propose_in_step(self, seqs: Seq[Sequence]) -> DraftProposal | None:
+        """Draft the followed target step's verify windows (the first len(seqs) windows of the step
+        its layout holds, which must be these requests') from that layout, packing the drafts into
+        its token ids on the device. None when it cannot (sampling requests, no followed layout, too
+        many requests): draft with `propose` instead."""
+        if self.graphs is None or not all(s.params.greedy for s in seqs):
+            return None
+        drafted = self.graphs.run_in_step(len(seqs))
+        if drafted is None:
+            return None
+        tokens, confidences, lengths = drafted
+        # Copies: a graph's outputs are rewritten by its next replay.
+        stopped = lengths.cpu() if self.stop_survival > 0.0 else None
+        return DraftProposal(tokens.clone(), confidences.clone(), [None] * len(seqs), stopped)
+
     @torch.inference_mode()
     def capture_graphs(self) -> None:
         """Capture every draft graph now (start-up), so that no step stalls on a capture."""
