@@ -142,10 +142,11 @@ class StaticLayout:
         one (a draft block laid out over the target step's windows)."""
         self.page_size = page_size
         self.max_pages = max_pages
-        self.token_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
-        # Starts, lengths and verify flags (1: a verify window, whose drafts the step packs in) in one
-        # buffer, so that `fill` copies them at once.
-        self._bounds = torch.zeros(3, max_requests, dtype=torch.long, device=device)
+        # Token ids, then each window's start, length and verify flag (1: a verify window, whose
+        # drafts the step packs in), in one buffer that `fill` copies whole (a few KiB) at once.
+        self._inputs = torch.zeros(max_tokens + 3 * max_requests, dtype=torch.long, device=device)
+        self.token_ids = self._inputs[:max_tokens]
+        self._bounds = self._inputs[max_tokens:].view(3, max_requests)
         self.window_starts, self.window_lens, self.verify_flags = self._bounds
         if page_table is None:
             page_table = torch.zeros(max_requests, max_pages, dtype=torch.int32, device=device)
@@ -169,16 +170,16 @@ class StaticLayout:
         requests: int,
         num_verify: int = 0,
     ) -> None:
-        """Copy a step (host tensors and lists) in; windows past its own up to `requests` are empty.
-        The first `num_verify` windows are flagged as verify windows."""
+        """Copy a step (host tensors and lists) in: one copy of the token ids and windows (every window
+        past its own is empty, so that any tier up to `requests` reads padding there) and one of the
+        page table. The first `num_verify` windows are flagged as verify windows."""
         count = len(window_lens)
-        n = len(token_ids)
-        copy_to_device(self.token_ids[:n], token_ids)
-        pad = [0] * (requests - count)
-        flags = [1] * num_verify + [0] * (requests - num_verify)
-        # One host tensor in one call: cheaper than filling a zeroed one row by row.
-        bounds = torch.tensor([[*window_starts, *pad], [*window_lens, *pad], flags], dtype=torch.long)
-        copy_to_device(self._bounds[:, :requests], bounds)
+        host = torch.zeros(self._inputs.shape, dtype=torch.long)
+        host[: len(token_ids)] = token_ids
+        bounds = host[self.token_ids.shape[0] :].view(self._bounds.shape)
+        bounds[:2, :count] = torch.tensor([window_starts, window_lens], dtype=torch.long)
+        bounds[2, :num_verify] = 1
+        copy_to_device(self._inputs, host)
         if count:
             # Columns past a step's widest row keep older pages: no key of a shorter row reaches them.
             table = build_page_table(pages, count)

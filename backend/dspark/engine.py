@@ -526,11 +526,13 @@ class _Windows:
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
-        self.positions: list[int] = []
         self.pages: list[list[int]] = []
         self.starts: list[int] = []
         self.lens: list[int] = []
         self.logit_offsets: list[int] = []
+        # Logit rows: every row of the leading windows that want them all (the verify windows), then
+        # the rows listed (kept as a count, not a list, since most steps have nothing else).
+        self.num_leading_rows = 0
         self.logit_rows: list[int] = []
         # Drafts of the first windows (verify windows), packed in where they are, or their drafter
         # (see TargetStep).
@@ -541,26 +543,30 @@ class _Windows:
         """Append a window of `tokens` at positions start.. of `seq`; `logits` says which rows' logits
         to compute: "all" (a verify window), "last" (a prefill chunk that ends the prompt), "none"."""
         first = len(self.tokens)
-        self.logit_offsets.append(len(self.logit_rows))
+        self.logit_offsets.append(self.num_leading_rows + len(self.logit_rows))
         self.tokens.extend(tokens)
-        self.positions.extend(range(start, start + len(tokens)))
         self.pages.append(seq.pages)
         self.starts.append(start)
         self.lens.append(len(tokens))
-        if logits == "all":
+        if logits == "all" and first == self.num_leading_rows:
+            self.num_leading_rows += len(tokens)
+        elif logits == "all":
             self.logit_rows.extend(range(first, first + len(tokens)))
         elif logits == "last":
             self.logit_rows.append(first + len(tokens) - 1)
 
     def to_step(self, capture_layers: tuple[int, ...]) -> TargetStep:
         """The packed batch as the runner (and every TP rank) takes it."""
+        rows = torch.arange(self.num_leading_rows)
+        if self.logit_rows:
+            rows = torch.cat([rows, torch.tensor(self.logit_rows, dtype=torch.long)])
         return TargetStep(
             token_ids=torch.tensor(self.tokens, dtype=torch.long),
-            positions=torch.tensor(self.positions, dtype=torch.long),
+            positions=None,  # laid out where the step runs (TargetStep.window_positions when eager)
             window_starts=self.starts,
             window_lens=self.lens,
             pages=self.pages,
-            logit_rows=torch.tensor(self.logit_rows, dtype=torch.long),
+            logit_rows=rows,
             capture_layers=capture_layers,
             host_logits=False,
             verify_drafts=self.verify_drafts,

@@ -40,13 +40,14 @@ from dspark.verify_tokens import write_verify_tokens
 class TargetStep:
     """One target forward: packed tokens and where each window sits in its request's pages.
 
-    token_ids, positions: [num_tokens] int64; window_starts / window_lens / pages: per window;
+    token_ids, positions: [num_tokens] int64 (positions None: each window's run from its start, which
+    a replayed graph lays out on the device); window_starts / window_lens / pages: per window;
     logit_rows: [num_logit_rows] packed rows whose logits the driver needs; capture_layers: target
     layers whose outputs feed the drafter.
     """
 
     token_ids: torch.Tensor
-    positions: torch.Tensor
+    positions: torch.Tensor | None
     window_starts: list[int]
     window_lens: list[int]
     pages: list[list[int]]
@@ -63,6 +64,14 @@ class TargetStep:
     # in the target graphs' layout when the step replays one); None: the drafts are given or there
     # are none.
     drafter: StepDrafter | None = None
+
+    def window_positions(self) -> torch.Tensor:
+        """[num_tokens] int64: each window's positions, start .. start + len - 1, packed."""
+        starts = torch.tensor(self.window_starts, dtype=torch.long)
+        lens = torch.tensor(self.window_lens, dtype=torch.long)
+        first = torch.cumsum(lens, 0) - lens
+        offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(first, lens)
+        return torch.repeat_interleave(starts, lens) + offsets
 
     def with_host_tokens(self) -> TargetStep:
         """This step with every token id on the host (what other ranks are sent): the verify windows'
@@ -196,7 +205,8 @@ class ModelRunner:
         batch = AttentionBatch.build(
             step.pages, step.window_starts, step.window_lens, self.cache.page_size, True, self.device
         )
-        positions = to_device(step.positions, self.device)
+        host_positions = step.positions if step.positions is not None else step.window_positions()
+        positions = to_device(host_positions, self.device)
         token_ids = to_device(step.token_ids, self.device)
         drafts = step.drafter.draft() if step.drafter is not None else step.verify_drafts
         if drafts is not None:

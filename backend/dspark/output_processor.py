@@ -17,9 +17,10 @@ class OutputProcessor:
         self.seq = seq
         self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
         self.stops = StopStringMatcher(seq.params.stop) if seq.params.stop else None
-        self.eos = set() if seq.params.ignore_eos else set(eos_token_ids)
-        self.stop_ids = set(seq.params.stop_token_ids)
-        self.max_model_len = max_model_len
+        # Token ids that end the request, and the sequence length at which it ends for length.
+        eos = set() if seq.params.ignore_eos else set(eos_token_ids)
+        self.stop_ids = eos | set(seq.params.stop_token_ids)
+        self.length_limit = min(seq.num_prompt_tokens + seq.params.max_tokens, max_model_len)
 
     def commit(self, new_token_ids: list[int]) -> tuple[list[int], str, str | None]:
         """Append tokens to the sequence until one finishes it.
@@ -30,14 +31,14 @@ class OutputProcessor:
             return self._commit_matching_stops(new_token_ids)
         # Without stop strings no text decides the finish, so the tokens up to the finishing one are
         # turned into text in one detokenizer call (a speculative step commits several at once).
-        seq = self.seq
-        appended: list[int] = []
+        token_ids = self.seq.token_ids
+        appended = new_token_ids
         reason: str | None = None
-        for token in new_token_ids:
-            seq.token_ids.append(token)
-            appended.append(token)
+        for i, token in enumerate(new_token_ids):
+            token_ids.append(token)
             reason = self._finish_reason(token)
             if reason is not None:
+                appended = new_token_ids[: i + 1]
                 break
         text = self.detokenizer.push(appended)
         if reason is not None:
@@ -66,10 +67,9 @@ class OutputProcessor:
 
     def _finish_reason(self, token: int) -> str | None:
         """Why the request ends at `token`, just appended (None: it goes on)."""
-        if token in self.eos or token in self.stop_ids:
+        if token in self.stop_ids:
             return "stop"
-        seq = self.seq
-        if seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if len(self.seq.token_ids) >= self.length_limit:
             return "length"
         return None
 

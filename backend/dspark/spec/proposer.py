@@ -133,16 +133,18 @@ class DSparkProposer:
         """Draft the followed target step's verify windows (the first len(seqs) windows of the step
         its layout holds, which must be these requests') from that layout, packing the drafts into
         its token ids on the device. None when it cannot (sampling requests, no followed layout, too
-        many requests): draft with `propose` instead."""
+        many requests): draft with `propose` instead. The proposal's tensors are the graph's outputs,
+        valid until the next in-step block."""
         if self.graphs is None or not all(s.params.greedy for s in seqs):
             return None
         drafted = self.graphs.run_in_step(len(seqs))
         if drafted is None:
             return None
         tokens, confidences, lengths = drafted
-        # Copies: a graph's outputs are rewritten by its next replay.
+        # Views of the graph's outputs, not copies: the step that drafted them accepts them before the
+        # next in-step block is replayed.
         stopped = lengths.cpu() if self.stop_survival > 0.0 else None
-        return DraftProposal(tokens.clone(), confidences.clone(), [None] * len(seqs), stopped)
+        return DraftProposal(tokens, confidences, [None] * len(seqs), stopped)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
