@@ -1,0 +1,161 @@
+"""Host microseconds per step in each piece of the engine, per speculation mode, at one batch size.
+
+    python benchmarks/host_costs.py --device cuda --batch 64 --max-tokens 64
+
+Wraps the engine's step pieces (scheduling, the layout fill, graph replays, host-to-device copies,
+drafting, acceptance, emission, ...) with wall-clock timers, adding no device synchronisation, and
+prints for each one its inclusive microseconds per step, calls per step and microseconds per call,
+next to the wall time per step. Pieces nest (a replay is inside CudaGraphs.run, inside the runner);
+one that waits for the device (greedy acceptance's copy to the host) includes the wait. Then one
+target graph replay and two small operations are timed alone. What this is for: a step of a small
+model at a large batch is bound by the host, and these are the host's costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import time
+from collections.abc import Callable
+
+import torch
+from e2e import _prompt_ids
+
+import dspark.cuda_graphs as cuda_graphs
+import dspark.engine as engine
+import dspark.host_to_device as host_to_device
+import dspark.kernels.ops as ops
+import dspark.model_runner as model_runner
+import dspark.models.llama as llama
+import dspark.scheduler as scheduler
+import dspark.spec.draft_graphs as draft_graphs
+import dspark.spec.proposer as proposer
+from dspark import LLM, EngineConfig, SamplingParams
+
+NANOSECONDS: dict[str, float] = collections.defaultdict(float)
+CALLS: collections.Counter[str] = collections.Counter()
+
+# (owner, attribute names): what is timed. Module-level functions are wrapped where they are looked
+# up (the importing module), so that every call is seen.
+TIMED = [
+    (cuda_graphs.Captured, ["replay"]),
+    (cuda_graphs.StaticLayout, ["fill"]),
+    (cuda_graphs.CudaGraphs, ["run"]),
+    (draft_graphs.DraftGraphs, ["run", "run_in_step"]),
+    (proposer.DSparkProposer, ["propose", "propose_in_step"]),
+    (model_runner.ModelRunner, ["run", "forward"]),
+    (engine.LLMEngine, ["step", "_plan_verification", "_build_windows", "_accept", "_greedy_accept"]),
+    (engine.LLMEngine, ["_emit"]),
+    (engine._Windows, ["to_step"]),
+    (scheduler.Scheduler, ["schedule"]),
+    (llama.CausalLM, ["compute_logits"]),
+    (cuda_graphs, ["copy_to_device", "build_page_table", "write_verify_tokens"]),
+    (engine, ["to_device"]),
+    (model_runner, ["to_device"]),
+    (ops, ["greedy_accept", "pack_verify_tokens"]),
+]
+
+
+def _timed(fn: Callable, label: str) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):  # noqa: ANN202 - any timed function
+        start = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            NANOSECONDS[label] += time.perf_counter_ns() - start
+            CALLS[label] += 1
+
+    return wrapper
+
+
+def _wrap_all() -> None:
+    for owner, names in TIMED:
+        prefix = owner.__name__.split(".")[-1]
+        for name in names:
+            setattr(owner, name, _timed(getattr(owner, name), f"{prefix}.{name}"))
+
+
+def _report(mode: str, batch: int, wall_s: float) -> None:
+    steps = CALLS["LLMEngine.step"]
+    print(f"== {mode} b{batch}: {steps} steps, wall {wall_s / steps * 1e3:.3f} ms/step")
+    for label, ns in sorted(NANOSECONDS.items(), key=lambda kv: -kv[1]):
+        print(
+            f"  {label:40s} {ns / steps / 1e3:8.1f} us/step  {CALLS[label] / steps:5.2f} calls/step  "
+            f"{ns / CALLS[label] / 1e3:7.1f} us/call"
+        )
+
+
+def _alone(llm: LLM, device: torch.device) -> None:
+    """One captured target replay, a clone and a pinned host-to-device copy, each timed alone."""
+    graphs = llm.engine.runner.graphs
+    if graphs is None or not graphs.captured:
+        return
+    key = max(graphs.captured)
+    captured = graphs.captured[key]
+    torch.cuda.synchronize()
+    start = time.perf_counter_ns()
+    for _ in range(20):
+        captured.replay()
+    launched = time.perf_counter_ns()
+    torch.cuda.synchronize()
+    done = time.perf_counter_ns()
+    print(
+        f"  target graph {key[:2]} replay: {(launched - start) / 20e3:.1f} us host, "
+        f"{(done - start) / 20e3:.1f} us device each"
+    )
+    x = torch.zeros(64, device=device)
+    start = time.perf_counter_ns()
+    for _ in range(200):
+        x.clone()
+    print(f"  clone of 64 floats: {(time.perf_counter_ns() - start) / 200e3:.1f} us host")
+    host = torch.arange(200)
+    start = time.perf_counter_ns()
+    for _ in range(200):
+        host_to_device.to_device(host, device)
+    print(f"  pinned to_device of 200 ints: {(time.perf_counter_ns() - start) / 200e3:.1f} us host")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Time each mode's pieces and print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="")
+    parser.add_argument("--draft-model", default="")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--modes", default="off,static")
+    args = parser.parse_args(argv)
+    _wrap_all()
+    for mode in args.modes.split(","):
+        config = EngineConfig(
+            model=args.model,
+            draft_model=args.draft_model,
+            device=args.device,
+            spec_mode=mode,
+            adaptive_speculation=False,
+            num_kv_pages=max(1024, 16 * args.batch),
+            max_num_seqs=max(32, args.batch),
+        )
+        llm = LLM(config)
+        ids = _prompt_ids(llm, args.batch)
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        llm.generate(params=params, prompt_token_ids=ids)  # warm-up
+        NANOSECONDS.clear()
+        CALLS.clear()
+        device = llm.engine.limits.device
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(params=params, prompt_token_ids=ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        _report(mode, args.batch, time.perf_counter() - start)
+        if device.type == "cuda":
+            _alone(llm, device)
+        llm.close()
+
+
+if __name__ == "__main__":
+    main()
