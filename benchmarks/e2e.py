@@ -77,25 +77,54 @@ def _time_engine(
     return sum(len(o.token_ids) for o in outs) / elapsed, [o.token_ids for o in outs], stats.as_dict()
 
 
-def _time_sustained(
-    llm: LLM, ids: list[list[int]], concurrency: int, max_tokens: int, repeats: int = 1
-) -> tuple[float, float, dict]:
-    """Output tokens/s with `concurrency` requests in flight until every prompt of `ids` is done: a
-    finished request's slot takes the next prompt at once, as a server under steady load does (a
-    batch that starts together instead runs until its slowest request is done).
-
-    Returns the median over `repeats` runs of the whole run's tokens/s and of its steady window's (from
-    the first finished request to the admission of the last prompt: no ramp-up, no drain; NaN when
-    no prompt waits for a slot), and the spec stats of the first run."""
-    runs = [_time_sustained_once(llm, ids, concurrency, max_tokens) for _ in range(repeats)]
-    whole = statistics.median(r[0] for r in runs)
-    steady = statistics.median(r[1] for r in runs)
-    return whole, steady, runs[0][2]
+def _time_engines(
+    engines: dict[str, LLM], ids: list[list[int]], max_tokens: int, phases: dict | None, repeats: int
+) -> dict[str, tuple[float, list[list[int]], dict]]:
+    """`_time_engine` for several engines with their timed runs interleaved: repeat k runs each engine
+    once, in an order rotated by k, so that a slow spell of the machine (whose host speed drifts by
+    tens of percent within minutes) falls on every engine alike rather than on whichever came last.
+    Per engine: (median tokens/s, tokens and spec stats of its first run); `phases` as there."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    warm = SamplingParams(max_tokens=min(32, max_tokens), ignore_eos=True)
+    for llm in engines.values():
+        llm.generate(params=warm, prompt_token_ids=ids)
+    names = list(engines)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    first: dict[str, list] = {}
+    for k in range(repeats):
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            start = time.perf_counter()
+            run = engines[name].generate(params=params, prompt_token_ids=ids)
+            times[name].append(time.perf_counter() - start)
+            first.setdefault(name, run)
+    results = {}
+    for name in names:
+        outs = first[name]
+        stats = outs[0].spec_stats
+        for out in outs[1:]:
+            stats.merge(out.spec_stats)
+        tps = sum(len(o.token_ids) for o in outs) / statistics.median(times[name])
+        results[name] = (tps, [o.token_ids for o in outs], stats.as_dict())
+        if phases is not None:
+            timer = engines[name].engine.timer
+            timer.reset()
+            timer.enabled = True
+            engines[name].generate(params=params, prompt_token_ids=ids)
+            timer.enabled = False
+            phases[name] = {k: round(v, 3) for k, v in timer.summary().items()}
+    return results
 
 
 def _time_sustained_once(
     llm: LLM, ids: list[list[int]], concurrency: int, max_tokens: int
 ) -> tuple[float, float, dict]:
+    """Output tokens/s with `concurrency` requests in flight until every prompt of `ids` is done: a
+    finished request's slot takes the next prompt at once, as a server under steady load does (a
+    batch that starts together instead runs until its slowest request is done).
+
+    Returns the whole run's tokens/s, its steady window's (from the first finished request to the
+    admission of the last prompt: no ramp-up, no drain; NaN when no prompt waits for a slot), and
+    the run's spec stats."""
     from dspark.outputs import SpecStats
 
     engine = llm.engine
@@ -129,6 +158,11 @@ def _time_sustained_once(
     return whole, steady, stats.as_dict()
 
 
+def _ratio(tps: float, off: float) -> float:
+    """tps / off; NaN when off is 0 (a steady window too short to commit anything, in a tiny run)."""
+    return tps / off if off > 0 else float("nan")
+
+
 def steady_load_table(rows: list[dict], window: str = "") -> list[str]:
     """Markdown lines of the --sustained runs: per batch size in flight, tok/s (τ, ratio to off) of
     the whole runs, or (window="_steady") of their steady windows."""
@@ -137,7 +171,7 @@ def steady_load_table(rows: list[dict], window: str = "") -> list[str]:
         off = r[f"sustained_off{window}"]
         cells = [
             f"{r[f'sustained_{m}{window}']:.1f} ({r[f'sustained_{m}_tau']:.2f}, "
-            f"{r[f'sustained_{m}{window}'] / off:.2f}x)"
+            f"{_ratio(r[f'sustained_{m}{window}'], off):.2f}x)"
             for m in ("static", "compact", "default")
         ]
         lines.append(f"| {r['batch']} | {off:.1f} | " + " | ".join(cells) + " |")
@@ -199,7 +233,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--out", default="")
     parser.add_argument("--phases", action="store_true", help="also record per-phase step times")
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per figure (the median counts)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs per figure (the median counts), interleaved across the engines",
+    )
     parser.add_argument(
         "--sustained",
         type=int,
@@ -234,17 +273,14 @@ def main(argv: list[str] | None = None) -> None:
     dtype = engines["off"].engine.limits.dtype
     for batch in batch_sizes:
         ids = _prompt_ids(engines["off"], batch, texts)
-        phases: dict[str, dict] = {mode: {} for mode in engines} if args.phases else {}
-        plain_tps, plain_tokens, _ = _time_engine(
-            engines["off"], ids, args.max_tokens, phases.get("off"), args.repeats
-        )
+        phases: dict[str, dict] | None = {} if args.phases else None
+        timed = _time_engines(engines, ids, args.max_tokens, phases, args.repeats)
+        plain_tps, plain_tokens, _ = timed["off"]
         row = {"batch": batch, "off": plain_tps}
-        if phases:
+        if phases is not None:
             row["phases_ms"] = phases
         for mode in ("static", "compact", "default"):
-            tps, tokens, stats = _time_engine(
-                engines[mode], ids, args.max_tokens, phases.get(mode), args.repeats
-            )
+            tps, tokens, stats = timed[mode]
             row[f"{mode}_identical"] = identical_share(plain_tokens, tokens)
             if tokens != plain_tokens and dtype == torch.float32:
                 raise SystemExit(f"{mode}: speculation changed greedy output at batch {batch}")
@@ -252,11 +288,15 @@ def main(argv: list[str] | None = None) -> None:
             row[f"{mode}_tau"] = stats["mean_committed_per_step"]
         if args.sustained:
             pool = _prompt_ids(engines["off"], batch * args.sustained, texts)
-            for mode, llm in engines.items():
-                tps, steady, stats = _time_sustained(llm, pool, batch, args.max_tokens, args.repeats)
-                row[f"sustained_{mode}"] = tps
-                row[f"sustained_{mode}_steady"] = steady
-                row[f"sustained_{mode}_tau"] = stats["mean_committed_per_step"]
+            runs: dict[str, list] = {mode: [] for mode in engines}
+            names = list(engines)
+            for k in range(args.repeats):  # interleaved as in _time_engines
+                for mode in names[k % len(names) :] + names[: k % len(names)]:
+                    runs[mode].append(_time_sustained_once(engines[mode], pool, batch, args.max_tokens))
+            for mode, mode_runs in runs.items():
+                row[f"sustained_{mode}"] = statistics.median(r[0] for r in mode_runs)
+                row[f"sustained_{mode}_steady"] = statistics.median(r[1] for r in mode_runs)
+                row[f"sustained_{mode}_tau"] = mode_runs[0][2]["mean_committed_per_step"]
         if not args.no_peer:
             row["transformers"] = _time_transformers(
                 str(base.model_path), ids, args.max_tokens, device, dtype
@@ -265,16 +305,17 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(row), flush=True)
     print(
         "| batch | off tok/s | static tok/s (τ) | compact tok/s (τ) | default (gated) tok/s (τ) "
-        "| transformers tok/s | compact / off | default / off | compact / transformers |"
+        "| transformers tok/s | static / off | compact / off | default / off | static / transformers |"
     )
-    print("|" + "---|" * 9)
+    print("|" + "---|" * 10)
     for r in rows:
         peer = r.get("transformers")
+        off = r["off"]
         print(
-            f"| {r['batch']} | {r['off']:.1f} | {r['static']:.1f} ({r['static_tau']:.2f}) | "
+            f"| {r['batch']} | {off:.1f} | {r['static']:.1f} ({r['static_tau']:.2f}) | "
             f"{r['compact']:.1f} ({r['compact_tau']:.2f}) | {r['default']:.1f} ({r['default_tau']:.2f}) | "
-            f"{peer or float('nan'):.1f} | {r['compact'] / r['off']:.2f} | {r['default'] / r['off']:.2f} | "
-            f"{(r['compact'] / peer) if peer else float('nan'):.2f} |"
+            f"{peer or float('nan'):.1f} | {r['static'] / off:.2f} | {r['compact'] / off:.2f} | "
+            f"{r['default'] / off:.2f} | {(r['static'] / peer) if peer else float('nan'):.2f} |"
         )
     if args.sustained:
         print(
