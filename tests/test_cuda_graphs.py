@@ -239,3 +239,35 @@ def test_sampling_with_speculation_on_the_gpu(smollm2_dir, smollm2_drafter_dir) 
     expected = plain.generate(params=greedy, prompt_token_ids=prompts[3:])
     plain.engine.close()
     assert [o.token_ids for o in first[3:]] == [o.token_ids for o in expected]
+
+
+@pytest.mark.gpu
+@gpu
+def test_static_steps_draft_inside_the_target_step_on_the_gpu(smollm2_dir, smollm2_drafter_dir) -> None:
+    """fp32 on the GPU: `static` steps draft from the target graphs' layout (the in-step block is
+    replayed), and greedy tokens equal plain decoding's, alone and in mixed batches with prompt chunks;
+    the drafts are real ones (some are accepted)."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 60))] for _ in range(9)]
+    base = EngineConfig(
+        model=str(smollm2_dir),
+        draft_model=str(smollm2_drafter_dir),
+        device="cuda",
+        dtype="float32",
+        adaptive_speculation=False,
+        max_num_batched_tokens=64,  # prompt chunks share steps with verify windows
+    )
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = LLM(base.replace(spec_mode="off"))
+    expected = [o.token_ids for o in plain.generate(params=params, prompt_token_ids=prompts)]
+    plain.engine.close()
+    llm = LLM(base.replace(spec_mode="static"))
+    graphs = llm.engine.proposer.graphs
+    in_step_counts: list[int] = []
+    run_in_step = graphs.run_in_step
+    graphs.run_in_step = lambda count: in_step_counts.append(count) or run_in_step(count)
+    outputs = llm.generate(params=params, prompt_token_ids=prompts)
+    llm.engine.close()
+    assert [o.token_ids for o in outputs] == expected
+    assert in_step_counts and max(in_step_counts) > 1, "no step drafted inside the target step"
+    assert sum(o.spec_stats.accepted_tokens for o in outputs) > 0
