@@ -17,7 +17,9 @@ class AttentionBatch:
 
     cu_seqlens_q: [R + 1] int32 window boundaries in the packed tokens; kv_lens: [R] int32 keys per
     request including its window; page_table: [R, max_pages] int32; slots: [num_tokens] int64 cache
-    slot of each packed token; causal: windows causal (target) or fully visible (draft block).
+    slot of each packed token; causal: windows causal (target) or fully visible (draft block);
+    positions: [num_tokens] int64 each packed token's position, when the layout was built here (a
+    captured step's layout keeps its own).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -25,6 +27,7 @@ class AttentionBatch:
     page_table: torch.Tensor
     slots: torch.Tensor
     causal: bool
+    positions: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -60,8 +63,10 @@ class AttentionBatch:
         num_tokens = max(num_tokens, int(lens.sum()))
         table = to_device(build_page_table(pages, num_requests), device)
         bounds = to_device(torch.stack([starts, lens]), device)
-        _, slots, cu, kv_lens = ops.build_window_layout(bounds[0], bounds[1], table, page_size, num_tokens)
-        return cls(cu, kv_lens, table, slots, causal)
+        positions, slots, cu, kv_lens = ops.build_window_layout(
+            bounds[0], bounds[1], table, page_size, num_tokens
+        )
+        return cls(cu, kv_lens, table, slots, causal, positions)
 
 
 def build_page_table(pages: Sequence[Sequence[int]], num_rows: int) -> torch.Tensor:

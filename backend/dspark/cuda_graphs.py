@@ -167,12 +167,11 @@ class StaticLayout:
         pages: list[list[int]],
         window_starts: list[int],
         window_lens: list[int],
-        requests: int,
         num_verify: int = 0,
     ) -> None:
         """Copy a step (host tensors and lists) in: one copy of the token ids and windows (every window
-        past its own is empty, so that any tier up to `requests` reads padding there) and one of the
-        page table. The first `num_verify` windows are flagged as verify windows."""
+        past its own is empty, so that any tier reads padding there) and one of the page table. The
+        first `num_verify` windows are flagged as verify windows."""
         count = len(window_lens)
         host = torch.zeros(self._inputs.shape, dtype=torch.long)
         host[: len(token_ids)] = token_ids
@@ -320,7 +319,7 @@ class CudaGraphs:
             return None
         tokens, requests = tiers
         num_verify = drafter.num_windows if drafter is not None else 0
-        self.layout.fill(token_ids, pages, window_starts, window_lens, requests, num_verify)
+        self.layout.fill(token_ids, pages, window_starts, window_lens, num_verify)
         if drafter is not None:
             drafter.draft_into(self.layout, token_ids, window_lens)
         elif verify_drafts is not None:
@@ -341,7 +340,7 @@ class CudaGraphs:
         for tokens, requests in all_tiers(self.max_tokens, self.max_requests):
             key = (tokens, requests, tuple(capture_layers))
             if key not in self.captured:
-                self.layout.fill(torch.zeros(0, dtype=torch.long), [], [], [], requests)
+                self.layout.fill(torch.zeros(0, dtype=torch.long), [], [], [])
                 self.captured[key] = self._capture(tokens, requests, tuple(capture_layers))
 
     def _capture(self, tokens: int, requests: int, capture_layers: tuple[int, ...]) -> Captured:

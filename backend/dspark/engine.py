@@ -79,7 +79,7 @@ class _VerifyPlan:
 
     def _count_drafted(self) -> None:
         if self.proposal is None:
-            self.drafted = [self.block_size if self.in_step is not None else 0] * len(self.verify_lens)
+            self.drafted = [0] * len(self.verify_lens)
             return
         gamma = self.block_size
         lengths = self.proposal.lengths
@@ -326,8 +326,9 @@ class LLMEngine:
             return _VerifyPlan(None, [0] * len(decode), [0] * len(decode))
         gamma = self.limits.block_size
         mode = self.config.spec_mode
-        if mode == "static" and all(s.params.greedy for s in decode) and self._drafts_in_step():
-            # Verify lengths do not depend on the drafts: the runner drafts inside the target step.
+        if mode == "static" and self._drafts_in_step():
+            # Verify lengths do not depend on the drafts: the runner drafts inside the target step
+            # (a block with sampling requests drafts apart there, `InStepDraft.draft_into`).
             assert isinstance(self.proposer, DSparkProposer)
             return _VerifyPlan(None, caps, caps, gamma, in_step=InStepDraft(self.proposer, decode))
         proposal = self.proposer.propose(decode)

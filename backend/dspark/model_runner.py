@@ -40,8 +40,8 @@ from dspark.verify_tokens import write_verify_tokens
 class TargetStep:
     """One target forward: packed tokens and where each window sits in its request's pages.
 
-    token_ids, positions: [num_tokens] int64 (positions None: each window's run from its start, which
-    a replayed graph lays out on the device); window_starts / window_lens / pages: per window;
+    token_ids, positions: [num_tokens] int64 (positions None: each window's run from its start, laid
+    out on the device with the rest of the layout); window_starts / window_lens / pages: per window;
     logit_rows: [num_logit_rows] packed rows whose logits the driver needs; capture_layers: target
     layers whose outputs feed the drafter.
     """
@@ -65,18 +65,15 @@ class TargetStep:
     # are none.
     drafter: StepDrafter | None = None
 
-    def window_positions(self) -> torch.Tensor:
-        """[num_tokens] int64: each window's positions, start .. start + len - 1, packed."""
-        starts = torch.tensor(self.window_starts, dtype=torch.long)
-        lens = torch.tensor(self.window_lens, dtype=torch.long)
-        first = torch.cumsum(lens, 0) - lens
-        offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(first, lens)
-        return torch.repeat_interleave(starts, lens) + offsets
+    def drafts(self) -> torch.Tensor | None:
+        """The verify windows' drafts (`verify_drafts`, or made now by the step's drafter); None: the
+        token ids are complete."""
+        return self.drafter.draft() if self.drafter is not None else self.verify_drafts
 
     def with_host_tokens(self) -> TargetStep:
         """This step with every token id on the host (what other ranks are sent): the verify windows'
         drafts are made if need be, read back and packed in."""
-        drafts = self.drafter.draft() if self.drafter is not None else self.verify_drafts
+        drafts = self.drafts()
         if drafts is None:
             return self
         token_ids = self.token_ids.clone()
@@ -205,10 +202,9 @@ class ModelRunner:
         batch = AttentionBatch.build(
             step.pages, step.window_starts, step.window_lens, self.cache.page_size, True, self.device
         )
-        host_positions = step.positions if step.positions is not None else step.window_positions()
-        positions = to_device(host_positions, self.device)
+        positions = batch.positions if step.positions is None else to_device(step.positions, self.device)
         token_ids = to_device(step.token_ids, self.device)
-        drafts = step.drafter.draft() if step.drafter is not None else step.verify_drafts
+        drafts = step.drafts()
         if drafts is not None:
             write_verify_tokens(step.token_ids, step.window_lens, drafts, token_ids)
         hidden, features = self.model(token_ids, positions, batch, self.cache, step.capture_layers)

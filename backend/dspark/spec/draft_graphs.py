@@ -78,12 +78,7 @@ class DraftGraphs:
         requests = next_pow2(count)
         if layout is None or requests > layout.kv_lens.shape[0]:
             return None
-        captured = self.captured_in_step.get(requests)
-        if captured is None:
-            captured = self.captured_in_step[requests] = self._capture_in_step(requests)
-        drafts, confidences, drafted = captured.replay()
-        assert drafts is not None and confidences is not None and drafted is not None
-        return drafts[:count], confidences[:count], drafted[:count]
+        return self._replay(self.captured_in_step, self._capture_in_step, requests, count)
 
     def run(
         self, block_ids: torch.Tensor, pages: list[list[int]], starts: list[int]
@@ -95,11 +90,19 @@ class DraftGraphs:
         requests = next_pow2(count)
         if requests > self.max_requests or not self.layout.holds(pages):
             return None
-        self.layout.fill(block_ids, pages, starts, [self.gamma] * count, requests)
-        captured = self.captured.get(requests)
-        if captured is None:
-            captured = self.captured[requests] = self._capture(requests)
-        drafts, confidences, drafted = captured.replay()
+        self.layout.fill(block_ids, pages, starts, [self.gamma] * count)
+        return self._replay(self.captured, self._capture, requests, count)
+
+    @staticmethod
+    def _replay(
+        captured: dict[int, Captured], capture: Callable[[int], Captured], requests: int, count: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Replay the `requests` tier of `captured` (capturing it first if need be); the first `count`
+        rows of its drafts, confidences and drafted lengths."""
+        graph = captured.get(requests)
+        if graph is None:
+            graph = captured[requests] = capture(requests)
+        drafts, confidences, drafted = graph.replay()
         assert drafts is not None and confidences is not None and drafted is not None
         return drafts[:count], confidences[:count], drafted[:count]
 
@@ -108,7 +111,7 @@ class DraftGraphs:
         in-step blocks of a followed layout (whose windows are all padding until a step fills it)."""
         for requests in pow2_upto(self.max_requests):
             if requests not in self.captured:
-                self.layout.fill(torch.zeros(0, dtype=torch.long), [], [], [], requests)
+                self.layout.fill(torch.zeros(0, dtype=torch.long), [], [], [])
                 self.captured[requests] = self._capture(requests)
         if self._in_step_layout is not None:
             for requests in pow2_upto(self._in_step_layout.kv_lens.shape[0]):
