@@ -36,6 +36,19 @@ PROMPTS = [
 ]
 
 
+def bench_config(model: str, draft_model: str, device: str, max_batch: int, **fields: object) -> EngineConfig:
+    """The benchmarks' engine: these checkpoints on `device`, with cache pages and request slots for
+    `max_batch` requests at once, and `fields` (e.g. spec_mode) set."""
+    return EngineConfig(
+        model=model,
+        draft_model=draft_model,
+        device=device,
+        num_kv_pages=max(1024, 16 * max_batch),
+        max_num_seqs=max(32, max_batch),
+        **fields,
+    )
+
+
 def _prompt_ids(llm: LLM, count: int, texts: list[str] | None = None) -> list[list[int]]:
     """`count` chat-formatted prompts, cycling through `texts` (default: PROMPTS)."""
     tok = llm.tokenizer
@@ -251,14 +264,13 @@ def main(argv: list[str] | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     texts = [p.prompt for p in read_prompts(args.prompts)] if args.prompts else None
-    base = EngineConfig(
-        model=args.model,
-        draft_model=args.draft_model,
-        device=args.device,
+    base = bench_config(
+        args.model,
+        args.draft_model,
+        args.device,
+        max(batch_sizes),
         sps_table=args.sps_table,
         block_size=args.block_size,
-        num_kv_pages=max(1024, 16 * max(batch_sizes)),
-        max_num_seqs=max(32, max(batch_sizes)),
     )
     rows = []
     # static and compact draft on every step (what speculation itself does); "default" is the serve

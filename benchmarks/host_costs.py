@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from e2e import _prompt_ids
+from e2e import _prompt_ids, bench_config
 
 import dspark.cuda_graphs as cuda_graphs
 import dspark.engine as engine
@@ -31,7 +31,7 @@ import dspark.models.llama as llama
 import dspark.scheduler as scheduler
 import dspark.spec.draft_graphs as draft_graphs
 import dspark.spec.proposer as proposer
-from dspark import LLM, EngineConfig, SamplingParams
+from dspark import LLM, SamplingParams
 
 NANOSECONDS: dict[str, float] = collections.defaultdict(float)
 CALLS: collections.Counter[str] = collections.Counter()
@@ -129,14 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     _wrap_all()
     for mode in args.modes.split(","):
-        config = EngineConfig(
-            model=args.model,
-            draft_model=args.draft_model,
-            device=args.device,
-            spec_mode=mode,
-            adaptive_speculation=False,
-            num_kv_pages=max(1024, 16 * args.batch),
-            max_num_seqs=max(32, args.batch),
+        config = bench_config(
+            args.model, args.draft_model, args.device, args.batch, spec_mode=mode, adaptive_speculation=False
         )
         llm = LLM(config)
         ids = _prompt_ids(llm, args.batch)

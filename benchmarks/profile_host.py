@@ -19,9 +19,9 @@ import pstats
 import time
 from pathlib import Path
 
-from e2e import _prompt_ids
+from e2e import _prompt_ids, bench_config
 
-from dspark import LLM, EngineConfig, SamplingParams
+from dspark import LLM, SamplingParams
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,14 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for mode in args.modes.split(","):
-        config = EngineConfig(
-            model=args.model,
-            draft_model=args.draft_model,
-            device=args.device,
-            spec_mode=mode,
-            adaptive_speculation=False,
-            num_kv_pages=max(1024, 16 * args.batch),
-            max_num_seqs=max(32, args.batch),
+        config = bench_config(
+            args.model, args.draft_model, args.device, args.batch, spec_mode=mode, adaptive_speculation=False
         )
         llm = LLM(config)
         ids = _prompt_ids(llm, args.batch)
