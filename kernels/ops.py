@@ -208,11 +208,10 @@ def pack_verify_tokens(
         return load_kernels().layout.pack_verify_tokens(
             anchors, drafts, cu_seqlens, num_tokens, out, keep_past_end
         )
-    if keep_past_end:
-        assert out is not None, "keep_past_end writes into `out`"
-        return reference.pack_verify_tokens(anchors, drafts, cu_seqlens, num_tokens, out)
-    tokens = reference.pack_verify_tokens(anchors, drafts, cu_seqlens, num_tokens)
-    return tokens if out is None else out.copy_(tokens)
+    assert out is not None or not keep_past_end, "keep_past_end writes into `out`"
+    if out is not None and not keep_past_end:
+        out.zero_()  # padding rows are 0, as the reference's own tensor has them
+    return reference.pack_verify_tokens(anchors, drafts, cu_seqlens, num_tokens, out)
 
 
 __all__ = [
