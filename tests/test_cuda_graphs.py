@@ -182,6 +182,29 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 @pytest.mark.gpu
 @gpu
+def test_graphs_dropped_while_a_step_output_is_held_capture_again(tiny_target_dir) -> None:
+    """Dropping every graph (release, a new feature sink) while a replayed step's output is still held
+    keeps a block of their pool allocated; the next capture must not go into that dead pool (PyTorch
+    asserts `use_count > 0` there), and it gives the same hidden states."""
+    config = EngineConfig(model=str(tiny_target_dir), spec_mode="off", num_kv_pages=64, kv_page_size=PAGE)
+    runner = ModelRunner.create(config, torch.device("cuda"), torch.float32)
+    graphs = CudaGraphs(runner.model, runner.cache, runner.device, 8, 2)
+    step = (torch.tensor([1, 2, 3]), [[0]], [0], [3], ())
+    held = []  # views of each capture's output, alive across the drops
+    with torch.inference_mode():
+        for drop in (graphs.release, lambda: graphs.set_feature_sink(None), None):
+            out = graphs.run(*step)
+            assert out is not None
+            held.append(out.hidden)
+            if drop is not None:
+                drop()
+                assert not graphs.captured
+    torch.testing.assert_close(held[1], held[0])
+    torch.testing.assert_close(held[2], held[0])
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("spec_mode", ["off", "static", "compact"])
 def test_graphs_give_the_eager_engines_tokens(smollm2_dir, smollm2_drafter_dir, spec_mode) -> None:
     rng = random.Random(0)

@@ -68,6 +68,18 @@ def capture_graph(
     return graph, outputs
 
 
+def new_pool(emulate: bool) -> tuple[int, int] | None:
+    """A fresh private memory pool for a set of graphs to share (None when emulated).
+
+    Graphs dropped together must take their pool with them: once every graph of a pool is freed the
+    pool is dead, and PyTorch asserts (`use_count > 0`) on a capture into it while any block of it is
+    still allocated: an output view someone holds, or the cuBLAS workspace (32 MiB on an H200) that
+    the process's first captured matmul allocates for the capture stream, which cuBLAS keeps. A
+    capture that fails there leaves the default CUDA generator in capture mode, so every later random
+    op fails too ("Offset increment outside graph capture")."""
+    return None if emulate else torch.cuda.graph_pool_handle()
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (n >= 1)."""
     return 1 << max(n - 1, 0).bit_length()
@@ -285,7 +297,7 @@ class CudaGraphs:
             model.config.max_position_embeddings, cache.page_size, cache.num_pages
         )
         self.layout = StaticLayout(self.max_tokens, self.max_requests, max_pages, cache.page_size, device)
-        self.pool = None if emulate else torch.cuda.graph_pool_handle()
+        self.pool = new_pool(emulate)
         self.captured: dict[tuple[int, int, tuple[int, ...]], Captured] = {}
         self.feature_sink: FeatureSink | None = None
 
@@ -293,13 +305,18 @@ class CudaGraphs:
         """Capture `sink` after the forward of every step that captures features (graphs captured
         before are dropped: they do not call it)."""
         self.feature_sink = sink
-        self.captured.clear()
+        self._drop_captured()
 
     def release(self) -> None:
         """Free every captured graph (the next step captures its tier again)."""
         if not self.emulate:
             torch.cuda.synchronize(self.device)
+        self._drop_captured()
+
+    def _drop_captured(self) -> None:
+        """Free every captured graph; later captures share a new pool (see `new_pool`)."""
         self.captured.clear()
+        self.pool = new_pool(self.emulate)
 
     def run(
         self,

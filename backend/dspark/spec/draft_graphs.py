@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from dspark.attention_batch import AttentionBatch
-from dspark.cuda_graphs import Captured, StaticLayout, next_pow2, pow2_upto
+from dspark.cuda_graphs import Captured, StaticLayout, new_pool, next_pow2, pow2_upto
 from dspark.kernels import ops
 
 # (block ids [R * gamma], positions [R * gamma], layout) -> (drafts [R, gamma], confidences [R, gamma],
@@ -47,7 +47,7 @@ class DraftGraphs:
         self.device = device
         self.emulate = emulate
         self.max_requests = layout.kv_lens.shape[0]
-        self.pool = None if emulate else torch.cuda.graph_pool_handle()
+        self.pool = new_pool(emulate)
         self.captured: dict[int, Captured] = {}
         # Set by `follow`: the target step layout blocks read, their own layout over its page table,
         # the mask token of the positions after the anchor, and the captured in-step blocks.
@@ -69,6 +69,8 @@ class DraftGraphs:
             rows * self.gamma, rows, target.max_pages, target.page_size, self.device, target.page_table[:rows]
         )
         self.captured_in_step.clear()
+        # The dropped blocks may have been the last graphs of the pool (see `new_pool`).
+        self.pool = new_pool(self.emulate)
 
     def run_in_step(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Replay the greedy block of the followed step's first `count` windows (its verify windows,
