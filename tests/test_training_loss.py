@@ -38,7 +38,11 @@ def test_the_engine_answers_greedy_prompts_as_the_dense_generator_does(tiny_targ
     rng = random.Random(2)
     prompts = [(str(i), "code", [rng.randrange(1, 8) for _ in range(rng.randrange(2, 9))]) for i in range(12)]
     temperatures = [0.0] * 8 + [1.0] * 4
-    config = EngineConfig(model=str(tiny_target_dir), spec_mode="off", num_kv_pages=64, max_num_seqs=4)
+    # fp32 like the dense generator's CPU target: on a GPU the engine would default to bf16, whose
+    # rounding can flip a near-tied greedy choice (a precision difference, not what this test is about).
+    config = EngineConfig(
+        model=str(tiny_target_dir), spec_mode="off", num_kv_pages=64, max_num_seqs=4, dtype="float32"
+    )
     with LLM(config) as llm:
         served = distill_with_engine(llm, prompts, temperatures, 16, chunk_size=5, seed=0)
         eos = llm.engine.eos_token_ids
