@@ -7,6 +7,8 @@
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
+# Bind address of every endpoint (0.0.0.0: every interface; see the README's "Reliability and security").
+ADDRESS ?= 127.0.0.1
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
@@ -20,7 +22,7 @@ DRAFT_DIR := drafters/SmolLM2-135M-Instruct-dspark
 .PHONY: serve test setup
 
 serve: setup
-	$(BIN)/dspark serve --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+	$(BIN)/dspark serve --address $(ADDRESS) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 		--metrics-port $(METRICS_PORT) --model-repository $(MODEL_REPOSITORY)
 
 # pytest's status 5 means "no tests collected": a broken collection must not pass.

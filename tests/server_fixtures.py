@@ -180,6 +180,34 @@ class TritonServer:
                 found.append(f"{entry.name}: {cmdline.strip()}")
         return found
 
+    def tritonserver_pid(self) -> int | None:
+        """The pid of the tritonserver the launcher runs now (None while there is none)."""
+        for line in self.leftover_processes():
+            pid, cmdline = line.split(": ", 1)
+            if "bin/tritonserver" in cmdline.split()[0]:
+                return int(pid)
+        return None
+
+    def backend_stubs(self) -> dict[int, str]:
+        """The Python backend stub processes of the running tritonserver: pid -> model instance."""
+        from dspark.triton_launcher import backend_stubs
+
+        pid = self.tritonserver_pid()
+        return {} if pid is None else backend_stubs(pid)
+
+    def shared_memory_regions(self) -> list[str]:
+        """Shared-memory regions of this launcher's servers that exist now."""
+        if self.process is None:
+            return []
+        return sorted(path.name for path in Path("/dev/shm").glob(f"dspark_{self.process.pid}_*"))
+
+    def ready(self, model: str = "dspark") -> bool:
+        """True when the model's readiness endpoint answers 200."""
+        return self._ready(model)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
     def log_tail(self, lines: int = 60) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

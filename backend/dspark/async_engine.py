@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from dspark.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 DeltaCallback = Callable[[RequestDelta], None]
+DeathCallback = Callable[[BaseException], None]
 
 
 @dataclass
@@ -35,21 +37,34 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an internal error; no request can be served."""
 
 
+class InjectedFault(RuntimeError):
+    """The fault `EngineConfig.fault_injection_file` asks for (testing only)."""
+
+
 class AsyncEngine:
     """Owns an LLMEngine and runs its loop in a daemon thread.
 
     `submit` validates and tokenizes in the caller's thread (so a bad request fails at once,
     alone), then hands the request to the loop. Deltas reach `on_delta` from the loop thread:
     the callback must not block (the Triton adapter queues them for its response thread).
+
+    Faults: an error that belongs to one request (its admission raised) fails that request alone.
+    An error that breaks the loop ends every request in flight or queued with a failed delta, then
+    calls `on_death` once with the cause; from then on `healthy` is False and `submit` raises
+    EngineDeadError.
     """
 
-    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, engine: LLMEngine | None = None, on_death: DeathCallback | None = None
+    ) -> None:
         self.config = config
         self.engine = engine if engine is not None else LLMEngine(config)
+        self._on_death = on_death
         self._inbox: queue.Queue[_Submit | _Abort | None] = queue.Queue()
         self._callbacks: dict[str, DeltaCallback] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._lock = threading.Lock()
         self._error: BaseException | None = None
 
     @property
@@ -66,7 +81,12 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         """False once the loop died or was shut down."""
-        return self._error is None and self._thread is not None and self._thread.is_alive()
+        return (
+            self._error is None
+            and not self._stopping.is_set()
+            and self._thread is not None
+            and self._thread.is_alive()
+        )
 
     @property
     def error(self) -> BaseException | None:
@@ -89,7 +109,10 @@ class AsyncEngine:
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self._error!r}")
         token_ids = self.engine.prepare_prompt(prompt, prompt_token_ids, params)
-        self._inbox.put(_Submit(request_id, token_ids, params, on_delta))
+        with self._lock:  # the loop's death drains the inbox under this lock: nothing is left behind
+            if not self.healthy:
+                raise EngineDeadError(f"engine is not running: {self._error!r}")
+            self._inbox.put(_Submit(request_id, token_ids, params, on_delta))
         return token_ids
 
     def abort(self, request_id: str) -> None:
@@ -137,16 +160,26 @@ class AsyncEngine:
                 if not self._drain_inbox(block=block):
                     break
                 if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+                    self._dispatch(self._step())
+            for request_id in list(self._callbacks):
+                self.engine.abort_request(request_id)
+            if self.engine.has_unfinished_requests():
+                self._dispatch(self._step())
         except BaseException as exc:  # the loop must report, never vanish silently
             logger.exception("dspark engine loop died")
-            self._error = exc
-            self._fail_all(f"engine error: {exc}")
-            return
-        for request_id in list(self._callbacks):
-            self.engine.abort_request(request_id)
-        if self.engine.has_unfinished_requests():
-            self._dispatch(self.engine.step())
+            with self._lock:
+                self._error = exc
+            self._fail_all(f"{type(exc).__name__}: {exc}")
+            if self._on_death is not None:
+                self._on_death(exc)
+
+    def _step(self) -> list[RequestDelta]:
+        """One engine step (raising the injected fault first, when the test hook asks for it)."""
+        trigger = self.config.fault_injection_file
+        if trigger and os.path.exists(trigger):
+            os.remove(trigger)  # fires once: a restarted engine must not fault again
+            raise InjectedFault(f"fault injected through {trigger}")
+        return self.engine.step()
 
     def _drain_inbox(self, block: bool) -> bool:
         """Move queued submissions and aborts into the engine; False when asked to stop."""
@@ -158,14 +191,23 @@ class AsyncEngine:
             if item is None:
                 return False
             if isinstance(item, _Submit):
-                self._callbacks[item.request_id] = item.on_delta
-                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params)
+                self._admit(item)
             else:
                 self.engine.abort_request(item.request_id)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return True
+
+    def _admit(self, item: _Submit) -> None:
+        """Hand one request to the engine; if that raises, the request fails alone."""
+        try:
+            self.engine.add_request(item.request_id, item.prompt_token_ids, item.params)
+        except Exception as exc:
+            logger.exception("dspark: request %s could not be admitted", item.request_id)
+            item.on_delta(RequestDelta.failed(item.request_id, f"{type(exc).__name__}: {exc}"))
+            return
+        self._callbacks[item.request_id] = item.on_delta
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         for delta in deltas:
@@ -176,6 +218,14 @@ class AsyncEngine:
                 callback(delta)
 
     def _fail_all(self, message: str) -> None:
+        """End every request the loop holds or has queued with a failed delta."""
         for request_id, callback in list(self._callbacks.items()):
             callback(RequestDelta.failed(request_id, message))
         self._callbacks.clear()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Submit):
+                item.on_delta(RequestDelta.failed(item.request_id, message))

@@ -89,6 +89,9 @@ class EngineConfig:
     seed: int = 0
     # Publish Prometheus metrics through Triton's metrics port.
     enable_metrics: bool = True
+    # Testing only; empty in production. When set, the engine loop raises an injected fault at its next
+    # step once this file exists (and removes the file as it fires), to test how a serving fault ends.
+    fault_injection_file: str = ""
 
     def __post_init__(self) -> None:
         self.validate()

@@ -8,6 +8,19 @@ Python backend's stub embeds libpython and, with no program name set, finds its 
 LD_LIBRARY_PATH) makes model.py run inside this virtual environment, so `import dspark, torch` works.
 tritonserver runs in its own process group; shutdown signals the server, then clears the group, so
 no stub process outlives it.
+
+The launcher supervises the server. A backend stub process that dies (killed, or exiting because its
+engine died) strands the requests it held and leaves the model looking ready, so the launcher then
+kills the whole server, which ends every open stream with an error at once, and starts it again
+(at most `--max-restarts` times in RESTART_WINDOW_S; past that it exits with status 1 and leaves the
+restart to the service manager). While it restarts, readiness fails. Every server it starts gets its
+own shared-memory prefix, and the regions under it are removed when that server is gone.
+
+Who may call what: inference, health, metadata, model configuration and statistics are open; Triton's
+shared-memory, model-repository (model control), logging and trace APIs need the header
+`dspark-admin-key` (ADMIN_HEADER) set to `--admin-key` (default: a random key per run, known to no
+one but the launcher, so those APIs are effectively off). Every endpoint binds to `--address`
+(127.0.0.1 unless told otherwise) or its own `--http-address` / `--grpc-address` / `--metrics-address`.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ import argparse
 import ctypes
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -23,7 +37,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +49,14 @@ KILL_MARGIN_S = 5.0  # after tritonserver's own exit timeout, before its process
 DRAIN_TIMEOUT_S = 30.0
 CANCEL_ALL = "*"  # the dspark model's cancel_request_id for every request in flight
 PR_SET_PDEATHSIG = 1
+SUPERVISE_INTERVAL_S = 0.25  # how often the server and its backend stubs are checked
+RESTART_WINDOW_S = 600.0  # --max-restarts counts restarts within this many seconds
+ADMIN_HEADER = "dspark-admin-key"
+# Triton APIs that change the server or read its memory: behind ADMIN_HEADER (HTTP and gRPC alike).
+RESTRICTED_APIS = ("shared-memory", "model-repository", "logging", "trace")
+SHM_ROOT = Path("/dev/shm")
+STUB_BINARY = "triton_python_backend_stub"
+WILDCARD_ADDRESSES = ("0.0.0.0", "::", "[::]")
 
 
 @dataclass
@@ -97,20 +119,76 @@ def server_environment(server: Server) -> dict[str, str]:
     return env
 
 
-def server_command(server: Server, args: argparse.Namespace) -> list[str]:
-    """The tritonserver command line."""
+def server_command(
+    server: Server, args: argparse.Namespace, admin_key: str = "", shm_prefix: str = ""
+) -> list[str]:
+    """The tritonserver command line (admin APIs behind `admin_key` when given; backend shared memory
+    named from `shm_prefix` when given)."""
     command = [
         str(server.binary),
         f"--model-repository={Path(args.model_repository).resolve()}",
+        f"--http-address={args.http_address or args.address}",
         f"--http-port={args.http_port}",
+        f"--grpc-address={args.grpc_address or args.address}",
         f"--grpc-port={args.grpc_port}",
+        f"--metrics-address={args.metrics_address or args.address}",
         f"--metrics-port={args.metrics_port}",
         "--exit-on-error=true",
         f"--exit-timeout-secs={args.exit_timeout}",
     ]
+    if admin_key:
+        restricted = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={admin_key}"
+        command += [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
+    if shm_prefix:
+        command.append(f"--backend-config=python,shm-region-prefix-name={shm_prefix}")
     if server.backend_dir is not None:
         command.append(f"--backend-directory={server.backend_dir}")
     return command + list(args.extra)
+
+
+def poll_host(args: argparse.Namespace) -> str:
+    """Where the launcher itself reaches the HTTP endpoint: --host, else the bind address (localhost
+    for a wildcard one)."""
+    if args.host:
+        return args.host
+    address = args.http_address or args.address
+    return "localhost" if address in WILDCARD_ADDRESSES else address
+
+
+def backend_stubs(server_pid: int) -> dict[int, str]:
+    """The Python backend stub processes of a tritonserver: pid -> model instance name."""
+    stubs = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == server_pid and argv and argv[0].decode(errors="replace").endswith(STUB_BINARY):
+            stubs[int(entry.name)] = argv[8].decode(errors="replace") if len(argv) > 8 else "?"
+    return stubs
+
+
+def process_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def remove_shared_memory(prefix: str) -> list[str]:
+    """Remove the shared-memory regions a server of this prefix left behind; their names."""
+    removed = []
+    for region in SHM_ROOT.glob(f"{prefix}*") if prefix else []:
+        try:
+            region.unlink()
+            removed.append(region.name)
+        except OSError:
+            pass
+    return removed
 
 
 def wait_ready(process: subprocess.Popen, url: str, timeout: float) -> bool:
@@ -129,7 +207,7 @@ def wait_ready(process: subprocess.Popen, url: str, timeout: float) -> bool:
     return False
 
 
-def drain(http_url: str, timeout: float = DRAIN_TIMEOUT_S) -> None:
+def drain(http_url: str, timeout: float = DRAIN_TIMEOUT_S, admin_key: str = "") -> None:
     """Cancel every request in flight on each decoupled model that takes `cancel_request_id`.
 
     Needed before tritonserver stops: it finalizes a model only after every request holding it has
@@ -137,7 +215,7 @@ def drain(http_url: str, timeout: float = DRAIN_TIMEOUT_S) -> None:
     cancel answers after the cancelled requests' final responses (finish_reason "abort").
     """
     try:
-        models = _http_json(f"{http_url}/v2/repository/index", {}, timeout=5)
+        models = _http_json(f"{http_url}/v2/repository/index", {}, timeout=5, admin_key=admin_key)
     except OSError:
         return
     for model in models:
@@ -153,14 +231,19 @@ def drain(http_url: str, timeout: float = DRAIN_TIMEOUT_S) -> None:
             continue
 
 
-def _http_json(url: str, body: dict | None, timeout: float) -> Any:
+def _http_json(url: str, body: dict | None, timeout: float, admin_key: str = "") -> Any:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if admin_key:
+        headers[ADMIN_HEADER] = admin_key
+    request = urllib.request.Request(url, data=data, headers=headers)
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read() or b"null")
 
 
-def stop(process: subprocess.Popen, http_url: str | None = None, exit_timeout: float = 30.0) -> int:
+def stop(
+    process: subprocess.Popen, http_url: str | None = None, exit_timeout: float = 30.0, admin_key: str = ""
+) -> int:
     """Drain the models, ask tritonserver to shut down (models unload, finalize runs), then clear its
     process group so no stub outlives it.
 
@@ -168,7 +251,7 @@ def stop(process: subprocess.Popen, http_url: str | None = None, exit_timeout: f
     (a client's gRPC stream left open holds the model), so the group is killed a little later.
     """
     if process.poll() is None and http_url is not None:
-        drain(http_url)
+        drain(http_url, admin_key=admin_key)
     if process.poll() is None:
         process.send_signal(signal.SIGINT)
         try:
@@ -195,16 +278,80 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+@dataclass
+class ServerRun:
+    """One tritonserver process the launcher started, and what it watches of it."""
+
+    process: subprocess.Popen
+    shm_prefix: str
+    stubs: dict[int, str] = field(default_factory=dict)  # backend stub pid -> model instance, once ready
+
+    def fault(self) -> str | None:
+        """Why this server must be restarted, or None while it and its backend processes live."""
+        if self.process.poll() is not None:
+            return f"tritonserver exited with status {self.process.returncode}"
+        for pid, instance in self.stubs.items():
+            if not process_alive(pid):
+                return f"the backend process of {instance} (pid {pid}) died"
+        return None
+
+    def end(self) -> None:
+        """Kill what is left of this server and remove its shared memory (idempotent)."""
+        _kill_group(self.process.pid)
+        self.process.wait()
+        remove_shared_memory(self.shm_prefix)
+
+
+def start_server(server: Server, args: argparse.Namespace, admin_key: str, number: int) -> ServerRun:
+    """Start tritonserver in its own process group, with its own shared-memory prefix."""
+    shm_prefix = f"dspark_{os.getpid()}_{number}_"
+    command = server_command(server, args, admin_key, shm_prefix)
+    process = subprocess.Popen(
+        command, env=server_environment(server), start_new_session=True, preexec_fn=_die_with_parent
+    )
+    return ServerRun(process, shm_prefix)
+
+
+def supervise(run: ServerRun) -> str:
+    """Block until the server or one of its backend processes dies; the cause."""
+    while True:
+        cause = run.fault()
+        if cause is not None:
+            return cause
+        time.sleep(SUPERVISE_INTERVAL_S)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="dspark serve",
         description="Serve the DSpark model repository with tritonserver (foreground; Ctrl-C stops it).",
     )
     parser.add_argument("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY), help="%(default)s")
+    parser.add_argument(
+        "--address",
+        default="127.0.0.1",
+        help="address every endpoint binds to (0.0.0.0: every interface); default %(default)s",
+    )
+    parser.add_argument("--http-address", help="HTTP bind address (default: --address)")
+    parser.add_argument("--grpc-address", help="gRPC bind address (default: --address)")
+    parser.add_argument("--metrics-address", help="metrics bind address (default: --address)")
     parser.add_argument("--http-port", type=int, default=8000, help="%(default)s")
     parser.add_argument("--grpc-port", type=int, default=8001, help="%(default)s")
     parser.add_argument("--metrics-port", type=int, default=8002, help="%(default)s")
-    parser.add_argument("--host", default="localhost", help="host name printed and polled for readiness")
+    parser.add_argument(
+        "--admin-key",
+        default=os.environ.get("DSPARK_ADMIN_KEY", ""),
+        help=f"value of the {ADMIN_HEADER} header that opens Triton's {', '.join(RESTRICTED_APIS)} APIs "
+        "(default: $DSPARK_ADMIN_KEY, else a random key per run: those APIs are closed)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help=f"restarts after a backend or server crash within {RESTART_WINDOW_S:.0f}s before giving up "
+        "(exit status 1); 0: exit at the first crash. Default %(default)s",
+    )
+    parser.add_argument("--host", help="host polled for readiness and printed (default: from --address)")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for readiness")
     parser.add_argument(
         "--exit-timeout", type=int, default=30, help="seconds in-flight requests get at shutdown"
@@ -214,17 +361,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main_serve(argv: list[str] | None = None) -> int:
-    """Start tritonserver, wait until ready, print the endpoints, serve until a signal; exit status."""
+    """Start tritonserver, wait until ready, print the endpoints, serve (restarting it after a crash)
+    until a signal; the exit status."""
     args = parse_args(argv)
     if not Path(args.model_repository).is_dir():
         print(f"dspark serve: no model repository at {args.model_repository}", file=sys.stderr)
         return 2
     server = find_server()
-    command = server_command(server, args)
-    print(f"dspark serve: starting {server.binary}", flush=True)
-    process = subprocess.Popen(
-        command, env=server_environment(server), start_new_session=True, preexec_fn=_die_with_parent
-    )
+    admin_key = args.admin_key or secrets.token_urlsafe(24)
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -234,30 +378,49 @@ def main_serve(argv: list[str] | None = None) -> int:
             raise KeyboardInterrupt
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    http_url = f"http://{args.host}:{args.http_port}"
+    http_url = f"http://{poll_host(args)}:{args.http_port}"
+    restarts: list[float] = []
+    run: ServerRun | None = None
     try:
-        started = time.monotonic()
-        if not wait_ready(process, f"{http_url}/v2/health/ready", args.startup_timeout):
-            print("dspark serve: tritonserver did not become ready", file=sys.stderr)
-            return stop(process, exit_timeout=args.exit_timeout) or 1
-        elapsed = time.monotonic() - started
-        print(
-            f"dspark serve: ready in {elapsed:.1f}s, model repository {args.model_repository}\n"
-            f"  HTTP     {http_url}  (/v2/models/dspark/generate, generate_stream)\n"
-            f"  gRPC     {args.host}:{args.grpc_port}\n"
-            f"  metrics  http://{args.host}:{args.metrics_port}/metrics",
-            flush=True,
-        )
-        status = process.wait()
-        _kill_group(process.pid)
-        return status
+        for number in range(sys.maxsize):
+            print(f"dspark serve: starting {server.binary}", flush=True)
+            started = time.monotonic()
+            run = start_server(server, args, admin_key, number)
+            if not wait_ready(run.process, f"{http_url}/v2/health/ready", args.startup_timeout):
+                print("dspark serve: tritonserver did not become ready", file=sys.stderr)
+                return stop(run.process, exit_timeout=args.exit_timeout) or 1
+            run.stubs = backend_stubs(run.process.pid)
+            _print_ready(args, http_url, time.monotonic() - started)
+            cause = supervise(run)
+            now = time.monotonic()
+            restarts = [at for at in restarts if now - at < RESTART_WINDOW_S] + [now]
+            if len(restarts) > args.max_restarts:
+                message = f"dspark serve: {cause}; giving up (--max-restarts {args.max_restarts})"
+                print(message, file=sys.stderr)
+                return 1
+            print(f"dspark serve: {cause}; restarting tritonserver", file=sys.stderr, flush=True)
+            run.end()
+        return 1
     except KeyboardInterrupt:
         print("dspark serve: shutting down", flush=True)
-        status = stop(process, http_url, args.exit_timeout)
+        status = 0 if run is None else stop(run.process, http_url, args.exit_timeout, admin_key)
         return 0 if stopping else status
     finally:
+        if run is not None:
+            run.end()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _print_ready(args: argparse.Namespace, http_url: str, elapsed: float) -> None:
+    host = poll_host(args)
+    print(
+        f"dspark serve: ready in {elapsed:.1f}s, model repository {args.model_repository}\n"
+        f"  HTTP     {http_url}  (/v2/models/dspark/generate, generate_stream)\n"
+        f"  gRPC     {host}:{args.grpc_port}\n"
+        f"  metrics  http://{host}:{args.metrics_port}/metrics",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
