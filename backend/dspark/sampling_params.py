@@ -1,10 +1,25 @@
-"""Per-request generation parameters and their validation."""
+"""Per-request generation parameters and their validation.
+
+Every bound a request is held to is a constant here, so that the README, the validation and the tests
+read the same numbers.
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+MAX_INT = 2**31 - 1  # max_tokens, top_k, num_draft_tokens and token ids fit an int32
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [0, 2**64 - 1] (and negatives, wrapped)
+GREEDY_BELOW_TEMPERATURE = 1e-5  # a temperature below this decodes greedily (as vLLM's _SAMPLING_EPS)
+MAX_TEMPERATURE = 100.0  # far past uniform; fp32 logits / temperature stay finite
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256  # the stop matcher holds back up to this many characters of text
+MAX_STOP_TOKEN_IDS = 256
+MAX_JSON_BYTES = 64 * 1024  # sampling_parameters (and request parameters) JSON text, UTF-8
+MAX_JSON_DEPTH = 8  # nesting of that JSON: the object itself is depth 1, `{"stop": ["a"]}` depth 2
+_MAX_INT_DIGITS = 40  # JSON integers longer than this are not converted (Python's own limit is 4300)
 
 
 class InvalidParameterError(ValueError):
@@ -15,12 +30,23 @@ class InvalidParameterError(ValueError):
         self.field = field_name
 
 
+class HugeInteger:
+    """A JSON integer too long to convert: validation rejects it as out of range."""
+
+    def __init__(self, digits: str) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"a {len(self.digits.lstrip('-'))}-digit integer"
+
+
 @dataclass
 class SamplingParams:
     """How one request is decoded.
 
-    `temperature == 0` means greedy. `num_draft_tokens` caps this request's verify window
-    (None: the engine's block size; 0: speculation off for this request).
+    `temperature` below GREEDY_BELOW_TEMPERATURE (0 included) means greedy. `top_p` keeps at least
+    the most likely token. `num_draft_tokens` caps this request's verify window (None: the engine's
+    block size; 0: speculation off for this request).
     """
 
     max_tokens: int = 64
@@ -41,30 +67,47 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True when the request decodes by argmax."""
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def validate(self) -> None:
         """Raise InvalidParameterError naming the first bad field."""
-        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("max_tokens", self.max_tokens, 1, MAX_INT)
         _check_number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise InvalidParameterError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidParameterError(
+                "temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}"
+            )
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidParameterError("top_p", f"must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, minimum=0)
+        _check_int("top_k", self.top_k, 0, MAX_INT)
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidParameterError("stop", "must be a non-empty string or a list of non-empty strings")
+            _check_int("seed", self.seed, 0, MAX_SEED)
+        self._validate_stop()
         if not isinstance(self.stop_token_ids, list):
             raise InvalidParameterError("stop_token_ids", "must be a list of token ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParameterError(
+                "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"
+            )
         for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids", token_id, minimum=0)
+            _check_int("stop_token_ids", token_id, 0, MAX_INT)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParameterError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
         if self.num_draft_tokens is not None:
-            _check_int("num_draft_tokens", self.num_draft_tokens, minimum=0)
+            _check_int("num_draft_tokens", self.num_draft_tokens, 0, MAX_INT)
+
+    def _validate_stop(self) -> None:
+        """`stop`: a list of at most MAX_STOP_STRINGS non-empty strings of at most MAX_STOP_STRING_CHARS."""
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidParameterError("stop", "must be a non-empty string or a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidParameterError("stop", f"at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise InvalidParameterError(
+                "stop", f"each string at most {MAX_STOP_STRING_CHARS} characters, got {longest}"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
@@ -86,18 +129,55 @@ class SamplingParams:
     @classmethod
     def from_json(cls, text: str) -> SamplingParams:
         """Parse the `sampling_parameters` JSON string of the Triton interface."""
-        try:
-            values = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise InvalidParameterError("sampling_parameters", f"invalid JSON: {exc}") from exc
-        return cls.from_dict(values)
+        return cls.from_dict(parse_json_object(text, "sampling_parameters"))
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def parse_json_object(text: str, field_name: str) -> dict[str, Any]:
+    """A request's JSON object text as a dict ({} when blank), held to MAX_JSON_BYTES and
+    MAX_JSON_DEPTH; any fault is an InvalidParameterError naming `field_name`."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_JSON_BYTES:
+        raise InvalidParameterError(field_name, f"JSON of {size} bytes, at most {MAX_JSON_BYTES}")
+    if not text.strip():
+        return {}
+    try:
+        values = json.loads(text, parse_int=_parse_int)
+    except RecursionError:
+        raise InvalidParameterError(field_name, f"JSON nested deeper than {MAX_JSON_DEPTH}") from None
+    except ValueError as exc:  # json.JSONDecodeError, or a number Python will not convert
+        raise InvalidParameterError(field_name, f"invalid JSON: {exc}") from None
+    if _depth(values) > MAX_JSON_DEPTH:
+        raise InvalidParameterError(field_name, f"JSON nested deeper than {MAX_JSON_DEPTH}")
+    if not isinstance(values, dict):
+        raise InvalidParameterError(field_name, "must be a JSON object")
+    return values
+
+
+def _parse_int(digits: str) -> int | HugeInteger:
+    return int(digits) if len(digits) <= _MAX_INT_DIGITS else HugeInteger(digits)
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON (a scalar 0, `{}` 1, `{"a": [1]}` 2), counted up to MAX_JSON_DEPTH + 1."""
+    depth, level = 0, [value]
+    while depth <= MAX_JSON_DEPTH:
+        containers = [item for item in level if isinstance(item, (dict, list))]
+        if not containers:
+            return depth
+        depth += 1
+        level = [child for c in containers for child in (c.values() if isinstance(c, dict) else c)]
+    return depth
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int) -> None:
+    if isinstance(value, HugeInteger):
+        raise InvalidParameterError(name, f"must be <= {maximum}, got {value!r}")
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidParameterError(name, f"must be an integer, got {value!r}")
     if value < minimum:
         raise InvalidParameterError(name, f"must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise InvalidParameterError(name, f"must be <= {maximum}, got {value}")
 
 
 def _check_number(name: str, value: Any) -> None:
