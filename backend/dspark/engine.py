@@ -23,7 +23,7 @@ from dspark.models.loader import resolve_device, resolve_dtype
 from dspark.output_processor import OutputProcessor
 from dspark.outputs import EngineLoad, RequestDelta, SpecStats
 from dspark.page_allocator import PageAllocator
-from dspark.sampling import choose_tokens
+from dspark.sampling import NON_FINITE_TOKEN, choose_tokens
 from dspark.sampling_params import InvalidParameterError, SamplingParams
 from dspark.scheduler import PrefillChunk, Scheduler
 from dspark.sequence import Sequence, SequenceStatus
@@ -467,6 +467,19 @@ class LLMEngine:
         return _GreedyOutcome(host[:num], host[num : 2 * num], host[2 * num + num * width :])
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> RequestDelta:
+        if tokens and tokens[-1] == NON_FINITE_TOKEN:  # the sampler saw NaN or inf: this request fails
+            self._finish(seq, "error")
+            return RequestDelta(
+                seq.request_id,
+                [],
+                "",
+                True,
+                "error",
+                seq.num_prompt_tokens,
+                seq.num_output_tokens,
+                seq.spec_stats,
+                error="the sampling distribution is not finite (NaN or inf logits)",
+            )
         appended, text, reason = self._outputs[seq.request_id].commit(tokens)
         if reason is not None:
             self._finish(seq, reason)

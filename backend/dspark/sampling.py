@@ -1,4 +1,8 @@
-"""Turning logits into tokens: temperature / top-k / top-p filtering and seeded per-request sampling."""
+"""Turning logits into tokens: temperature / top-k / top-p filtering and seeded per-request sampling.
+
+A row whose distribution is not finite (NaN or inf anywhere: broken logits) yields NON_FINITE_TOKEN
+instead of a token, and the engine fails that request alone.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import torch
 from dspark.host_to_device import to_device
 from dspark.kernels import ops
 from dspark.sampling_params import SamplingParams
+
+NON_FINITE_TOKEN = -1  # in place of a token drawn from a distribution that is not finite
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -25,7 +31,10 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does.
+        # The most likely token always stays (a top_p below its probability, even one that rounds to 0
+        # in fp32, samples top-1).
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop[..., 0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
@@ -99,7 +108,10 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch
 def choose_tokens(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """Greedy argmax or a seeded sample for one request's rows: [num_rows, vocab] -> [num_rows]."""
+    """Greedy argmax or a seeded sample for one request's rows: [num_rows, vocab] -> [num_rows]; a sampled
+    row whose distribution is not finite gives NON_FINITE_TOKEN."""
     if params.greedy:
         return logits.argmax(dim=-1)
-    return sample_rows(filtered_probs(logits, params), generator)
+    probs = filtered_probs(logits, params)
+    tokens = sample_rows(probs, generator)
+    return torch.where(torch.isfinite(probs.sum(-1)), tokens, NON_FINITE_TOKEN)

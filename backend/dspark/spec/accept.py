@@ -5,7 +5,8 @@ draft i is kept while u_i * p_d(d_i) < p_t(d_i); the first rejected position dra
 normalize(max(0, p_t - p_d)); if every draft passes, the bonus is drawn from p_t at the last row. The
 random numbers come from each request's own generator in fixed amounts a step (`num_uniforms`
 uniforms, then one exponential per vocabulary entry), so a seeded stream replays whatever the batch
-and whatever was accepted.
+and whatever was accepted. One sum over every distribution of the step rides in the same copy to the
+host: when it is not finite, the requests whose distributions hold a NaN or inf get NON_FINITE_TOKEN.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ import torch
 
 from dspark.host_to_device import to_device
 from dspark.kernels import ops
-from dspark.sampling import draw_exponentials_into, draw_uniforms_into, filtered_probs_of_requests
+from dspark.sampling import (
+    NON_FINITE_TOKEN,
+    draw_exponentials_into,
+    draw_uniforms_into,
+    filtered_probs_of_requests,
+)
 from dspark.sampling_params import SamplingParams
 
 
@@ -28,7 +34,8 @@ def rejection_accept_all(
     generators: Sequence[torch.Generator | None],
     num_uniforms: int,
 ) -> tuple[list[int], list[int]]:
-    """Per request: (drafts kept, the token after them).
+    """Per request: (drafts kept, the token after them); the token is NON_FINITE_TOKEN when the
+    request's target or draft distributions are not finite.
 
     drafts[i]: the l_i drafts request i verifies; draft_probs[i]: [>= l_i, vocab] the distributions
     they were drawn from (None when l_i = 0); target_logits[i]: [l_i + 1, vocab] its window's logit
@@ -65,5 +72,20 @@ def rejection_accept_all(
         uniforms,
         exponentials,
     )
-    both = torch.cat([accepted, next_tokens]).tolist()
-    return both[:count], both[count:]
+    # NaN or inf anywhere makes the step's total so: one reduction, brought back with the tokens.
+    finite = torch.isfinite(target.sum() + proposed.sum()).long()
+    both = torch.cat([accepted, next_tokens, finite[None]]).tolist()
+    accepted_list, tokens = both[:count], both[count : 2 * count]
+    if not both[-1]:
+        broken = _non_finite_requests(target, proposed, lens)
+        tokens = [NON_FINITE_TOKEN if bad else t for t, bad in zip(tokens, broken, strict=True)]
+    return accepted_list, tokens
+
+
+def _non_finite_requests(target: torch.Tensor, proposed: torch.Tensor, lens: list[int]) -> list[bool]:
+    """Per request: whether its target rows (target: [sum of lens + 1, vocab], packed in order) or its
+    draft distributions (proposed: [count, width, vocab]) hold a NaN or inf."""
+    row_sums = target.sum(-1).split([n + 1 for n in lens])
+    target_ok = torch.stack([torch.isfinite(rows.sum()) for rows in row_sums])
+    draft_ok = torch.isfinite(proposed.sum((1, 2)))
+    return (~(target_ok & draft_ok)).tolist()
