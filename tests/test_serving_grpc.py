@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 from server_fixtures import GrpcStream, Outcome
 
@@ -65,9 +66,11 @@ def test_input_ids_are_an_alternative_to_text_input(triton_server, whole):
     from dspark.config import DEFAULT_TARGET_DIR
     from dspark.tokenizer import Tokenizer
 
-    ids = Tokenizer.from_dir(DEFAULT_TARGET_DIR).encode(PROMPT)
+    ids = np.array(Tokenizer.from_dir(DEFAULT_TARGET_DIR).encode(PROMPT), dtype=np.int64)
     with GrpcStream(triton_server) as grpc:
-        by_ids = grpc.send(input_ids=ids, sampling_parameters=GREEDY, exclude_input_in_output=True).collect()
+        by_ids = grpc.send(
+            input_ids=(ids, "INT64"), sampling_parameters=GREEDY, exclude_input_in_output=True
+        ).collect()
     assert by_ids.error is None and by_ids.ids == whole.ids
 
 

@@ -55,7 +55,7 @@ def test_interface_uses_the_vllm_backend_names_plus_tokens_and_speculation():
         "return_spec_stats",
     ):
         assert inputs[flag] == "TYPE_BOOL"
-    assert inputs["input_ids"] == "TYPE_INT32"
+    assert inputs["input_ids"] == "TYPE_INT64"
     assert set(outputs) == {
         "text_output",
         "output_ids",

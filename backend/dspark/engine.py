@@ -216,12 +216,12 @@ class LLMEngine:
     ) -> list[int]:
         """Validate a request's prompt and return its token ids (InvalidParameterError names the field)."""
         params.validate()
+        vocab = self.model_config.vocab_size
+        _check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
         if prompt_token_ids is not None:
             field = "prompt_token_ids"
             ids = list(prompt_token_ids)
-            vocab = self.model_config.vocab_size
-            if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-                raise InvalidParameterError(field, f"token ids must be integers in [0, {vocab})")
+            _check_token_ids(field, ids, vocab)
         else:
             field = "prompt"
             if not isinstance(prompt, str):
@@ -523,6 +523,13 @@ class LLMEngine:
             )
         self._aborts.clear()
         return deltas
+
+
+def _check_token_ids(field: str, ids: list[int], vocab: int) -> None:
+    """Raise InvalidParameterError naming `field` unless every id is an int in [0, vocab)."""
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab:
+            raise InvalidParameterError(field, f"token ids must be integers in [0, {vocab}), got {token_id}")
 
 
 @dataclass

@@ -22,7 +22,7 @@ DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 # semantics follow Triton's vLLM backend; input_ids, return_spec_stats and cancel_request_id are ours.
 INPUTS: list[dict] = [
     {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
-    {"name": "input_ids", "data_type": "TYPE_INT32", "dims": [-1], "optional": True},
+    {"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
     {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},

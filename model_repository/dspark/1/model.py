@@ -29,6 +29,7 @@ from dspark import EngineConfig, InvalidParameterError, SamplingParams
 from dspark.async_engine import AsyncEngine, EngineDeadError
 from dspark.metrics import Metrics, TritonMetrics
 from dspark.outputs import RequestDelta
+from dspark.sampling_params import MAX_INT, parse_json_object
 from dspark.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
 
 POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing, between sends
@@ -354,8 +355,18 @@ def _bool_input(request, name: str) -> bool | None:
 
 
 def _ids_input(request) -> list[int] | None:
+    """The `input_ids` tensor as Python ints, each in [0, MAX_INT] (the vocabulary is checked later)."""
     tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
-    return None if tensor is None else [int(token) for token in tensor.as_numpy().reshape(-1)]
+    if tensor is None:
+        return None
+    array = tensor.as_numpy()
+    if array.dtype.kind not in "iu":
+        raise InvalidParameterError("input_ids", f"must be integer token ids, got {array.dtype}")
+    ids = array.reshape(-1).tolist()  # exact Python ints, whatever the integer width
+    for token_id in ids:
+        if not 0 <= token_id <= MAX_INT:
+            raise InvalidParameterError("input_ids", f"token ids must be in [0, {MAX_INT}], got {token_id}")
+    return ids
 
 
 def _sampling_params(request) -> SamplingParams:
@@ -364,11 +375,11 @@ def _sampling_params(request) -> SamplingParams:
     try:
         if tensor is not None:
             return SamplingParams.from_json(_string_input(request, "sampling_parameters"))
-        values = json.loads(request.parameters() or "{}")
+        values = parse_json_object(request.parameters() or "{}", "parameters")
         values.pop("id", None)  # the generate endpoint copies the request id into the parameters
         return SamplingParams.from_dict(values)
     except InvalidParameterError as exc:
-        if exc.field == "sampling_parameters":
+        if exc.field in ("sampling_parameters", "parameters"):
             raise
         source = "sampling_parameters" if tensor is not None else "parameters"
         raise InvalidParameterError(f"{source}.{exc.field}", _message(exc)) from None
