@@ -32,6 +32,7 @@ TEST_ENGINE_CONFIG = EngineConfig(
     num_kv_pages=96, kv_page_size=16, max_num_seqs=8, max_model_len=512, seed=0, adaptive_speculation=False
 )
 STARTUP_TIMEOUT_S = 300.0
+ADMIN_KEY = "test-admin-key"  # what the test servers take as --admin-key
 
 
 def _die_with_parent() -> None:
@@ -118,6 +119,8 @@ class TritonServer:
             str(self.metrics_port),
             "--exit-timeout",
             "10",
+            "--admin-key",
+            ADMIN_KEY,
         ]
         # One intra-op thread: on a 2-core machine shared with the test client, torch's spinning
         # worker threads slow every step down by an order of magnitude.
@@ -294,7 +297,7 @@ class Outcome:
 
 
 def grpc_inputs(**values: object) -> list:
-    """InferInputs from Python values: str -> BYTES [1], bool -> BOOL [1], list[int] -> INT32 [n],
+    """InferInputs from Python values: str -> BYTES [1], bool -> BOOL [1], list[int] -> INT64 [n],
     dict -> its JSON as BYTES [1]; an explicit (numpy array, datatype) pair is sent as given."""
     import numpy as np
     import tritonclient.grpc as grpcclient
@@ -310,7 +313,7 @@ def grpc_inputs(**values: object) -> list:
         elif isinstance(value, str):
             array, datatype = np.array([value.encode()], dtype=np.object_), "BYTES"
         else:
-            array, datatype = np.array(value, dtype=np.int32), "INT32"
+            array, datatype = np.array(value, dtype=np.int64), "INT64"
         tensor = grpcclient.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)

@@ -18,9 +18,10 @@ own shared-memory prefix, and the regions under it are removed when that server 
 
 Who may call what: inference, health, metadata, model configuration and statistics are open; Triton's
 shared-memory, model-repository (model control), logging and trace APIs need the header
-`dspark-admin-key` (ADMIN_HEADER) set to `--admin-key` (default: a random key per run, known to no
-one but the launcher, so those APIs are effectively off). Every endpoint binds to `--address`
-(127.0.0.1 unless told otherwise) or its own `--http-address` / `--grpc-address` / `--metrics-address`.
+`dspark-admin-key` (ADMIN_HEADER; gRPC metadata `triton-grpc-protocol-dspark-admin-key`) set to
+`--admin-key` (default: a random key per run, known to no one but the launcher, so those APIs are
+effectively off). Every endpoint binds to `--address` (127.0.0.1 unless told otherwise) or its own
+`--http-address` / `--grpc-address` / `--metrics-address`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ PR_SET_PDEATHSIG = 1
 SUPERVISE_INTERVAL_S = 0.25  # how often the server and its backend stubs are checked
 RESTART_WINDOW_S = 600.0  # --max-restarts counts restarts within this many seconds
 ADMIN_HEADER = "dspark-admin-key"
+GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # the metadata key gRPC calls carry it in
 # Triton APIs that change the server or read its memory: behind ADMIN_HEADER (HTTP and gRPC alike).
 RESTRICTED_APIS = ("shared-memory", "model-repository", "logging", "trace")
 SHM_ROOT = Path("/dev/shm")

@@ -5,6 +5,10 @@ back from its loop thread with `RequestDelta`s, which only get queued; a respons
 blocking `send()`, puts the FINAL flag on the last data response, polls cancellation between sends
 (aborting cancelled requests so their KV pages free at the next step) and refreshes the load gauges.
 
+If the engine loop dies, every request in flight ends with an INTERNAL error (FINAL), new ones get
+UNAVAILABLE, and after a short grace this backend process exits: a model whose engine is gone must not
+look ready, and `dspark serve` restarts the server when a backend process dies (see its module).
+
 The interface is Triton's vLLM backend's (text_input, stream, sampling_parameters,
 exclude_input_in_output, return_* flags; text_output, finish_reason, num_*_tokens) plus input_ids,
 output_ids, return_spec_stats/spec_stats and cancel_request_id; see dspark.triton_config.
@@ -14,7 +18,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -33,6 +39,7 @@ from dspark.sampling_params import MAX_INT, parse_json_object
 from dspark.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
 
 POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing, between sends
+DEATH_GRACE_S = 1.0  # after the engine died: time for the error responses to go out before exiting
 CANCEL_ALL = "*"  # cancel_request_id that cancels every request in flight (dspark serve does, to stop)
 RETURN_FLAGS = (
     "return_finish_reason",
@@ -71,6 +78,13 @@ class _Reply:
 
 
 @dataclass
+class _EngineDied:
+    """The engine loop stopped on this error (queued after the failed deltas of its requests)."""
+
+    cause: BaseException
+
+
+@dataclass
 class _PendingCancel:
     """A cancel request, answered once every request it cancelled has sent its final response."""
 
@@ -105,7 +119,7 @@ class TritonPythonModel:
         self._next_id = itertools.count()
         self._outbox: queue.Queue = queue.Queue()
         self._cancels: list[_PendingCancel] = []
-        self._engine = AsyncEngine(config)
+        self._engine = AsyncEngine(config, on_death=lambda cause: self._outbox.put(_EngineDied(cause)))
         self._engine.start()
         self._responder = threading.Thread(target=self._respond_loop, name="dspark-responses", daemon=True)
         self._responder.start()
@@ -181,6 +195,9 @@ class TritonPythonModel:
             raise InvalidParameterError("cancel_request_id", "must be the id of a request in flight")
         with self._lock:
             matches = [live for live in self._live.values() if target in (CANCEL_ALL, live.triton_id)]
+            if matches and not self._engine.healthy:  # a dead engine ends nothing: answer at once
+                self._outbox.put(_Reply(sender, _cancelled(), None))
+                return
             if matches:
                 self._cancels.append(_PendingCancel(sender, {live.engine_id for live in matches}))
         if not matches and target != CANCEL_ALL:
@@ -203,6 +220,7 @@ class TritonPythonModel:
 
     def _respond_loop(self) -> None:
         next_poll = time.monotonic()
+        exit_at: float | None = None
         while True:
             try:
                 item = self._outbox.get(timeout=POLL_INTERVAL_S)
@@ -210,8 +228,16 @@ class TritonPythonModel:
                 item = ()
             if item is None:
                 break
+            if exit_at is not None and time.monotonic() >= exit_at:
+                self._exit_after_engine_death()
             try:
-                if isinstance(item, _Reply):
+                if isinstance(item, _EngineDied):
+                    exit_at = time.monotonic() + DEATH_GRACE_S
+                    self._logger.log_error(
+                        f"dspark: the engine stopped on {item.cause!r}; its requests failed; this backend "
+                        f"process exits in {DEATH_GRACE_S:.0f}s so that the server is restarted"
+                    )
+                elif isinstance(item, _Reply):
                     self._send(item.sender, item.response, final=True)
                     if item.outcome is not None:
                         self._metrics.request_finished(item.outcome)
@@ -308,6 +334,12 @@ class TritonPythonModel:
             if not live.cancelled and live.sender.is_cancelled():
                 live.cancelled = True
                 self._engine.abort(live.engine_id)
+
+    def _exit_after_engine_death(self) -> None:
+        """End what is still open, then end this process: `dspark serve` sees it and restarts the server."""
+        self._end_abandoned()
+        print("dspark: backend process exits after the engine died", file=sys.stderr, flush=True)
+        os._exit(1)
 
     def _end_abandoned(self) -> None:
         """After shutdown: close any request the engine never finished, so Triton can release it."""
