@@ -59,3 +59,15 @@ def test_bind_mounted_paths_exist_and_the_entrypoint_is_executable():
     entrypoint = DOCKER / "entrypoint.sh"
     assert entrypoint.stat().st_mode & 0o111
     assert "exec dspark serve" in entrypoint.read_text()
+
+
+def test_the_container_serves_every_interface_restarts_and_takes_the_admin_key_from_the_environment():
+    from dspark.triton_launcher import parse_args
+
+    cmd = re.search(r"^CMD (\[.*\])$", (DOCKER / "Dockerfile").read_text(), re.M)
+    args = parse_args(yaml.safe_load(cmd.group(1)))
+    assert args.address == "0.0.0.0", "inside a container, loopback is unreachable from the host"
+    assert args.model_repository == "/opt/dspark/model_repository"
+    service = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]["dspark"]
+    assert service["restart"] == "unless-stopped"
+    assert "DSPARK_ADMIN_KEY" in service["environment"]

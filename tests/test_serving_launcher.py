@@ -77,3 +77,9 @@ def test_defaults_are_the_standard_triton_ports_and_the_repository_model_reposit
 def test_a_missing_model_repository_is_an_error(tmp_path, capsys):
     assert triton_launcher.main_serve(["--model-repository", str(tmp_path / "nowhere")]) == 2
     assert "no model repository" in capsys.readouterr().err
+
+
+def test_the_wheel_stub_refuses_a_numpy_2_interpreter_with_what_to_do():
+    problem = triton_launcher.wheel_stub_problem("2.1.3")
+    assert "numpy < 2" in problem and "pip install 'numpy<2'" in problem
+    assert triton_launcher.wheel_stub_problem("1.26.4") is None

@@ -13,11 +13,11 @@ from server_fixtures import GrpcStream, wait_for
 pytestmark = pytest.mark.server
 
 PROMPTS = [
-    "Write a haiku about autumn leaves.",
-    "What is the capital of France?",
-    "List three uses of copper.",
-    "Tell me about rivers.",
-    "Explain recursion to a child.",
+    "Name a bird that cannot fly.",
+    "How do plants make food?",
+    "Describe a rainy afternoon.",
+    "What does a compiler do?",
+    "Suggest a name for a cat.",
 ]
 MAX_TOKENS = 24
 NUM_STREAMS = 200

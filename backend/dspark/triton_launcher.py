@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.metadata
 import json
 import os
 import secrets
@@ -81,10 +82,28 @@ def find_server() -> Server:
         raise SystemExit(
             "no tritonserver on PATH and nvidia-pytriton is not installed (pip install -e '.[serve]')"
         ) from None
+    problem = wheel_stub_problem(importlib.metadata.version("numpy"))
+    if problem:
+        raise SystemExit(f"dspark serve: {problem}")
     root = Path(pytriton.__file__).resolve().parent
     dist = root / "tritonserver"
     return Server(
         dist / "bin" / "tritonserver", _wheel_backends(dist), [root.parent / "nvidia_pytriton.libs"]
+    )
+
+
+def wheel_stub_problem(numpy_version: str) -> str | None:
+    """Why the nvidia-pytriton Python backend stub cannot run in this interpreter, or None.
+
+    The wheel's stub (0.7.0) embeds this Python and was built against numpy 1: under numpy 2 every
+    tensor that crosses it is corrupt and the first text request aborts it (seen on an H200 machine).
+    """
+    if int(numpy_version.split(".")[0]) < 2:
+        return None
+    return (
+        f"numpy {numpy_version} is installed in {sys.executable}, but the nvidia-pytriton Python backend "
+        f"stub that embeds this interpreter needs numpy < 2 (under numpy 2 it corrupts every tensor). "
+        f"Run `{sys.executable} -m pip install 'numpy<2'`, or serve from the Triton container (docker/)."
     )
 
 

@@ -1,0 +1,162 @@
+"""Stress a running dspark server: many concurrent gRPC streams of random lengths, a share cancelled
+mid-way by their clients, repeated; every finished stream must equal its solo greedy text and every
+cancelled one must be a prefix of it. The heavier twin of tests/test_serving_load.py.
+
+    make serve &                                  # or any dspark serve / docker compose deployment
+    .venv/bin/python benchmarks/stress_serving.py --url localhost:8001 --streams 512 --rounds 5
+
+Prints one line per round (finished, cancelled, errors, mismatches, seconds, output tokens/s) and
+exits 1 if any stream erred, was lost or differed from its solo text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+PROMPTS = [
+    "Write a haiku about autumn leaves.",
+    "What is the capital of France?",
+    "List three uses of copper.",
+    "Tell me about rivers.",
+    "Explain recursion to a child.",
+    "Write a Python function that reverses a string.",
+    "Why is the sky blue?",
+    "Give me a recipe for pancakes.",
+]
+
+
+@dataclass
+class StreamResult:
+    """What one client saw."""
+
+    prompt: str
+    ids: list[int]
+    error: str | None
+    finished: bool
+    cancelled: bool
+
+
+def inputs(prompt: str, max_tokens: int) -> list:
+    """The request's tensors: prompt, streaming on, greedy with ignore_eos."""
+    tensors = []
+    for name, array, datatype in (
+        ("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+        ("stream", np.array([True]), "BOOL"),
+        (
+            "sampling_parameters",
+            np.array([json.dumps({"max_tokens": max_tokens, "ignore_eos": True}).encode()], dtype=np.object_),
+            "BYTES",
+        ),
+    ):
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
+
+
+def run_stream(
+    url: str, prompt: str, max_tokens: int, cancel_after: int | None, timeout: float
+) -> StreamResult:
+    """One client on its own stream; it closes the stream (cancelling) after `cancel_after` tokens."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    ids: list[int] = []
+    try:
+        client.async_stream_infer("dspark", inputs(prompt, max_tokens))
+        while True:
+            try:
+                result, error = results.get(timeout=timeout)
+            except queue.Empty:
+                return StreamResult(prompt, ids, f"no response in {timeout}s", False, False)
+            if error is not None:
+                return StreamResult(prompt, ids, str(error), False, False)
+            response = result.get_response()
+            ids.extend(int(i) for i in result.as_numpy("output_ids").reshape(-1))
+            if response.parameters["triton_final_response"].bool_param:
+                return StreamResult(prompt, ids, None, True, False)
+            if cancel_after is not None and len(ids) >= cancel_after:
+                client.stop_stream(cancel_requests=True)
+                return StreamResult(prompt, ids, None, False, True)
+    finally:
+        client.stop_stream(cancel_requests=False)
+        client.close()
+
+
+def solo_ids(url: str, max_tokens: int, timeout: float) -> dict[str, list[int]]:
+    """Each prompt's greedy ids, decoded alone."""
+    references = {}
+    for prompt in PROMPTS:
+        result = run_stream(url, prompt, max_tokens, None, timeout)
+        if result.error is not None:
+            raise SystemExit(f"solo request failed: {result.error}")
+        references[prompt] = result.ids
+    return references
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="localhost:8001", help="gRPC address (%(default)s)")
+    parser.add_argument("--streams", type=int, default=256, help="concurrent streams per round (%(default)s)")
+    parser.add_argument("--rounds", type=int, default=3, help="%(default)s")
+    parser.add_argument(
+        "--cancel-share", type=float, default=0.2, help="share cancelled mid-way (%(default)s)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=64, help="longest stream (%(default)s)")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds a stream may wait (%(default)s)"
+    )
+    args = parser.parse_args(argv)
+
+    references = solo_ids(args.url, args.max_tokens, args.timeout)
+    rng = random.Random()
+    failures = 0
+    for round_ in range(args.rounds):
+        plans = []
+        for index in range(args.streams):
+            max_tokens = rng.randint(2, args.max_tokens)
+            cancel = rng.random() < args.cancel_share
+            plans.append(
+                (
+                    PROMPTS[index % len(PROMPTS)],
+                    max_tokens,
+                    rng.randint(1, max_tokens - 1) if cancel else None,
+                )
+            )
+        started = time.monotonic()
+        with ThreadPoolExecutor(args.streams) as pool:
+            results = list(pool.map(lambda plan: run_stream(args.url, *plan, args.timeout), plans))
+        seconds = time.monotonic() - started
+        errors = sum(r.error is not None for r in results)
+        lost = sum(r.error is None and not r.finished and not r.cancelled for r in results)
+        mismatches = sum(
+            r.ids != references[r.prompt][: len(r.ids)] or (r.finished and len(r.ids) != plan[1])
+            for r, plan in zip(results, plans, strict=True)
+        )
+        tokens = sum(len(r.ids) for r in results)
+        finished, cancelled = sum(r.finished for r in results), sum(r.cancelled for r in results)
+        print(
+            f"round {round_}: {finished} finished, {cancelled} cancelled, {errors} errors, {lost} lost, "
+            f"{mismatches} mismatches, {seconds:.1f} s, "
+            f"{tokens / seconds:.0f} output tokens/s",
+            flush=True,
+        )
+        for r in results:
+            if r.error is not None:
+                print(f"  error: {r.error}", file=sys.stderr)
+        failures += errors + lost + mismatches
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
