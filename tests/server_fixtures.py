@@ -169,7 +169,7 @@ class TritonServer:
 
     def leftover_processes(self) -> list[str]:
         """Command lines of live processes that belong to this server (tritonserver or a stub)."""
-        marker = str(self.repo)
+        markers = [str(self.repo)] + ([f"dspark_{self.process.pid}_"] if self.process else [])  # + guards
         found = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
@@ -179,7 +179,7 @@ class TritonServer:
                 state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            if marker in cmdline and state != "Z":
+            if any(marker in cmdline for marker in markers) and state != "Z":
                 found.append(f"{entry.name}: {cmdline.strip()}")
         return found
 

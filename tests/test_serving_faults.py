@@ -134,3 +134,20 @@ def test_sigterm_under_load_ends_every_stream_and_leaves_no_process_or_shared_me
     assert stopped_after < 20
     assert server.leftover_processes() == []
     assert server.shared_memory_regions() == []
+
+
+def test_a_killed_launcher_takes_its_server_along_and_leaves_no_shared_memory(smollm2_dir, tmp_path):
+    server = start_server(tmp_path)
+    try:
+        assert server.shared_memory_regions()
+        with GrpcStream(server) as grpc:
+            grpc.send(text_input=PROMPT, stream=True, sampling_parameters=LONG)
+            assert not isinstance(grpc.next(), str)
+            server.process.send_signal(signal.SIGKILL)
+            rest = grpc.collect(timeout=30)
+        server.process.wait(10)
+        assert rest.error is None and rest.responses[-1].final  # the guard drained the server
+        assert wait_for(lambda: server.leftover_processes() == [], 30), server.leftover_processes()
+        assert server.shared_memory_regions() == []
+    finally:
+        server.stop()

@@ -14,7 +14,8 @@ engine died) strands the requests it held and leaves the model looking ready, so
 kills the whole server, which ends every open stream with an error at once, and starts it again
 (at most `--max-restarts` times in RESTART_WINDOW_S; past that it exits with status 1 and leaves the
 restart to the service manager). While it restarts, readiness fails. Every server it starts gets its
-own shared-memory prefix, and the regions under it are removed when that server is gone.
+own shared-memory prefix, and the regions under it are removed when that server is gone. A guard
+process beside each server (start_guard) does the same if the launcher itself is killed.
 
 Who may call what: inference, health, metadata, model configuration and statistics are open; Triton's
 shared-memory, model-repository (model control), logging and trace APIs need the header
@@ -27,7 +28,6 @@ effectively off). Every endpoint binds to `--address` (127.0.0.1 unless told oth
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.metadata
 import json
 import os
@@ -50,7 +50,6 @@ BACKEND_CACHE = REPO_ROOT / ".cache" / "tritonserver"
 KILL_MARGIN_S = 5.0  # after tritonserver's own exit timeout, before its process group is killed
 DRAIN_TIMEOUT_S = 30.0
 CANCEL_ALL = "*"  # the dspark model's cancel_request_id for every request in flight
-PR_SET_PDEATHSIG = 1
 SUPERVISE_INTERVAL_S = 0.25  # how often the server and its backend stubs are checked
 RESTART_WINDOW_S = 600.0  # --max-restarts counts restarts within this many seconds
 ADMIN_HEADER = "dspark-admin-key"
@@ -59,6 +58,7 @@ GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # the metadata key g
 RESTRICTED_APIS = ("shared-memory", "model-repository", "logging", "trace")
 SHM_ROOT = Path("/dev/shm")
 STUB_BINARY = "triton_python_backend_stub"
+GUARD_FLAG = "--guard"  # `python -m dspark.triton_launcher --guard ...` runs guard_main
 WILDCARD_ADDRESSES = ("0.0.0.0", "::", "[::]")
 
 
@@ -283,15 +283,6 @@ def stop(
     return process.wait()
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the launcher dies without cleaning up (Linux prctl)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -305,6 +296,7 @@ class ServerRun:
 
     process: subprocess.Popen
     shm_prefix: str
+    guard: subprocess.Popen | None = None  # see start_guard
     stubs: dict[int, str] = field(default_factory=dict)  # backend stub pid -> model instance, once ready
 
     def fault(self) -> str | None:
@@ -321,15 +313,48 @@ class ServerRun:
         _kill_group(self.process.pid)
         self.process.wait()
         remove_shared_memory(self.shm_prefix)
+        if self.guard is not None and self.guard.poll() is None:
+            self.guard.stdin.close()  # the guard finds the server gone, and exits
+            self.guard.wait()
+
+
+def start_guard(run: ServerRun, http_url: str, exit_timeout: int, admin_key: str) -> subprocess.Popen:
+    """A watchdog process (its own session) that stops this server and removes its shared memory if
+    the launcher dies first, however it dies: it waits for its standard input, held by the launcher,
+    to close."""
+    argv = [str(run.process.pid), run.shm_prefix, http_url, str(exit_timeout)]
+    guard = subprocess.Popen(
+        [sys.executable, "-m", "dspark.triton_launcher", GUARD_FLAG, *argv],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
+    guard.stdin.write(f"{admin_key}\n".encode())  # not on the command line, where ps shows it
+    guard.stdin.flush()
+    return guard
+
+
+def guard_main(argv: list[str]) -> int:
+    """The guard (see start_guard): once the launcher is gone, drain and stop its server, then clean up."""
+    server_pid, shm_prefix, http_url, exit_timeout = int(argv[0]), argv[1], argv[2], float(argv[3])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the launcher's to handle
+    admin_key = sys.stdin.readline().strip()
+    sys.stdin.read()  # returns when the launcher closes it or dies
+    if process_alive(server_pid):
+        drain(http_url, admin_key=admin_key)
+        os.kill(server_pid, signal.SIGINT)
+        deadline = time.monotonic() + exit_timeout + KILL_MARGIN_S
+        while process_alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(SUPERVISE_INTERVAL_S)
+        _kill_group(server_pid)
+    remove_shared_memory(shm_prefix)
+    return 0
 
 
 def start_server(server: Server, args: argparse.Namespace, admin_key: str, number: int) -> ServerRun:
     """Start tritonserver in its own process group, with its own shared-memory prefix."""
     shm_prefix = f"dspark_{os.getpid()}_{number}_"
     command = server_command(server, args, admin_key, shm_prefix)
-    process = subprocess.Popen(
-        command, env=server_environment(server), start_new_session=True, preexec_fn=_die_with_parent
-    )
+    process = subprocess.Popen(command, env=server_environment(server), start_new_session=True)
     return ServerRun(process, shm_prefix)
 
 
@@ -407,6 +432,7 @@ def main_serve(argv: list[str] | None = None) -> int:
             print(f"dspark serve: starting {server.binary}", flush=True)
             started = time.monotonic()
             run = start_server(server, args, admin_key, number)
+            run.guard = start_guard(run, http_url, args.exit_timeout, admin_key)
             if not wait_ready(run.process, f"{http_url}/v2/health/ready", args.startup_timeout):
                 print("dspark serve: tritonserver did not become ready", file=sys.stderr)
                 return stop(run.process, exit_timeout=args.exit_timeout) or 1
@@ -445,4 +471,6 @@ def _print_ready(args: argparse.Namespace, http_url: str, elapsed: float) -> Non
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == [GUARD_FLAG]:
+        raise SystemExit(guard_main(sys.argv[2:]))
     raise SystemExit(main_serve())
