@@ -148,6 +148,8 @@ def test_a_killed_launcher_takes_its_server_along_and_leaves_no_shared_memory(sm
         server.process.wait(10)
         assert rest.error is None and rest.responses[-1].final  # the guard drained the server
         assert wait_for(lambda: server.leftover_processes() == [], 30), server.leftover_processes()
+        time.sleep(2)  # and nothing forked at the last moment lives on
+        assert server.leftover_processes() == []
         assert server.shared_memory_regions() == []
     finally:
         server.stop()

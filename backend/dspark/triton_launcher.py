@@ -283,11 +283,31 @@ def stop(
     return process.wait()
 
 
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _kill_group(pgid: int, timeout: float = 5.0) -> None:
+    """SIGKILL a process group until none of it is left: a stub that tritonserver was forking as the
+    first signal went out (its Python backend restarts stubs) would escape one killpg."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        if not _group_members(pgid) or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[2] == str(pgid) and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
 
 
 @dataclass
