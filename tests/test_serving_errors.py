@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from server_fixtures import GrpcStream, Outcome, TritonServer, grpc_inputs
+from server_fixtures import GrpcStream, Outcome, TritonServer, grpc_inputs, wait_for
 
 from dspark.sampling_params import (
     MAX_INT,
@@ -323,3 +323,5 @@ def test_server_stays_ready_after_every_bad_request(triton_server):
         with urllib.request.urlopen(f"http://{triton_server.http_url}/v2/models/{model}/ready") as ready:
             assert ready.status == 200
     assert triton_server.running
+    for name in ("dspark_num_requests_running", "dspark_num_requests_waiting", "dspark_kv_pages_used"):
+        assert wait_for(lambda name=name: triton_server.metric(name, model="dspark") == 0), name
