@@ -8,7 +8,12 @@ server really does: the launcher's ports and flags, the compose file, the metric
 from __future__ import annotations
 
 import copy
+import http.server
 import re
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +148,61 @@ def test_probe_timing_leaves_restarts_to_dspark_serve_and_drops_a_dead_engine_qu
     assert probe_budget_s(spec["readinessProbe"]) <= 15
     assert args.max_restarts >= 1, "dspark serve restarts the server before the kubelet restarts the pod"
     assert one("Deployment")["spec"]["template"]["spec"].get("restartPolicy", "Always") == "Always"
-    assert one("Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > args.exit_timeout
+    grace = one("Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= pre_stop_limit_s() + args.exit_timeout + 10, "preStop, then dspark serve's own stop"
+
+
+def pre_stop_script() -> str:
+    """The Python program the container's preStop hook runs."""
+    command = container()["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["python3", "-c"]
+    return command[2]
+
+
+def pre_stop_limit_s() -> int:
+    """The most seconds the preStop hook waits."""
+    return int(re.search(r"time\.monotonic\(\) - start < (\d+)", pre_stop_script()).group(1))
+
+
+class FakeMetrics(http.server.BaseHTTPRequestHandler):
+    """A metrics port whose engine holds requests until `busy_until` (a monotonic time)."""
+
+    busy_until = 0.0
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        busy = int(time.monotonic() < self.busy_until)
+        lines = [
+            f'dspark_num_requests_{name}{{model="dspark",version="1"}} {busy}'
+            for name in ("running", "waiting")
+        ]
+        body = ("# TYPE dspark_num_requests_running gauge\n" + "\n".join(lines) + "\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        """Quiet."""
+
+
+def test_the_pre_stop_hook_waits_until_the_engine_has_no_request():
+    script = pre_stop_script()
+    assert ":8002/metrics" in script and launcher_args().metrics_port == 8002
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeMetrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        script = script.replace(":8002/", f":{server.server_address[1]}/")
+        started = time.monotonic()
+        FakeMetrics.busy_until = started + 7.0
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=30)
+        elapsed = time.monotonic() - started
+        assert 7.0 <= elapsed < 12.0, elapsed
+        started = time.monotonic()
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=30)
+        assert 5.0 <= time.monotonic() - started < 9.0, "idle: the 5 s for endpoint removal, then stop"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_the_container_binds_every_interface_on_the_launcher_default_ports():
