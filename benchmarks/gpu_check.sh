@@ -11,14 +11,24 @@
 #      losslessness suite stays in CI);
 #   3. benchmarks/profile_host.py: cProfile of one batch-64 SmolLM2 generate() per speculation mode;
 #   4. benchmarks/gpu_e2e.py: SmolLM2 end to end, the Qwen3-8B-shaped step against its floor, and the
-#      8B forced-acceptance end to end (see that script).
+#      8B forced-acceptance end to end (see that script);
+#   5. serving on the GPU: the real tritonserver (`dspark serve`, the nvidia-pytriton wheel) started by
+#      the serving integration tests (text and ids, streaming and not, cancel, faults), when the wheels
+#      are here (parked in /tmp/carry like the GGUF parts, see below);
+#   6. benchmarks/serving_overhead.py: the offline engine against the same engine behind the server.
 # Limits (seconds): TESTS_S (default 420; 0 skips them), PROFILE_S and E2E_S (default 0: skipped, the
 # tests need the call's time; e.g. TESTS_S=0 PROFILE_S=100 E2E_S=330 refreshes the tables in a call of its
-# own). PROFILE_ARGS go to profile_host.py (e.g. "--kernels --modes off,static").
+# own). PROFILE_ARGS go to profile_host.py (e.g. "--kernels --modes off,static"). SERVING_S (default
+# 300; 0 skips) and OVERHEAD_S (default 0: skipped), OVERHEAD_ARGS for serving_overhead.py.
 # The tests run in TEST_WORKERS (default 8) pytest-xdist processes sharing the GPU: they are mostly bound
 # by the host (small models, Triton compiles, graph captures), so one process leaves the GPU idle. The
 # whole list took 143 s so on an H200 (2026-12-01, the big_gpu_memory test alone after the workers);
 # one process had done about a third of it in 270 s.
+# Serving wheels (the device's Python 3.12 has none of them): here, `pip download --no-deps
+# --only-binary=:all: --python-version 3.12 ...` (the device README's platform flags) nvidia-pytriton==0.7.0
+# numpy==1.26.4 python-rapidjson tritonclient grpcio protobuf geventhttpclient gevent greenlet zope.event
+# zope.interface brotli into .carry/, the pytriton wheel split in two (`split -n 2 -d -a 2 WHEEL
+# WHEEL.part-`), and park them in /tmp/carry over calls as the GGUF parts (64 MiB a call).
 # TEST_FILES and PARTS (gpu_e2e.py --parts) narrow a call down. Results: $OUT/gpu-tests.log,
 # $OUT/gpu-tests-big-memory.log, $OUT/profile/<mode>-b64.txt, $OUT/e2e/results.{json,md}, $OUT/e2e.log.
 set -uo pipefail
@@ -28,6 +38,20 @@ OUT=${OUT:-/tmp/dspark-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
+
+# Wheels for serving (parked in /tmp/carry; nvidia-pytriton in parts): the stub embeds this Python and
+# needs numpy < 2 in it, so numpy 1.26 replaces the image's (torch runs with either).
+cp /tmp/carry/*.whl* .carry/ 2>/dev/null || true
+if compgen -G ".carry/*.whl.part-*" >/dev/null || compgen -G ".carry/*.whl" >/dev/null; then
+  mkdir -p /tmp/wheels
+  for first in .carry/*.whl.part-00; do
+    [[ -e "$first" ]] && cat "${first%.part-00}".part-* > /tmp/wheels/"$(basename "${first%.part-00}")"
+  done
+  cp .carry/*.whl /tmp/wheels/ 2>/dev/null
+  rm -f /tmp/wheels/gguf-*.whl
+  python3 -m pip install -q --no-deps --no-index /tmp/wheels/*.whl 2>&1 | tail -2
+  python3 -c "import numpy, pytriton, tritonclient.grpc; print('serving wheels: numpy', numpy.__version__)"
+fi
 
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 if [[ ! -f models/SmolLM2-135M-Instruct/config.json ]]; then
@@ -96,4 +120,31 @@ else
     > "$OUT/e2e.log" 2>&1
   echo "gpu_e2e exit $?"
   grep -v "^step \|Loading" "$OUT/e2e.log" | tail -40
+fi
+
+echo "=== serving on the GPU (tritonserver + the serving integration tests)"
+if [[ "${SERVING_S:-300}" == 0 ]]; then
+  echo "skipped (SERVING_S=0)"
+elif ! python3 -c "import pytriton, tritonclient.grpc" 2>/dev/null; then
+  echo "skipped: no nvidia-pytriton / tritonclient here (carry the wheels)"
+else
+  started=$SECONDS
+  timeout "$SERVING_S" python3 -m pytest -v --durations=10 -o faulthandler_timeout=120 -p no:cacheprovider \
+    tests/test_serving_grpc.py tests/test_serving_http.py tests/test_serving_cancel.py \
+    tests/test_serving_faults.py tests/test_serving_errors.py > "$OUT/gpu-serving-tests.log" 2>&1
+  echo "pytest exit $? after $((SECONDS - started)) s"
+  tail -3 "$OUT/gpu-serving-tests.log"
+fi
+
+echo "=== benchmarks/serving_overhead.py (offline engine vs the same engine behind the server)"
+if [[ "${OVERHEAD_S:-0}" == 0 ]]; then
+  echo "skipped (OVERHEAD_S=0)"
+else
+  # shellcheck disable=SC2086  # OVERHEAD_ARGS is a list of arguments
+  timeout "$OVERHEAD_S" python3 benchmarks/serving_overhead.py --out "$OUT/overhead" ${OVERHEAD_ARGS:-} \
+    > "$OUT/overhead.log" 2>&1
+  echo "serving_overhead exit $?"
+  grep -v "^=== " "$OUT/overhead.log" | tail -20
+  cp "$OUT"/overhead/overhead.{json,md} "$OUT"/ 2>/dev/null
+  tail -30 "$OUT"/overhead/*/server.log > "$OUT/overhead-server-logs.txt" 2>/dev/null
 fi

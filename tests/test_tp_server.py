@@ -42,16 +42,17 @@ def children(pid: int) -> list[int]:
 
 
 def rank_pids(server) -> list[int]:
-    """Process ids of the TP ranks 1..N-1 (spawned processes below the server)."""
-    pids = []
+    """Process ids of the TP ranks 1..N-1: the spawned processes below the server that spawned none
+    themselves (the engine process, which spawns them, is one too)."""
+    spawned = []
     for pid in children(server.process.pid):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
         if "spawn_main" in cmdline:
-            pids.append(pid)
-    return pids
+            spawned.append(pid)
+    return [pid for pid in spawned if not set(children(pid)) & set(spawned)]
 
 
 def alive(pid: int) -> bool:

@@ -89,6 +89,10 @@ class EngineConfig:
     seed: int = 0
     # Publish Prometheus metrics through Triton's metrics port.
     enable_metrics: bool = True
+    # Run the engine in a process of its own (true), apart from the Triton adapter's request and response
+    # I/O, so that sending responses takes no time from engine steps (one interpreter lock each); false:
+    # a thread of the adapter's process.
+    engine_process: bool = True
     # Testing only; empty in production. When set, the engine loop raises an injected fault at its next
     # step once this file exists (and removes the file as it fires), to test how a serving fault ends.
     fault_injection_file: str = ""

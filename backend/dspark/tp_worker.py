@@ -159,7 +159,7 @@ def python_executable() -> str:
 
 
 @contextmanager
-def _spawning_with(context: mp.context.SpawnContext, executable: str) -> Iterator[None]:
+def spawning_with(context: mp.context.SpawnContext, executable: str) -> Iterator[None]:
     """Spawn with `executable`, and without the parent's `__main__`: spawn would otherwise re-run the
     user's script (or whatever hosts us: pytest, Triton's stub) in every rank, which needs nothing
     from it. Both settings are process-wide, so they are restored afterwards."""
@@ -204,7 +204,7 @@ class WorkerGroup:
         size = len(devices)
         context = mp.get_context("spawn")
         processes, conns = [], []
-        with _spawning_with(context, python_executable()):
+        with spawning_with(context, python_executable()):
             for rank in range(1, size):
                 spec = WorkerSpec(config, rank, size, str(devices[rank]), dtype, store_port, threads)
                 ours, theirs = context.Pipe(duplex=True)

@@ -1,0 +1,271 @@
+"""EngineProcess: AsyncEngine's interface with the engine in a child process of its own.
+
+Inside Triton's Python backend, the adapter's response thread (building tensors, sending responses,
+publishing metrics) and the engine's step loop would share one interpreter and its GIL: every
+response the server sends then takes time from the next engine step. Here the engine core runs in a
+spawned process (its own GIL, its own CUDA context); the adapter's process keeps only request and
+response I/O. Two pipes connect them:
+
+- control (duplex): the adapter's `submit` (answered with the prompt's token ids, or the error that
+  names the bad field, so a bad request still fails at once and alone), `abort`, `shutdown`;
+- events (engine -> adapter): batches of deltas (everything committed since the last batch, one
+  message per batch) with an occupancy snapshot, and the engine's death.
+
+Faults: if the engine loop dies, its requests' failed deltas arrive first, then the death; if the
+engine process itself dies (killed, out of memory), the adapter sees its events pipe close and fails
+every request it was waiting on. Either way `on_death` is called once and `healthy` turns False. The
+engine process exits when the adapter's control pipe closes, so it never outlives its adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from dspark.async_engine import AsyncEngine, DeathCallback, DeltaCallback, EngineDeadError
+from dspark.config import EngineConfig
+from dspark.outputs import EngineLoad, RequestDelta
+from dspark.sampling_params import InvalidParameterError, SamplingParams
+from dspark.tokenizer import Tokenizer
+from dspark.tp_worker import python_executable, spawning_with
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0  # past the engine's own shutdown, before its process is killed
+
+
+class EngineProcess:
+    """Runs an AsyncEngine in a spawned process and relays requests and deltas (see the module)."""
+
+    def __init__(self, config: EngineConfig, on_death: DeathCallback | None = None) -> None:
+        """Spawn the engine process and wait until its engine is built (model load, CUDA graphs)."""
+        self.config = config
+        self._on_death = on_death
+        self._callbacks: dict[str, DeltaCallback] = {}
+        self._lock = threading.Lock()  # the callbacks
+        self._control_lock = threading.Lock()  # one submit's request and reply at a time
+        self._error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._load = EngineLoad(0, 0, 0, 0)
+        context = mp.get_context("spawn")
+        self._control, control_theirs = context.Pipe(duplex=True)
+        self._events, events_theirs = context.Pipe(duplex=False)
+        with spawning_with(context, python_executable()):
+            # Not a daemon: a tensor-parallel engine spawns rank processes of its own.
+            self._process = context.Process(
+                target=engine_main, args=(config, control_theirs, events_theirs), name="dspark-engine"
+            )
+            self._process.start()
+        control_theirs.close()
+        events_theirs.close()
+        try:
+            kind, detail = self._events.recv()
+        except EOFError:
+            kind, detail = "failed", f"the engine process exited with status {self._process.join(5) or ''}"
+        if kind != "ready":
+            self._kill()
+            raise RuntimeError(f"the engine process failed to start:\n{detail}")
+        self.tokenizer = Tokenizer.from_dir(config.model_path)  # the adapter's own, for decoding prompts
+        self._reader = threading.Thread(target=self._read_events, name="dspark-engine-events", daemon=True)
+
+    def start(self) -> None:
+        """Start relaying the engine's deltas (idempotent)."""
+        if not self._reader.is_alive() and not self._stopping.is_set():
+            self._reader.start()
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine died, its process exited, or shutdown began."""
+        return self._error is None and not self._stopping.is_set() and self._process.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped, if it did."""
+        return self._error
+
+    def submit(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        on_delta: DeltaCallback,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> list[int]:
+        """Validate and queue one request in the engine process; its prompt token ids.
+
+        Raises InvalidParameterError (naming the field) for a bad request, EngineDeadError when the
+        engine is not running.
+        """
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self._error!r}")
+        with self._lock:  # before the engine can answer: its first delta may come at once
+            self._callbacks[request_id] = on_delta
+        try:
+            with self._control_lock:
+                self._control.send(("submit", request_id, params, prompt, prompt_token_ids))
+                reply = self._control.recv()
+        except (OSError, EOFError):
+            reply = ("dead", "the engine process is gone")
+        if reply[0] == "ok":
+            return reply[1]
+        with self._lock:
+            self._callbacks.pop(request_id, None)
+        if reply[0] == "invalid":
+            raise InvalidParameterError(reply[1], reply[2])
+        if reply[0] == "error":
+            raise RuntimeError(reply[1])
+        raise EngineDeadError(f"engine is not running: {reply[1]}")
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; it ends with reason 'abort' at the engine's next step."""
+        self._command(("abort", request_id))
+
+    def load(self) -> EngineLoad:
+        """The occupancy the engine reported with its last batch of deltas."""
+        return self._load
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight (their last deltas are relayed), stop the engine and its process."""
+        self._stopping.set()
+        self._command(("shutdown",))
+        self._process.join(timeout + SHUTDOWN_GRACE_S)
+        self._kill()
+        if self._reader.is_alive():
+            self._reader.join(SHUTDOWN_GRACE_S)
+
+    # The adapter's side -----------------------------------------------------------------------
+
+    def _command(self, message: tuple) -> None:
+        try:
+            with self._control_lock:
+                self._control.send(message)
+        except (OSError, EOFError):
+            pass  # the engine process is gone; the events reader reports it
+
+    def _read_events(self) -> None:
+        while True:
+            try:
+                message = self._events.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "deltas":
+                self._load = message[2]
+                self._dispatch(message[1])
+            elif message[0] == "dead":
+                self._died(RuntimeError(message[1]))
+        if not self._stopping.is_set():
+            self._process.join(1)
+            self._died(RuntimeError(f"the engine process exited (status {self._process.exitcode})"))
+        self._fail_all("the engine process stopped")
+
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            with self._lock:
+                if delta.finished:
+                    callback = self._callbacks.pop(delta.request_id, None)
+                else:
+                    callback = self._callbacks.get(delta.request_id)
+            if callback is not None:
+                callback(delta)
+
+    def _died(self, cause: BaseException) -> None:
+        """The engine stopped: fail what is left, report it once."""
+        if self._error is not None:
+            return
+        logger.error("dspark engine process: %s", cause)
+        self._error = cause
+        self._fail_all(f"{type(cause).__name__}: {cause}")
+        if self._on_death is not None:
+            self._on_death(cause)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, {}
+        for request_id, callback in callbacks.items():
+            callback(RequestDelta.failed(request_id, message))
+
+    def _kill(self) -> None:
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(SHUTDOWN_GRACE_S)
+
+
+# The engine's side ----------------------------------------------------------------------------
+
+
+def engine_main(config: EngineConfig, control: Connection, events: Connection) -> None:
+    """The engine process: build the engine, serve control commands, send delta batches."""
+    outbox: queue.Queue = queue.Queue()
+    try:
+        engine = AsyncEngine(
+            config, on_death=lambda cause: outbox.put(("dead", f"{type(cause).__name__}: {cause}"))
+        )
+    except BaseException:
+        events.send(("failed", traceback.format_exc()))
+        return
+    engine.start()
+    events.send(("ready", None))
+    sender = threading.Thread(target=_send_events, args=(outbox, events, engine.load), daemon=True)
+    sender.start()
+    _serve_control(engine, control, outbox.put)
+    engine.shutdown()
+    outbox.put(None)
+    sender.join()
+
+
+def _serve_control(engine: AsyncEngine, control: Connection, on_delta: Callable[[Any], None]) -> None:
+    """Answer the adapter's commands until it asks to shut down or goes away."""
+    while True:
+        try:
+            message = control.recv()
+        except (EOFError, OSError):
+            return
+        kind = message[0]
+        if kind == "submit":
+            _, request_id, params, prompt, prompt_token_ids = message
+            try:
+                ids = engine.submit(
+                    request_id, params, on_delta, prompt=prompt, prompt_token_ids=prompt_token_ids
+                )
+                reply: tuple = ("ok", ids)
+            except InvalidParameterError as exc:
+                reply = ("invalid", exc.field, str(exc).removeprefix(f"{exc.field}: "))
+            except EngineDeadError as exc:
+                reply = ("dead", str(exc))
+            except Exception as exc:  # a request's own failure must not end the engine process
+                reply = ("error", f"{type(exc).__name__}: {exc}")
+            control.send(reply)
+        elif kind == "abort":
+            engine.abort(message[1])
+        elif kind == "shutdown":
+            return
+
+
+def _send_events(outbox: queue.Queue, events: Connection, load: Callable[[], EngineLoad]) -> None:
+    """Send everything queued as one batch of deltas (plus the engine's death, in order)."""
+    while True:
+        items = [outbox.get()]
+        while True:
+            try:
+                items.append(outbox.get_nowait())
+            except queue.Empty:
+                break
+        deltas = []
+        for item in items:
+            if isinstance(item, RequestDelta):
+                deltas.append(item)
+                continue
+            if deltas:
+                events.send(("deltas", deltas, load()))
+                deltas = []
+            if item is None:
+                return
+            events.send(item)
+        if deltas:
+            events.send(("deltas", deltas, load()))

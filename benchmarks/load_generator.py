@@ -1,0 +1,198 @@
+"""A multi-process gRPC streaming load generator, so that the client is never what limits a measurement.
+
+`run_load(url, concurrency, ...)` spreads `concurrency` closed-loop streams over worker processes
+(threads inside each, one gRPC stream per thread); each stream sends its requests one after another.
+The result counts output tokens and responses over the wall time from the first send to the last
+final response, with TTFT and inter-response percentiles.
+
+    python benchmarks/load_generator.py --url localhost:8001 --concurrency 64 --requests 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
+
+PROMPTS = [
+    "Explain how a bicycle stays upright.",
+    "Write a short poem about the sea.",
+    "What are the three primary colors?",
+    "Describe the water cycle in simple terms.",
+    "Give three tips for learning a new language.",
+    "Why is the sky blue?",
+    "How does a refrigerator keep food cold?",
+    "List four planets of the solar system.",
+]
+
+
+@dataclass
+class StreamStats:
+    """What the requests of one worker process measured."""
+
+    requests: int = 0
+    errors: list[str] = field(default_factory=list)
+    output_tokens: int = 0
+    responses: int = 0
+    ttft: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)  # seconds between successive responses of a request
+    first_send: float = float("inf")
+    last_final: float = 0.0
+
+
+@dataclass
+class LoadResult:
+    """One load level, summed over every worker."""
+
+    concurrency: int
+    requests: int
+    errors: int
+    seconds: float
+    output_tokens: int
+    responses: int
+    tokens_per_s: float
+    responses_per_s: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    gap_p50_ms: float
+    gap_p90_ms: float
+    first_error: str = ""
+
+
+def _percentile_ms(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return 1000 * ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def _stream_loop(url: str, count: int, params: dict, offset: int, stats: StreamStats, lock: threading.Lock):
+    from dspark_client.streaming import GrpcSession, ServerError
+
+    session = GrpcSession(url)
+    try:
+        for index in range(count):
+            prompt = PROMPTS[(offset + index) % len(PROMPTS)]
+            sent = time.monotonic()
+            with lock:
+                stats.first_send = min(stats.first_send, sent)
+            last = sent
+            tokens = responses = 0
+            ttft = None
+            gaps = []
+            try:
+                for chunk in session.generate(prompt, params):
+                    now = time.monotonic()
+                    if ttft is None and chunk.token_ids:
+                        ttft = now - sent
+                    elif chunk.token_ids:
+                        gaps.append(now - last)
+                    last = now
+                    tokens += len(chunk.token_ids)
+                    responses += 1
+            except ServerError as exc:
+                with lock:
+                    stats.errors.append(str(exc))
+                continue
+            with lock:
+                stats.requests += 1
+                stats.output_tokens += tokens
+                stats.responses += responses
+                stats.ttft.append(ttft if ttft is not None else last - sent)
+                stats.gaps.extend(gaps)
+                stats.last_final = max(stats.last_final, last)
+    finally:
+        session.close()
+
+
+def _worker(url: str, streams: int, per_stream: list[int], params: dict, offset: int, start_at: float, out):
+    stats = StreamStats()
+    lock = threading.Lock()
+    while time.time() < start_at:  # every process starts its streams at the same moment
+        time.sleep(0.001)
+    threads = [
+        threading.Thread(target=_stream_loop, args=(url, per_stream[i], params, offset + i, stats, lock))
+        for i in range(streams)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # monotonic clocks are per boot, shared by the processes of one machine
+    out.put(asdict(stats))
+
+
+def run_load(
+    url: str,
+    concurrency: int,
+    requests: int,
+    max_tokens: int = 128,
+    processes: int | None = None,
+    params: dict | None = None,
+) -> LoadResult:
+    """Run `requests` requests over `concurrency` streams in up to `processes` worker processes."""
+    processes = max(1, min(processes or os.cpu_count() or 1, concurrency))
+    params = {"max_tokens": max_tokens, "ignore_eos": True, **(params or {})}
+    per_stream = [requests // concurrency + (i < requests % concurrency) for i in range(concurrency)]
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    start_at = time.time() + 2.0 + 0.02 * concurrency  # time for the processes to import and connect
+    workers, stream = [], 0
+    for p in range(processes):
+        streams = concurrency // processes + (p < concurrency % processes)
+        args = (url, streams, per_stream[stream : stream + streams], params, stream, start_at, out)
+        workers.append(context.Process(target=_worker, args=args))
+        stream += streams
+    for worker in workers:
+        worker.start()
+    parts = [StreamStats(**out.get()) for _ in workers]
+    for worker in workers:
+        worker.join()
+    seconds = max(p.last_final for p in parts) - min(p.first_send for p in parts)
+    tokens = sum(p.output_tokens for p in parts)
+    responses = sum(p.responses for p in parts)
+    ttft = [t for p in parts for t in p.ttft]
+    gaps = [g for p in parts for g in p.gaps]
+    errors = [e for p in parts for e in p.errors]
+    return LoadResult(
+        concurrency=concurrency,
+        requests=sum(p.requests for p in parts),
+        errors=len(errors),
+        seconds=round(seconds, 3),
+        output_tokens=tokens,
+        responses=responses,
+        tokens_per_s=round(tokens / seconds, 1) if seconds > 0 else 0.0,
+        responses_per_s=round(responses / seconds, 1) if seconds > 0 else 0.0,
+        ttft_p50_ms=round(_percentile_ms(ttft, 50), 2),
+        ttft_p90_ms=round(_percentile_ms(ttft, 90), 2),
+        gap_p50_ms=round(_percentile_ms(gaps, 50), 2),
+        gap_p90_ms=round(_percentile_ms(gaps, 90), 2),
+        first_error=errors[0] if errors else "",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="localhost:8001")
+    parser.add_argument("--concurrency", default="1,8,64", help="comma-separated levels")
+    parser.add_argument("--requests", type=int, default=0, help="per level (default: 4 per stream)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--processes", type=int, default=0, help="worker processes (default: CPU count)")
+    args = parser.parse_args(argv)
+    for level in (int(c) for c in args.concurrency.split(",")):
+        requests = args.requests or 4 * level
+        result = run_load(args.url, level, requests, args.max_tokens, args.processes or None)
+        print(json.dumps(asdict(result)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,146 @@
+"""What the server keeps of the engine's speed: the offline engine against the same engine behind
+tritonserver (`dspark serve`, gRPC streaming, the multi-process load generator), side by side in one
+run, per concurrency and speculation mode; greedy, `--max-tokens` tokens, ignore_eos.
+
+    python benchmarks/serving_overhead.py --levels 1,8,64,128,256 --out /tmp/overhead
+
+Writes overhead.json and overhead.md under --out. `--modes` picks the engine configurations:
+`off` (plain decoding), `default` (the serve default), `default-inprocess` (the default with the
+engine in the adapter's process: engine_process false, the design before the engine process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from load_generator import PROMPTS, run_load  # noqa: E402
+from serving_ceiling import start_server  # noqa: E402
+
+from dspark.config import EngineConfig  # noqa: E402
+from dspark.triton_config import DEFAULT_MODEL_REPOSITORY, render_config_pbtxt  # noqa: E402
+
+MODES = {
+    "off": {"spec_mode": "off"},
+    "default": {},
+    "default-inprocess": {"engine_process": False},
+}
+
+
+def engine_config(mode: str, max_seqs: int) -> EngineConfig:
+    """The configuration both sides of a mode run: room for every stream at once."""
+    pages = max_seqs * 16  # 256 tokens of context per stream, in pages of 16
+    return EngineConfig(max_num_seqs=max_seqs, num_kv_pages=pages, **MODES[mode])
+
+
+def offline_tokens_per_s(config: EngineConfig, levels: list[int], max_tokens: int) -> dict[int, float]:
+    """dspark.LLM at each batch size: output tokens/s of one generate() call (after a warm-up)."""
+    import torch
+
+    from dspark import LLM, SamplingParams
+
+    llm = LLM(config)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))
+    rates = {}
+    for level in levels:
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(level)]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - started
+        rates[level] = round(sum(len(o.token_ids) for o in outputs) / seconds, 1)
+        print(f"offline {level:>4} streams: {rates[level]:.0f} tok/s", flush=True)
+    llm.engine.close()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rates
+
+
+def served(config: EngineConfig, levels: list[int], max_tokens: int, root: Path, ports: list[int]) -> dict:
+    """The same engine behind `dspark serve`: the load generator's result at each concurrency."""
+    repo = root / "model_repository"
+    shutil.copytree(
+        DEFAULT_MODEL_REPOSITORY / "dspark", repo / "dspark", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (repo / "dspark" / "config.pbtxt").write_text(render_config_pbtxt(config))
+    started = time.monotonic()
+    server = start_server(repo, *ports, root / "server.log")
+    print(f"server ready in {time.monotonic() - started:.0f} s", flush=True)
+    results = {}
+    try:
+        run_load(f"localhost:{ports[1]}", 8, 8, 16)  # warm-up
+        for level in levels:
+            result = run_load(f"localhost:{ports[1]}", level, 2 * level, max_tokens)
+            results[level] = asdict(result)
+            print(
+                f"server  {level:>4} streams: {result.tokens_per_s:.0f} tok/s, "
+                f"TTFT p50 {result.ttft_p50_ms:.1f} ms, {result.responses_per_s:.0f} responses/s, "
+                f"errors {result.errors}",
+                flush=True,
+            )
+    finally:
+        server.terminate()
+        server.wait(120)
+    return results
+
+
+def table(levels: list[int], runs: dict) -> str:
+    """Markdown: offline and served tokens/s per mode and their ratio, with the served TTFT."""
+    modes = list(runs)
+    head = "| streams | " + " | ".join(
+        f"{m} offline tok/s | {m} server tok/s | {m} server/offline" for m in modes
+    )
+    head += " | " + " | ".join(f"{m} TTFT p50 ms" for m in modes) + " |"
+    lines = [head, "|" + "---:|" * (1 + 4 * len(modes))]
+    for level in levels:
+        cells = []
+        for mode in modes:
+            offline = runs[mode]["offline"].get(level)
+            server = runs[mode]["server"].get(level, {}).get("tokens_per_s")
+            ratio = f"{server / offline:.2f}" if offline and server else "-"
+            cells += [f"{offline or '-'}", f"{server or '-'}", ratio]
+        cells += [f"{runs[m]['server'].get(level, {}).get('ttft_p50_ms', '-')}" for m in modes]
+        lines.append(f"| {level} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--levels", default="1,8,64,128,256")
+    parser.add_argument("--modes", default="off,default")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--ports", default="18600,18601,18602")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/dspark-overhead"))
+    args = parser.parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",")]
+    ports = [int(p) for p in args.ports.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for mode in args.modes.split(","):
+        config = engine_config(mode, max(levels))
+        print(f"=== {mode}: {config}", flush=True)
+        offline = {} if mode.endswith("inprocess") else offline_tokens_per_s(config, levels, args.max_tokens)
+        server = served(config, levels, args.max_tokens, args.out / mode, ports)
+        runs[mode] = {"offline": offline, "server": server}
+        (args.out / "overhead.json").write_text(json.dumps(runs, indent=1))
+    markdown = table(levels, runs)
+    (args.out / "overhead.md").write_text(markdown + "\n")
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
