@@ -1,0 +1,128 @@
+"""EngineProcess: the engine in a process of its own streams what the in-process engine streams, bad
+requests still fail at once naming the field, and a fault or a killed engine process fails every request
+and reports once."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+
+import pytest
+
+from dspark import EngineConfig, InvalidParameterError, SamplingParams
+from dspark.async_engine import AsyncEngine, EngineDeadError
+from dspark.engine_process import EngineProcess
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5], [3, 1, 4, 1, 5, 2], [7, 7, 2]]
+
+
+def _config(target_dir, draft_dir, **changes) -> EngineConfig:
+    base = EngineConfig(
+        model=str(target_dir), draft_model=str(draft_dir), num_kv_pages=256, kv_page_size=4, max_num_seqs=8
+    )
+    return base.replace(**changes)
+
+
+def _collect(engine, name: str, params: SamplingParams, prompt: list[int]) -> queue.Queue:
+    deltas: queue.Queue = queue.Queue()
+    engine.submit(name, params, deltas.put, prompt_token_ids=prompt)
+    return deltas
+
+
+def _until_final(deltas: queue.Queue, timeout: float = 60.0) -> list:
+    seen = []
+    while not seen or not seen[-1].finished:
+        seen.append(deltas.get(timeout=timeout))
+    return seen
+
+
+class _Deaths:
+    def __init__(self) -> None:
+        self.causes: list[BaseException] = []
+        self.event = threading.Event()
+
+    def __call__(self, cause: BaseException) -> None:
+        self.causes.append(cause)
+        self.event.set()
+
+
+def test_the_engine_process_streams_what_the_in_process_engine_streams(tiny_target_dir, tiny_drafter_dir):
+    config = _config(tiny_target_dir, tiny_drafter_dir)
+    expected = []
+    local = AsyncEngine(config)
+    local.start()
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            expected.append(
+                [t for d in local.stream(f"r{i}", GREEDY, prompt_token_ids=prompt) for t in d.new_token_ids]
+            )
+    finally:
+        local.shutdown()
+    engine = EngineProcess(config)
+    engine.start()
+    try:
+        streams = [_collect(engine, f"r{i}", GREEDY, prompt) for i, prompt in enumerate(PROMPTS)]
+        got = [[t for d in _until_final(s) for t in d.new_token_ids] for s in streams]
+        with pytest.raises(InvalidParameterError) as bad:
+            engine.submit("bad", GREEDY, lambda d: None, prompt_token_ids=[])
+        assert bad.value.field == "prompt_token_ids"
+        assert engine.healthy
+    finally:
+        engine.shutdown()
+    assert got == expected
+    assert not engine.healthy and not engine._process.is_alive()
+
+
+def test_shutdown_ends_requests_in_flight_with_abort(tiny_target_dir, tiny_drafter_dir):
+    engine = EngineProcess(_config(tiny_target_dir, tiny_drafter_dir))
+    engine.start()
+    deltas = _collect(engine, "long", LONG, PROMPTS[0])
+    assert not deltas.get(timeout=60).finished
+    engine.shutdown()
+    assert _until_final(deltas)[-1].finish_reason == "abort"
+    assert not engine._process.is_alive()
+
+
+def test_an_engine_fault_fails_every_request_and_reports_once(tiny_target_dir, tiny_drafter_dir, tmp_path):
+    trigger = tmp_path / "fault"
+    deaths = _Deaths()
+    engine = EngineProcess(
+        _config(tiny_target_dir, tiny_drafter_dir, fault_injection_file=str(trigger)), deaths
+    )
+    engine.start()
+    try:
+        streams = [_collect(engine, f"r{i}", LONG, prompt) for i, prompt in enumerate(PROMPTS)]
+        for deltas in streams:
+            assert not deltas.get(timeout=60).finished
+        trigger.touch()
+        for deltas in streams:
+            last = _until_final(deltas)[-1]
+            assert last.finish_reason == "error" and "InjectedFault" in last.error
+        assert deaths.event.wait(10) and len(deaths.causes) == 1
+        assert not engine.healthy
+        with pytest.raises(EngineDeadError):
+            engine.submit("late", LONG, lambda d: None, prompt_token_ids=PROMPTS[0])
+    finally:
+        engine.shutdown()
+
+
+def test_a_killed_engine_process_fails_every_request_and_reports_once(tiny_target_dir, tiny_drafter_dir):
+    deaths = _Deaths()
+    engine = EngineProcess(_config(tiny_target_dir, tiny_drafter_dir), deaths)
+    engine.start()
+    try:
+        streams = [_collect(engine, f"r{i}", LONG, prompt) for i, prompt in enumerate(PROMPTS)]
+        for deltas in streams:
+            assert not deltas.get(timeout=60).finished
+        os.kill(engine._process.pid, signal.SIGKILL)
+        for deltas in streams:
+            assert _until_final(deltas)[-1].finish_reason == "error"
+        assert deaths.event.wait(10) and len(deaths.causes) == 1
+        assert "exited" in str(deaths.causes[0])
+        assert not engine.healthy
+    finally:
+        engine.shutdown()
