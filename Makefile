@@ -12,6 +12,8 @@ ADDRESS ?= 127.0.0.1
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+# The OpenAI-compatible endpoint (dspark.openai_frontend); 0 turns it off.
+OPENAI_PORT ?= 9000
 MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=
 
@@ -23,7 +25,7 @@ DRAFT_DIR := drafters/SmolLM2-135M-Instruct-dspark
 
 serve: setup
 	$(BIN)/dspark serve --address $(ADDRESS) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT) --model-repository $(MODEL_REPOSITORY)
+		--metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT) --model-repository $(MODEL_REPOSITORY)
 
 # pytest's status 5 means "no tests collected": a broken collection must not pass.
 test: setup

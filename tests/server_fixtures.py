@@ -1,4 +1,5 @@
-"""A real tritonserver, started through `dspark serve` on a model repository rendered into tmp.
+"""A real tritonserver, started through `dspark serve` on a model repository rendered into tmp, with its
+OpenAI-compatible endpoint (dspark.openai_frontend) on a free port too.
 
 The repository is the checked-in one (dspark and dspark_generate) with dspark's config.pbtxt
 rendered from test-friendly EngineConfig settings: a small KV cache, so that the pages a request
@@ -81,13 +82,14 @@ def render_model_repository(root: Path, config: EngineConfig) -> Path:
 
 @dataclass
 class TritonServer:
-    """One `dspark serve` process (and the tritonserver it runs) on free ports."""
+    """One `dspark serve` process (and the tritonserver and OpenAI frontend it runs) on free ports."""
 
     repo: Path
     log_path: Path
     http_port: int
     grpc_port: int
     metrics_port: int
+    openai_port: int = 0  # the OpenAI endpoint's (dspark.openai_frontend); 0: none
     process: subprocess.Popen | None = None
     ready_after_s: float = 0.0
     _log: object = field(default=None, repr=False)
@@ -99,6 +101,11 @@ class TritonServer:
     @property
     def grpc_url(self) -> str:
         return f"localhost:{self.grpc_port}"
+
+    @property
+    def openai_url(self) -> str:
+        """The OpenAI endpoint's base URL, as the openai package takes it."""
+        return f"http://localhost:{self.openai_port}/v1"
 
     def start(self) -> TritonServer:
         """Launch and wait until both models are ready (idempotent while it runs)."""
@@ -117,6 +124,8 @@ class TritonServer:
             str(self.grpc_port),
             "--metrics-port",
             str(self.metrics_port),
+            "--openai-port",
+            str(self.openai_port),
             "--exit-timeout",
             "10",
             "--admin-key",
@@ -138,7 +147,7 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"dspark serve exited with {self.process.returncode}:\n{self.log_tail()}")
-            if self._ready("dspark") and self._ready("dspark_generate"):
+            if self._ready("dspark") and self._ready("dspark_generate") and self.openai_ready():
                 self.ready_after_s = time.monotonic() - started
                 return self
             time.sleep(0.25)
@@ -170,6 +179,8 @@ class TritonServer:
     def leftover_processes(self) -> list[str]:
         """Command lines of live processes that belong to this server (tritonserver or a stub)."""
         markers = [str(self.repo)] + ([f"dspark_{self.process.pid}_"] if self.process else [])  # + guards
+        if self.openai_port:
+            markers.append(f"--port={self.openai_port} --grpc-url=")  # the OpenAI frontend
         found = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
@@ -245,6 +256,16 @@ class TritonServer:
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
 
+    def openai_ready(self) -> bool:
+        """True when the OpenAI endpoint lists the model (always, when the server has none)."""
+        if not self.openai_port:
+            return True
+        try:
+            with urllib.request.urlopen(f"{self.openai_url}/models", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
     def _ready(self, model: str) -> bool:
         try:
             with urllib.request.urlopen(
@@ -258,9 +279,14 @@ class TritonServer:
 def start_server(root: Path, config: EngineConfig = TEST_ENGINE_CONFIG) -> TritonServer:
     """Render a repository under root and start a server on it."""
     root.mkdir(parents=True, exist_ok=True)
-    http_port, grpc_port, metrics_port = free_ports(3)
+    http_port, grpc_port, metrics_port, openai_port = free_ports(4)
     server = TritonServer(
-        render_model_repository(root, config), root / "server.log", http_port, grpc_port, metrics_port
+        render_model_repository(root, config),
+        root / "server.log",
+        http_port,
+        grpc_port,
+        metrics_port,
+        openai_port,
     )
     return server.start()
 

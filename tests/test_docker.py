@@ -41,7 +41,7 @@ def test_compose_reserves_a_gpu_and_sets_shm_ulimits_ports_volumes_and_a_readine
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     assert service["shm_size"]
     assert service["ulimits"]["memlock"] == -1 and service["ulimits"]["stack"] > 0
-    assert {p.split(":")[0] for p in service["ports"]} == {"8000", "8001", "8002"}
+    assert {p.split(":")[0] for p in service["ports"]} == {"8000", "8001", "8002", "9000"}  # 9000: OpenAI
     mounts = {v.split(":")[1] for v in service["volumes"]}
     assert {"/opt/dspark/model_repository", "/opt/dspark/models"} <= mounts
     assert "model-cache" in compose["volumes"]

@@ -22,7 +22,13 @@ shared-memory, model-repository (model control), logging and trace APIs need the
 `dspark-admin-key` (ADMIN_HEADER; gRPC metadata `triton-grpc-protocol-dspark-admin-key`) set to
 `--admin-key` (default: a random key per run, known to no one but the launcher, so those APIs are
 effectively off). Every endpoint binds to `--address` (127.0.0.1 unless told otherwise) or its own
-`--http-address` / `--grpc-address` / `--metrics-address`.
+`--http-address` / `--grpc-address` / `--metrics-address` / `--openai-address`.
+
+The OpenAI-compatible endpoint (`--openai-port`, 0: off) is a child process of its own
+(dspark.openai_frontend) that reaches the server over gRPC. The launcher starts it once and restarts
+it if it dies (Frontend); it outlives server restarts, reconnecting by itself. It stops with the
+launcher, and reads its standard input, a pipe only the launcher holds, so that it stops too when the
+launcher is killed (the guard's own mechanism).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +67,10 @@ SHM_ROOT = Path("/dev/shm")
 STUB_BINARY = "triton_python_backend_stub"
 GUARD_FLAG = "--guard"  # `python -m dspark.triton_launcher --guard ...` runs guard_main
 WILDCARD_ADDRESSES = ("0.0.0.0", "::", "[::]")
+FRONTEND_MODEL = "dspark"  # the Triton model the OpenAI endpoint serves
+FRONTEND_BACKOFF_S = (1.0, 30.0)  # pause before restarting a dead frontend: first, and at most (doubling)
+FRONTEND_STABLE_S = 60.0  # a frontend that ran this long before dying restarts after the first pause
+FRONTEND_STOP_S = 15.0  # its graceful shutdown (open streams end with the drain), then it is killed
 
 
 @dataclass
@@ -167,13 +178,28 @@ def server_command(
     return command + list(args.extra)
 
 
-def poll_host(args: argparse.Namespace) -> str:
-    """Where the launcher itself reaches the HTTP endpoint: --host, else the bind address (localhost
-    for a wildcard one)."""
+def poll_host(args: argparse.Namespace, bind_address: str | None = None) -> str:
+    """Where the launcher itself reaches an endpoint bound to `bind_address` (default: HTTP's): --host,
+    else the bind address (localhost for a wildcard one)."""
     if args.host:
         return args.host
-    address = args.http_address or args.address
+    address = bind_address or args.http_address or args.address
     return "localhost" if address in WILDCARD_ADDRESSES else address
+
+
+def frontend_command(args: argparse.Namespace) -> list[str]:
+    """The OpenAI frontend's command line: bound like the other endpoints, talking to the gRPC one."""
+    grpc_url = f"{poll_host(args, args.grpc_address or args.address)}:{args.grpc_port}"
+    return [
+        sys.executable,
+        "-m",
+        "dspark.openai_frontend",
+        f"--host={args.openai_address or args.address}",
+        f"--port={args.openai_port}",
+        f"--grpc-url={grpc_url}",
+        f"--model={FRONTEND_MODEL}",
+        "--exit-with-stdin",
+    ]
 
 
 def backend_stubs(server_pid: int) -> dict[int, str]:
@@ -212,12 +238,17 @@ def remove_shared_memory(prefix: str) -> list[str]:
     return removed
 
 
-def wait_ready(process: subprocess.Popen, url: str, timeout: float) -> bool:
-    """Poll Triton's readiness endpoint until it answers 200, the process exits or time runs out."""
+def wait_ready(
+    process: subprocess.Popen, url: str, timeout: float, tick: Callable[[], None] | None = None
+) -> bool:
+    """Poll Triton's readiness endpoint until it answers 200, the process exits or time runs out
+    (calling `tick`, if given, at every poll)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             return False
+        if tick is not None:
+            tick()
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
@@ -370,6 +401,58 @@ def guard_main(argv: list[str]) -> int:
     return 0
 
 
+@dataclass
+class Frontend:
+    """The OpenAI frontend process, restarted whenever it dies (after a pause that doubles while it keeps
+    dying, so that a port in use does not spin); it never takes the server down with it."""
+
+    command: list[str]
+    process: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restart_at: float | None = None
+    pause: float = FRONTEND_BACKOFF_S[0]
+
+    def start(self) -> None:
+        """Start it in its own session (a terminal's Ctrl-C is the launcher's), its stdin a pipe we hold."""
+        if self.process is not None:
+            self.process.stdin.close()  # the dead one's pipe
+        self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, start_new_session=True)
+        self.started_at = time.monotonic()
+        self.restart_at = None
+
+    def check(self) -> None:
+        """Restart the process if it has died and its pause is over."""
+        if self.process is None or self.process.poll() is None:
+            return
+        now = time.monotonic()
+        if self.restart_at is None:
+            if now - self.started_at >= FRONTEND_STABLE_S:
+                self.pause = FRONTEND_BACKOFF_S[0]
+            self.restart_at = now + self.pause
+            message = f"dspark serve: the OpenAI frontend exited with status {self.process.returncode}"
+            print(f"{message}; restarting it in {self.pause:.0f}s", file=sys.stderr, flush=True)
+            self.pause = min(2 * self.pause, FRONTEND_BACKOFF_S[1])
+        elif now >= self.restart_at:
+            self.start()
+
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM: no new requests; open ones get FRONTEND_STOP_S to end)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+
+    def stop(self) -> None:
+        """Stop it and wait until it is gone (killed if it outstays FRONTEND_STOP_S)."""
+        if self.process is None:
+            return
+        self.terminate()
+        try:
+            self.process.wait(FRONTEND_STOP_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process.stdin.close()
+
+
 def start_server(server: Server, args: argparse.Namespace, admin_key: str, number: int) -> ServerRun:
     """Start tritonserver in its own process group, with its own shared-memory prefix."""
     shm_prefix = f"dspark_{os.getpid()}_{number}_"
@@ -378,12 +461,15 @@ def start_server(server: Server, args: argparse.Namespace, admin_key: str, numbe
     return ServerRun(process, shm_prefix)
 
 
-def supervise(run: ServerRun) -> str:
-    """Block until the server or one of its backend processes dies; the cause."""
+def supervise(run: ServerRun, frontend: Frontend | None = None) -> str:
+    """Block until the server or one of its backend processes dies; the cause. Meanwhile keep the
+    frontend (if any) running."""
     while True:
         cause = run.fault()
         if cause is not None:
             return cause
+        if frontend is not None:
+            frontend.check()
         time.sleep(SUPERVISE_INTERVAL_S)
 
 
@@ -401,9 +487,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-address", help="HTTP bind address (default: --address)")
     parser.add_argument("--grpc-address", help="gRPC bind address (default: --address)")
     parser.add_argument("--metrics-address", help="metrics bind address (default: --address)")
+    parser.add_argument("--openai-address", help="OpenAI endpoint bind address (default: --address)")
     parser.add_argument("--http-port", type=int, default=8000, help="%(default)s")
     parser.add_argument("--grpc-port", type=int, default=8001, help="%(default)s")
     parser.add_argument("--metrics-port", type=int, default=8002, help="%(default)s")
+    parser.add_argument(
+        "--openai-port",
+        type=int,
+        default=9000,
+        help="port of the OpenAI-compatible endpoint (/v1/chat/completions, ...); 0: off. %(default)s",
+    )
     parser.add_argument(
         "--admin-key",
         default=os.environ.get("DSPARK_ADMIN_KEY", ""),
@@ -447,18 +540,22 @@ def main_serve(argv: list[str] | None = None) -> int:
     http_url = f"http://{poll_host(args)}:{args.http_port}"
     restarts: list[float] = []
     run: ServerRun | None = None
+    frontend = Frontend(frontend_command(args)) if args.openai_port else None
     try:
+        if frontend is not None:
+            frontend.start()  # it answers 503 until the server is ready
         for number in range(sys.maxsize):
             print(f"dspark serve: starting {server.binary}", flush=True)
             started = time.monotonic()
             run = start_server(server, args, admin_key, number)
             run.guard = start_guard(run, http_url, args.exit_timeout, admin_key)
-            if not wait_ready(run.process, f"{http_url}/v2/health/ready", args.startup_timeout):
+            tick = frontend.check if frontend is not None else None
+            if not wait_ready(run.process, f"{http_url}/v2/health/ready", args.startup_timeout, tick):
                 print("dspark serve: tritonserver did not become ready", file=sys.stderr)
                 return stop(run.process, exit_timeout=args.exit_timeout) or 1
             run.stubs = backend_stubs(run.process.pid)
             _print_ready(args, http_url, time.monotonic() - started)
-            cause = supervise(run)
+            cause = supervise(run, frontend)
             now = time.monotonic()
             restarts = [at for at in restarts if now - at < RESTART_WINDOW_S] + [now]
             if len(restarts) > args.max_restarts:
@@ -470,11 +567,15 @@ def main_serve(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print("dspark serve: shutting down", flush=True)
+        if frontend is not None:
+            frontend.terminate()  # takes no new request; the drain below ends its open ones
         status = 0 if run is None else stop(run.process, http_url, args.exit_timeout, admin_key)
         return 0 if stopping else status
     finally:
         if run is not None:
             run.end()
+        if frontend is not None:
+            frontend.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -488,6 +589,10 @@ def _print_ready(args: argparse.Namespace, http_url: str, elapsed: float) -> Non
         f"  metrics  http://{host}:{args.metrics_port}/metrics",
         flush=True,
     )
+    if args.openai_port:
+        openai_host = poll_host(args, args.openai_address or args.address)
+        endpoints = "(/v1/chat/completions, /v1/completions, /v1/models)"
+        print(f"  OpenAI   http://{openai_host}:{args.openai_port}/v1  {endpoints}", flush=True)
 
 
 if __name__ == "__main__":
