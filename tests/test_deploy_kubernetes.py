@@ -213,19 +213,17 @@ def test_the_container_binds_every_interface_on_the_launcher_default_ports():
     for name in ("http", "grpc", "metrics"):
         port = getattr(args, f"{name}_port")
         assert port == getattr(defaults, f"{name}_port") == container_port(name), name
-    # The OpenAI endpoint: dspark serve's --openai-port, default 9000 (issue 22).
-    assert (
-        container_port("openai")
-        == getattr(args, "openai_port", 9000)
-        == getattr(defaults, "openai_port", 9000)
-    )
+    # The OpenAI endpoint (dspark serve --openai-port) and the address it binds.
+    assert args.openai_port == defaults.openai_port == container_port("openai")
+    assert args.openai_address in (None, "0.0.0.0")
 
 
-def test_the_container_exposes_every_port_compose_publishes():
+def test_the_container_declares_exactly_the_ports_compose_publishes_and_the_image_exposes():
     service = yaml.safe_load((REPO_ROOT / "docker" / "compose.yaml").read_text())["services"]["dspark"]
     published = {int(str(port).split(":")[-1].split("/")[0]) for port in service["ports"]}
-    assert published >= {8000, 8001, 8002}
-    assert published <= {port["containerPort"] for port in container()["ports"]}
+    exposed = re.search(r"^EXPOSE (.+)$", (REPO_ROOT / "docker" / "Dockerfile").read_text(), re.M)
+    declared = {port["containerPort"] for port in container()["ports"]}
+    assert declared == published == {int(port) for port in exposed.group(1).split()}
 
 
 def test_the_deployment_takes_a_gpu_memory_backed_shm_and_an_optional_admin_key_secret():
