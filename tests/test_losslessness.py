@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from penalty_reference import penalized_row
 from proposers import OracleProposer, TrapProposer
 
 from dspark import LLM, EngineConfig, SamplingParams
@@ -125,6 +126,85 @@ def test_num_draft_tokens_zero_turns_speculation_off_for_that_request(
     assert all(o.spec_stats.verified_tokens > 0 for o in outs[0::2])
 
 
+# Penalties and min_tokens: every verify row is judged with the drafts before it as history, so a
+# penalized request decodes as it does without speculation.
+
+TINY_EOS = 0
+PENALTY_VARIANTS = [
+    SamplingParams(
+        max_tokens=24, ignore_eos=True, presence_penalty=0.8, frequency_penalty=0.3, repetition_penalty=1.4
+    ),
+    SamplingParams(max_tokens=24, min_tokens=9, ignore_eos=True),
+    SamplingParams(max_tokens=24, repetition_penalty=0.7, frequency_penalty=-0.4, min_tokens=4),
+    SamplingParams(max_tokens=24, presence_penalty=-1.0, stop_token_ids=[3], min_tokens=6),
+    SamplingParams(max_tokens=24, ignore_eos=True),
+]
+
+
+@pytest.fixture(scope="module")
+def penalized_truth(tiny_target_dir):
+    """Plain greedy continuations of distinct prompts, each under one of PENALTY_VARIANTS."""
+    rng = random.Random(4321)
+    prompts: list[list[int]] = []
+    while len(prompts) < 10:
+        prompt = _prompts(1, rng)[0]
+        if prompt not in prompts:
+            prompts.append(prompt)
+    params = [PENALTY_VARIANTS[i % len(PENALTY_VARIANTS)] for i in range(len(prompts))]
+    outs = LLM(_config(tiny_target_dir, spec_mode="off")).generate(params=params, prompt_token_ids=prompts)
+    plain = LLM(_config(tiny_target_dir, spec_mode="off")).generate(
+        params=SamplingParams(max_tokens=24), prompt_token_ids=prompts
+    )
+    changed = sum(a.token_ids != b.token_ids for a, b in zip(outs, plain, strict=True))
+    assert changed >= 6, "the penalties must change most outputs, or equality below proves little"
+    return prompts, params, [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize(("mode", "policy"), SPEC_SETTINGS)
+def test_penalized_greedy_output_unchanged_by_speculation_for_every_acceptance_pattern(
+    tiny_target_dir, penalized_truth, mode, policy, tmp_path
+) -> None:
+    prompts, params, expected = penalized_truth
+    truth = {tuple(p): p + out + [1] * BLOCK for p, out in zip(prompts, expected, strict=True)}
+    rng = random.Random()
+    # Request 0 drafts its true (penalized) continuation and is always fully accepted, so its later
+    # verify rows must see the drafts before them; request 1 never; the rest at random positions.
+    fixed = {0: None, 1: 0, 2: 2}
+
+    def corrupt(seq, step):
+        index = prompts.index(seq.prompt_token_ids)
+        return fixed[index] if index in fixed else rng.choice([None, *range(BLOCK)])
+
+    proposer = OracleProposer(truth, 8, BLOCK, corrupt, lambda seq, k: rng.uniform(0.3, 1.0))
+    llm = LLM(
+        _config(tiny_target_dir, spec_mode=mode, planner_policy=policy, sps_table=_decaying_sps(tmp_path)),
+        proposer=proposer,
+    )
+    outs = llm.generate(params=params, prompt_token_ids=prompts)
+    assert [o.token_ids for o in outs] == expected
+    assert outs[0].spec_stats.accepted_per_position[1] > 0  # two drafts accepted in one window
+    assert outs[1].spec_stats.accepted_tokens == 0
+
+
+@pytest.mark.parametrize(("mode", "policy"), SPEC_SETTINGS)
+def test_penalized_greedy_output_unchanged_with_the_real_drafter(
+    tiny_target_dir, tiny_drafter_dir, penalized_truth, mode, policy, tmp_path
+) -> None:
+    prompts, params, expected = penalized_truth
+    llm = LLM(
+        _config(
+            tiny_target_dir,
+            tiny_drafter_dir,
+            spec_mode=mode,
+            planner_policy=policy,
+            sps_table=_decaying_sps(tmp_path),
+        )
+    )
+    outs = llm.generate(params=params, prompt_token_ids=prompts)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.spec_stats.accepted_tokens for o in outs) > 0
+
+
 # Sampling -------------------------------------------------------------------------------------------
 
 PROMPT = [3, 5]
@@ -141,7 +221,11 @@ def _exact_joint(target_dir, params: SamplingParams) -> torch.Tensor:
     model = load_target_model(target_dir)
 
     def dist(prefix: list[int]) -> torch.Tensor:
-        return filtered_probs(dense_logits(model, prefix)[-1:], params)[0].double()
+        logits = dense_logits(model, prefix)[-1]
+        # Penalties and min_tokens (the tiny target's EOS is 0) as vLLM applies them, token by token.
+        stop_ids = [TINY_EOS, *params.stop_token_ids]
+        logits = penalized_row(logits, PROMPT, prefix[len(PROMPT) :], params, stop_ids)
+        return filtered_probs(logits[None], params)[0].double()
 
     joint = torch.zeros(8, 8, dtype=torch.float64)
     p1 = dist(PROMPT)
@@ -270,6 +354,35 @@ def test_sampling_with_the_real_drafter_and_filters_follows_target(
     if stop >= 0.5:
         stats = llm.engine.total_spec_stats
         assert stats.drafted_tokens < stats.steps * llm.engine.limits.block_size
+
+
+# x1 and x2 may not be EOS (min_tokens), and every token seen is pushed down: far from SAMPLING's law.
+PENALIZED_SAMPLING = SamplingParams(
+    max_tokens=4,
+    temperature=1.0,
+    ignore_eos=True,
+    presence_penalty=0.8,
+    frequency_penalty=0.5,
+    repetition_penalty=1.5,
+    min_tokens=2,
+)
+
+
+@pytest.mark.parametrize("drafter", ["trap", "real"])
+def test_penalized_sampling_follows_the_penalized_target_distribution(
+    tiny_target_dir, tiny_drafter_dir, exact_joint, drafter, tmp_path
+) -> None:
+    exact = _exact_joint(tiny_target_dir, PENALIZED_SAMPLING)
+    assert _tv(exact, exact_joint) > 2 * TV_BOUND  # the test tells the penalized law from the plain one
+    if drafter == "trap":
+        llm = _sampling_llm(tiny_target_dir, tmp_path, RAGGED_SPS, planner_policy="sync")
+    else:
+        changes = {"max_num_seqs": 512, "num_kv_pages": 1024, "max_num_batched_tokens": 4096}
+        llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static", **changes))
+    tv = _tv(_empirical_joint(llm, PENALIZED_SAMPLING), exact)
+    print(f"total variation {tv:.4f}")
+    assert tv < TV_BOUND
+    assert llm.engine.total_spec_stats.accepted_tokens > 0
 
 
 def test_early_stopped_drafting_keeps_greedy_output_and_verifies_only_drafts(

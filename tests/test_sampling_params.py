@@ -12,6 +12,9 @@ from dspark.sampling_params import (
     MAX_INT,
     MAX_JSON_BYTES,
     MAX_JSON_DEPTH,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -32,6 +35,11 @@ BOUNDS = {
     "top_k": ([0, MAX_INT], [-1, MAX_INT + 1, 10**30, 2.0]),
     "seed": ([0, MAX_SEED], [-1, MAX_SEED + 1, 18446744073709551621, 1.5, "1"]),
     "num_draft_tokens": ([0, MAX_INT], [-1, MAX_INT + 1, 10**30, 1.0]),
+    "presence_penalty": ([-MAX_PENALTY, MAX_PENALTY, 0, 0.5], [-2.0001, 2.0001, float("nan"), [1.0], True]),
+    "frequency_penalty": ([-MAX_PENALTY, MAX_PENALTY, 0], [-2.0001, 2.0001, float("inf"), {"a": 1}]),
+    "repetition_penalty": ([1e-9, MAX_REPETITION_PENALTY, 1], [0.0, -1.0, 2.0001, float("nan"), False]),
+    "min_tokens": ([0, 1], [-1, 1.0, 10**30, True]),  # and at most max_tokens (test_penalties.py)
+    "logprobs": ([0, MAX_LOGPROBS], [-1, MAX_LOGPROBS + 1, 1.0, True]),
     "stop": (
         [["x"] * MAX_STOP_STRINGS, ["y" * MAX_STOP_STRING_CHARS], "z"],
         [

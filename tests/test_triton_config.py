@@ -53,6 +53,8 @@ def test_interface_uses_the_vllm_backend_names_plus_tokens_and_speculation():
         "return_num_input_tokens",
         "return_num_output_tokens",
         "return_spec_stats",
+        "return_logprobs",
+        "return_cumulative_logprob",
     ):
         assert inputs[flag] == "TYPE_BOOL"
     assert inputs["input_ids"] == "TYPE_INT64"
@@ -63,5 +65,9 @@ def test_interface_uses_the_vllm_backend_names_plus_tokens_and_speculation():
         "num_input_tokens",
         "num_output_tokens",
         "spec_stats",
+        "logprobs",
+        "cumulative_logprob",
     }
+    assert outputs["logprobs"] == "TYPE_STRING"
+    assert outputs["cumulative_logprob"] == "TYPE_FP32"
     assert all(t.get("optional") for t in INPUTS)

@@ -18,11 +18,13 @@ from dspark.config import SPS_PROFILE, EngineConfig
 from dspark.cuda_graphs import max_pages_per_request
 from dspark.host_to_device import to_device
 from dspark.kernels import ops
+from dspark.logprobs import LogprobsFormatter, gather_logprobs
 from dspark.model_runner import ModelRunner, TargetStep, create_runner
 from dspark.models.loader import resolve_device, resolve_dtype
 from dspark.output_processor import OutputProcessor
-from dspark.outputs import EngineLoad, RequestDelta, SpecStats
+from dspark.outputs import EngineLoad, RequestDelta, SpecStats, TokenLogprobs
 from dspark.page_allocator import PageAllocator
+from dspark.penalties import PenaltyState, PenaltyWindow, apply_penalties, window_needs_adjusting
 from dspark.sampling import NON_FINITE_TOKEN, choose_tokens
 from dspark.sampling_params import InvalidParameterError, SamplingParams
 from dspark.scheduler import PrefillChunk, Scheduler
@@ -160,6 +162,9 @@ class LLMEngine:
         self.total_spec_stats = SpecStats()
         self._seqs: dict[str, Sequence] = {}
         self._outputs: dict[str, OutputProcessor] = {}
+        # History counts of the requests with penalties (on the device), by request id.
+        self._penalty_states: dict[str, PenaltyState] = {}
+        self._logprobs_formatter = LogprobsFormatter(self.tokenizer)
         self._pending: list[RequestDelta] = []
         self._aborts: list[str] = []
         self._arrivals = itertools.count()
@@ -255,6 +260,10 @@ class LLMEngine:
         self._outputs[request_id] = OutputProcessor(
             seq, self.tokenizer, self.eos_token_ids, self.limits.max_model_len
         )
+        if params.penalized:
+            self._penalty_states[request_id] = PenaltyState(
+                seq.prompt_token_ids, [], self.model_config.vocab_size, self.limits.device
+            )
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -303,14 +312,18 @@ class LLMEngine:
         if plan.in_step is not None:
             plan.take_in_step_drafts()
         timer.lap("target")
-        assert result.argmax is not None
+        assert result.logits is not None and result.argmax is not None
+        raw_logits = self._adjust_logits(
+            decode, plan, schedule.prefill, windows, result.logits, result.argmax
+        )
         committed = self._accept(decode, plan, schedule.prefill, result.logits, result.argmax, windows)
         timer.lap("accept")
-        for seq, tokens in committed:
-            deltas.append(self._emit(seq, tokens))
+        logprobs = self._committed_logprobs(committed, raw_logits)
+        for seq, tokens, _ in committed:
+            deltas.append(self._emit(seq, tokens, logprobs.get(seq.request_id)))
         if self.gate is not None and not schedule.prefill:
             # Decode-only steps are comparable; a prefill chunk would charge its own cost to the kind.
-            num_tokens = sum(len(tokens) for _, tokens in committed)
+            num_tokens = sum(len(tokens) for _, tokens, _ in committed)
             self.gate.finish_step(len(decode), plan.proposal is not None, num_tokens)
         timer.finish("emit")
         return deltas
@@ -376,6 +389,88 @@ class LLMEngine:
             windows.add(seq, tokens, chunk.start, logits="last" if wants_logits else "none")
         return windows
 
+    def _adjust_logits(
+        self,
+        decode: list[Sequence],
+        plan: _VerifyPlan,
+        prefill: list[PrefillChunk],
+        windows: _Windows,
+        logits: torch.Tensor,
+        argmax: torch.Tensor,
+    ) -> torch.Tensor:
+        """Apply penalties and min_tokens (`dspark.penalties`) to the rows of the requests that have
+        them, in place, refreshing those rows' argmax; return the logits as the target gave them
+        (a copy when rows changed and a request of this step reports logprobs, else `logits`).
+
+        logits: [rows, vocab] fp32 and argmax [rows], the step's, on the runner's device."""
+        adjusted: list[PenaltyWindow] = []
+        for r, seq in enumerate(decode):
+            if window_needs_adjusting(seq.params, seq.num_output_tokens):
+                draft_row = r if plan.proposal is not None and plan.verify_lens[r] else -1
+                adjusted.append(
+                    self._penalty_window(seq, windows.logit_offsets[r], 1 + plan.verify_lens[r], draft_row)
+                )
+        for i, chunk in enumerate(prefill):
+            seq = chunk.seq
+            first_token = chunk.completes_prefill and seq.num_output_tokens == 0
+            if first_token and window_needs_adjusting(seq.params, 0):
+                adjusted.append(self._penalty_window(seq, windows.logit_offsets[len(decode) + i], 1, -1))
+        if not adjusted:
+            return logits
+        raw = logits
+        if any(seq.params.logprobs is not None for seq in [*decode, *(c.seq for c in prefill)]):
+            raw = logits.clone()
+        drafts = plan.proposal.tokens if plan.proposal is not None else None
+        rows = apply_penalties(logits, adjusted, drafts)
+        if rows is not None:
+            argmax[rows] = logits[rows].argmax(dim=-1)
+        return raw
+
+    def _penalty_window(self, seq: Sequence, first_row: int, num_rows: int, draft_row: int) -> PenaltyWindow:
+        """What `apply_penalties` needs of one request's rows."""
+        return PenaltyWindow(
+            first_row=first_row,
+            num_rows=num_rows,
+            params=seq.params,
+            num_output=seq.num_output_tokens,
+            state=self._penalty_states.get(seq.request_id),
+            draft_row=draft_row,
+            stop_ids=sorted(set(self.eos_token_ids) | set(seq.params.stop_token_ids)),
+        )
+
+    def _committed_logprobs(
+        self, committed: list[tuple[Sequence, list[int], int]], logits: torch.Tensor
+    ) -> dict[str, tuple[list[TokenLogprobs], list[float]]]:
+        """Per request that asks for logprobs: each committed token's entry and chosen log probability,
+        from the target's raw logits [rows, vocab] (`dspark.logprobs`); one copy to the host a step."""
+        wanted = [
+            (seq, tokens, row)
+            for seq, tokens, row in committed
+            if seq.params.logprobs is not None and tokens and tokens[-1] != NON_FINITE_TOKEN
+        ]
+        if not wanted:
+            return {}
+        rows = [row + j for _, tokens, row in wanted for j in range(len(tokens))]
+        flat = [token for _, tokens, _ in wanted for token in tokens]
+        device = logits.device
+        num_top = max(seq.params.logprobs or 0 for seq, _, _ in wanted)
+        index = to_device(torch.tensor([rows, flat], dtype=torch.long), device)
+        chosen, ranks, top_ids, top_logprobs = gather_logprobs(logits[index[0]], index[1], num_top)
+        out: dict[str, tuple[list[TokenLogprobs], list[float]]] = {}
+        formatter = self._logprobs_formatter
+        k = 0
+        for seq, tokens, _ in wanted:
+            num = seq.params.logprobs or 0
+            entries = [
+                formatter.entry(
+                    token, chosen[k + j], ranks[k + j], top_ids[k + j][:num], top_logprobs[k + j][:num]
+                )
+                for j, token in enumerate(tokens)
+            ]
+            out[seq.request_id] = (entries, chosen[k : k + len(tokens)])
+            k += len(tokens)
+        return out
+
     def _accept(
         self,
         decode: list[Sequence],
@@ -384,19 +479,19 @@ class LLMEngine:
         logits: torch.Tensor,
         argmax: torch.Tensor,
         windows: _Windows,
-    ) -> list[tuple[Sequence, list[int]]]:
-        """Decide committed tokens; return them per sequence.
+    ) -> list[tuple[Sequence, list[int], int]]:
+        """Decide committed tokens; return them per sequence, with the logit row of the first.
 
         logits, argmax: the step's logit rows and their argmax, on the runner's device (greedy
         requests need only the argmax; sampling requests are judged there too)."""
-        committed: list[tuple[Sequence, list[int]]] = []
+        committed: list[tuple[Sequence, list[int], int]] = []
         greedy = self._greedy_accept(plan, argmax)
         sampled = self._sampled_accept(decode, plan, logits, windows)
         for r, seq in enumerate(decode):
             accepted, next_token = (greedy.accepted[r], greedy.bonus[r]) if seq.params.greedy else sampled[r]
             seq.spec_stats.record_step(plan.drafted[r], plan.verify_lens[r], accepted)
             seq.num_cached += accepted + 1
-            committed.append((seq, [*plan.drafts[r][:accepted], next_token]))
+            committed.append((seq, [*plan.drafts[r][:accepted], next_token], windows.logit_offsets[r]))
         first_prefill_row = windows.logit_offsets[len(decode)] if prefill else 0
         for i, chunk in enumerate(prefill):
             seq = chunk.seq
@@ -404,10 +499,10 @@ class LLMEngine:
             if chunk.completes_prefill and seq.num_output_tokens == 0:
                 offset = windows.logit_offsets[len(decode) + i]
                 if seq.params.greedy:
-                    committed.append((seq, [greedy.rest[offset - first_prefill_row]]))
+                    committed.append((seq, [greedy.rest[offset - first_prefill_row]], offset))
                 else:
                     row = logits[offset][None]
-                    committed.append((seq, [int(choose_tokens(row, seq.params, seq.generator)[0])]))
+                    committed.append((seq, [int(choose_tokens(row, seq.params, seq.generator)[0])], offset))
         return committed
 
     def _sampled_accept(
@@ -466,7 +561,15 @@ class LLMEngine:
             plan.drafts = [flat[r * width : r * width + n] for r, n in enumerate(plan.verify_lens)]
         return _GreedyOutcome(host[:num], host[num : 2 * num], host[2 * num + num * width :])
 
-    def _emit(self, seq: Sequence, tokens: list[int]) -> RequestDelta:
+    def _emit(
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        logprobs: tuple[list[TokenLogprobs], list[float]] | None = None,
+    ) -> RequestDelta:
+        """Commit a request's tokens (those up to its finish) and say what changed; `logprobs`: each
+        token's entry and chosen log probability, for requests that ask."""
+        processor = self._outputs[seq.request_id]
         if tokens and tokens[-1] == NON_FINITE_TOKEN:  # the sampler saw NaN or inf: this request fails
             self._finish(seq, "error")
             return RequestDelta(
@@ -479,8 +582,16 @@ class LLMEngine:
                 seq.num_output_tokens,
                 seq.spec_stats,
                 error="the sampling distribution is not finite (NaN or inf logits)",
+                logprobs=processor.logprobs_so_far(final=True),
+                cumulative_logprob=processor.cumulative_logprob,
             )
-        appended, text, reason = self._outputs[seq.request_id].commit(tokens)
+        appended, text, reason = processor.commit(tokens)
+        if logprobs is not None:
+            entries, chosen = logprobs
+            processor.add_logprobs(entries[: len(appended)], chosen[: len(appended)])
+        state = self._penalty_states.get(seq.request_id)
+        if state is not None:
+            state.commit(appended)
         if reason is not None:
             self._finish(seq, reason)
         return RequestDelta(
@@ -492,6 +603,8 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             spec_stats=seq.spec_stats,
+            logprobs=processor.logprobs_so_far(final=reason is not None),
+            cumulative_logprob=processor.cumulative_logprob,
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -501,6 +614,7 @@ class LLMEngine:
         self.total_spec_stats.merge(seq.spec_stats)
         del self._seqs[seq.request_id]
         del self._outputs[seq.request_id]
+        self._penalty_states.pop(seq.request_id, None)
 
     def _apply_aborts(self) -> list[RequestDelta]:
         deltas = []
@@ -508,6 +622,7 @@ class LLMEngine:
             seq = self._seqs.get(request_id)
             if seq is None:
                 continue
+            processor = self._outputs[request_id]
             self._finish(seq, "abort")
             deltas.append(
                 RequestDelta(
@@ -519,6 +634,8 @@ class LLMEngine:
                     seq.num_prompt_tokens,
                     seq.num_output_tokens,
                     seq.spec_stats,
+                    logprobs=processor.logprobs_so_far(final=True),
+                    cumulative_logprob=processor.cumulative_logprob,
                 )
             )
         self._aborts.clear()

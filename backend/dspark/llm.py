@@ -68,6 +68,8 @@ class LLM:
                 if delta.finished:
                     out.finish_reason = delta.finish_reason
                     out.spec_stats = delta.spec_stats
+                    out.logprobs = list(delta.logprobs) if delta.logprobs is not None else None
+                    out.cumulative_logprob = delta.cumulative_logprob
         return [results[r] for r in request_ids]
 
     def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> CompletionOutput:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dspark.outputs import LogprobsLog, LogprobsPrefix, TokenLogprobs
 from dspark.sequence import Sequence
 from dspark.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
@@ -21,6 +22,28 @@ class OutputProcessor:
         eos = set() if seq.params.ignore_eos else set(eos_token_ids)
         self.stop_ids = eos | set(seq.params.stop_token_ids)
         self.length_limit = min(seq.num_prompt_tokens + seq.params.max_tokens, max_model_len)
+        # Stop ids and strings end the request only once it has min_tokens output tokens (vLLM's rule;
+        # the engine masks EOS and stop ids before that, so only stop strings can come early).
+        self.min_tokens = seq.params.min_tokens
+        # Per output token, for requests that ask (append-only: deltas hold prefixes of it).
+        self.logprobs = LogprobsLog() if seq.params.logprobs is not None else None
+        self._logprobs_reported = 0  # entries the previous delta's prefix held
+        self.cumulative_logprob: float | None = 0.0 if seq.params.logprobs is not None else None
+
+    def add_logprobs(self, entries: list[TokenLogprobs], chosen: list[float]) -> None:
+        """Record the logprobs of tokens just committed (their entries, their chosen log probabilities)."""
+        assert self.logprobs is not None and self.cumulative_logprob is not None
+        self.logprobs.entries.extend(entries)
+        self.cumulative_logprob += sum(chosen)
+
+    def logprobs_so_far(self, final: bool) -> LogprobsPrefix | None:
+        """Every output token's entry so far, as an O(1) view that later steps leave unchanged (final:
+        for the request's last delta)."""
+        log = self.logprobs
+        if log is None:
+            return None
+        start, self._logprobs_reported = self._logprobs_reported, len(log.entries)
+        return LogprobsPrefix(log, len(log.entries), start, final)
 
     def commit(self, new_token_ids: list[int]) -> tuple[list[int], str, str | None]:
         """Append tokens to the sequence until one finishes it.
@@ -55,7 +78,16 @@ class OutputProcessor:
         for token in new_token_ids:
             seq.token_ids.append(token)
             appended.append(token)
-            piece, stopped = self.stops.feed(self.detokenizer.push([token]))
+            piece = self.detokenizer.push([token])
+            if seq.num_output_tokens <= self.min_tokens:
+                # vLLM matches stop strings only past min_tokens: this text is passed, never matched.
+                text.append(piece)
+                reason = self._finish_reason(token)
+                if reason is not None:
+                    text.append(self.detokenizer.flush())
+                    return appended, "".join(text), reason
+                continue
+            piece, stopped = self.stops.feed(piece)
             text.append(piece)
             if stopped:
                 return appended, "".join(text), "stop"
@@ -67,7 +99,7 @@ class OutputProcessor:
 
     def _finish_reason(self, token: int) -> str | None:
         """Why the request ends at `token`, just appended (None: it goes on)."""
-        if token in self.stop_ids:
+        if token in self.stop_ids and self.seq.num_output_tokens >= self.min_tokens:
             return "stop"
         if len(self.seq.token_ids) >= self.length_limit:
             return "length"

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 
 @dataclass
@@ -72,11 +76,105 @@ class SpecStats:
         }
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log probability under the target's raw distribution at a position, its rank there
+    (1: the most likely) and its text alone (as vLLM's `Logprob`)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# A committed position's entries: the chosen token and the top-N, by token id (as vLLM's logprobs).
+TokenLogprobs = dict[int, Logprob]
+
+
+class LogprobsLog:
+    """One request's per-token logprobs, append-only, shared by the prefixes its deltas hold.
+
+    `key` names it across processes; `shipped` is how many entries have been pickled already (a delta
+    crossing to the adapter's process carries only the entries after it: see `LogprobsPrefix`)."""
+
+    def __init__(self, key: tuple[int, int] | None = None) -> None:
+        self.entries: list[TokenLogprobs] = []
+        self.shipped = 0
+        self.key = key if key is not None else (os.getpid(), next(_log_numbers))
+
+
+_log_numbers = itertools.count()
+# The logs rebuilt in this process from pickled prefixes, by key, until their request's last delta.
+_received_logs: dict[tuple[int, int], LogprobsLog] = {}
+
+
+class LogprobsPrefix(Sequence[TokenLogprobs]):
+    """The first `length` entries of a request's `LogprobsLog`: what the request had up to one delta,
+    in O(1), unchanged by later steps (which only append).
+
+    Pickled, a prefix carries only the entries after both its own first new one (`start`: the length of
+    the request's previous delta's prefix) and those its log already shipped, and unpickling puts them
+    into the receiving process's copy of the log, so a stream of deltas costs O(new entries) each on the
+    way to the adapter's process (deltas cross one pipe, in order; a delta pickled twice, or one never
+    pickled, loses nothing). `final` (the request's last delta) lets the receiver forget the log."""
+
+    def __init__(self, log: LogprobsLog, length: int, start: int = 0, final: bool = False) -> None:
+        self._log = log
+        self._length = length
+        self._start = start
+        self.final = final
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> TokenLogprobs: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[TokenLogprobs]: ...
+
+    def __getitem__(self, index: int | slice) -> TokenLogprobs | list[TokenLogprobs]:
+        if isinstance(index, slice):
+            return [self._log.entries[i] for i in range(*index.indices(self._length))]
+        if not -self._length <= index < self._length:
+            raise IndexError("logprobs index out of range")
+        return self._log.entries[index % self._length]
+
+    def last(self, count: int) -> list[TokenLogprobs]:
+        """The entries of the last `count` tokens (those of a delta's `new_token_ids` for its count)."""
+        return self[self._length - count :] if count > 0 else []
+
+    def __reduce__(self) -> tuple:
+        log = self._log
+        start = min(log.shipped, self._start, self._length)
+        log.shipped = max(log.shipped, self._length)
+        return (
+            _received_prefix,
+            (log.key, start, log.entries[start : self._length], self._length, self.final),
+        )
+
+
+def _received_prefix(
+    key: tuple[int, int], start: int, new: list[TokenLogprobs], length: int, final: bool
+) -> LogprobsPrefix:
+    """Unpickling: this process's copy of the log, brought to `length` entries, and its prefix."""
+    log = _received_logs.setdefault(key, LogprobsLog(key))
+    del log.entries[start:]
+    log.entries.extend([{}] * (start - len(log.entries)))  # a gap cannot come over one ordered pipe
+    log.entries.extend(new)
+    log.shipped = len(log.entries)
+    if final:
+        _received_logs.pop(key, None)
+    return LogprobsPrefix(log, length, start, final)
+
+
 @dataclass
 class RequestDelta:
     """What one engine step produced for one request: new tokens and text, and whether it ended.
 
     `finish_reason` is one of "stop", "length", "abort", "error" once `finished` is True.
+    `logprobs` (requests that ask, `SamplingParams.logprobs`): one entry per output token so far,
+    this delta's included, so a consumer that merges deltas takes the last len(tokens) of the latest;
+    `cumulative_logprob`: the sum of the chosen tokens' log probabilities so far.
     """
 
     request_id: str
@@ -88,6 +186,13 @@ class RequestDelta:
     num_output_tokens: int
     spec_stats: SpecStats
     error: str | None = None
+    logprobs: LogprobsPrefix | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def new_logprobs(self) -> list[TokenLogprobs] | None:
+        """The entries of `new_token_ids` (None when the request did not ask for logprobs)."""
+        return None if self.logprobs is None else self.logprobs.last(len(self.new_token_ids))
 
     @classmethod
     def failed(cls, request_id: str, message: str) -> RequestDelta:
@@ -106,6 +211,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     spec_stats: SpecStats
+    # Per output token (requests that ask for logprobs; else None), and their chosen tokens' sum.
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass

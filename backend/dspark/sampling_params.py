@@ -20,6 +20,9 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_JSON_BYTES = 64 * 1024  # sampling_parameters (and request parameters) JSON text, UTF-8
 MAX_JSON_DEPTH = 8  # nesting of that JSON: the object itself is depth 1, `{"stop": ["a"]}` depth 2
 _MAX_INT_DIGITS = 40  # JSON integers longer than this are not converted (Python's own limit is 4300)
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (vLLM's range)
+MAX_REPETITION_PENALTY = 2.0  # repetition_penalty lies in (0, MAX_REPETITION_PENALTY] (vLLM's range)
+MAX_LOGPROBS = 20  # most top tokens `logprobs` may ask for a token (vLLM's default max_logprobs)
 
 
 class InvalidParameterError(ValueError):
@@ -58,6 +61,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     num_draft_tokens: int | None = None
+    # vLLM's penalties and min_tokens, applied to the target's logits wherever they are judged (each
+    # verify position sees the drafts before it as history), and `logprobs`: the top-N tokens' log
+    # probabilities (0: the chosen token's only; None: none) under the target's raw distribution.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +79,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the request decodes by argmax."""
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """True when presence, frequency or repetition penalties change this request's logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def validate(self) -> None:
         """Raise InvalidParameterError naming the first bad field."""
@@ -96,6 +112,29 @@ class SamplingParams:
             raise InvalidParameterError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
         if self.num_draft_tokens is not None:
             _check_int("num_draft_tokens", self.num_draft_tokens, 0, MAX_INT)
+        self._validate_penalties_and_logprobs()
+
+    def _validate_penalties_and_logprobs(self) -> None:
+        """The penalties, `min_tokens` and `logprobs` within vLLM's ranges."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                bounds = f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+                raise InvalidParameterError(name, f"must be in {bounds}, got {value}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidParameterError(
+                "repetition_penalty",
+                f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}",
+            )
+        _check_int("min_tokens", self.min_tokens, 0, MAX_INT)
+        if isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
+            raise InvalidParameterError(
+                "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
 
     def _validate_stop(self) -> None:
         """`stop`: a list of at most MAX_STOP_STRINGS non-empty strings of at most MAX_STOP_STRING_CHARS."""

@@ -30,6 +30,8 @@ INPUTS: list[dict] = [
     {"name": "return_num_input_tokens", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     {"name": "return_num_output_tokens", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     {"name": "return_spec_stats", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_logprobs", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_cumulative_logprob", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     {"name": "cancel_request_id", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
 ]
 
@@ -40,6 +42,10 @@ OUTPUTS: list[dict] = [
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
     {"name": "spec_stats", "data_type": "TYPE_STRING", "dims": [-1]},
+    # As the vLLM backend's: per token {token_id: {logprob, rank, decoded_token}} as JSON ("null" when
+    # sampling_parameters.logprobs is unset), and the chosen tokens' summed log probability.
+    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
 ]
 
 _HEADER = """\

@@ -33,6 +33,7 @@ import triton_python_backend_utils as pb_utils
 
 from dspark import EngineConfig, InvalidParameterError, SamplingParams
 from dspark.async_engine import AsyncEngine, EngineDeadError
+from dspark.logprobs import logprobs_json
 from dspark.metrics import Metrics, TritonMetrics
 from dspark.outputs import RequestDelta
 from dspark.sampling_params import MAX_INT, parse_json_object
@@ -46,6 +47,8 @@ RETURN_FLAGS = (
     "return_num_input_tokens",
     "return_num_output_tokens",
     "return_spec_stats",
+    "return_logprobs",
+    "return_cumulative_logprob",
 )
 ENGINE_FIELDS = {"prompt": "text_input", "prompt_token_ids": "input_ids"}
 
@@ -310,6 +313,14 @@ class TritonPythonModel:
             outputs.append(pb_utils.Tensor("num_output_tokens", np.array([len(token_ids)], np.uint32)))
         if "return_spec_stats" in live.returns:
             outputs.append(_strings("spec_stats", [json.dumps(spec)]))
+        if "return_logprobs" in live.returns:
+            # The tokens of this response (a stream's new ones, or all): the last of the request's entries.
+            entries = None if delta.logprobs is None else delta.logprobs.last(len(token_ids))
+            outputs.append(_strings("logprobs", [logprobs_json(entries)]))
+        if "return_cumulative_logprob" in live.returns:
+            # NaN when the request asked for no logprobs (vLLM computes none then, and sends NaN too)
+            value = float("nan") if delta.cumulative_logprob is None else delta.cumulative_logprob
+            outputs.append(pb_utils.Tensor("cumulative_logprob", np.array([value], np.float32)))
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def _finish(self, live: _Live, response) -> None:
