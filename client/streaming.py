@@ -15,6 +15,7 @@ import numpy as np
 DEFAULT_MODEL = "dspark"
 DEFAULT_GRPC_URL = "localhost:8001"
 DEFAULT_HTTP_URL = "localhost:8000"
+NOT_FINISHED = "None"  # finish_reason on a non-final response (str(None), as Triton's vLLM backend sends)
 _request_ids = itertools.count()
 
 
@@ -73,7 +74,7 @@ class GrpcSession:
                 raise ServerError(str(error.message() if hasattr(error, "message") else error))
             response = result.get_response()
             final = response.parameters["triton_final_response"].bool_param
-            reason = _first_string(result.as_numpy("finish_reason"))
+            reason = _finish_reason(_first_string(result.as_numpy("finish_reason")))
             stats = result.as_numpy("spec_stats")
             yield Chunk(
                 text=_first_string(result.as_numpy("text_output")),
@@ -140,7 +141,7 @@ def stream_http(
             event = json.loads(line[len("data:") :])
             if "error" in event:
                 raise ServerError(event["error"])
-            reason = event.get("finish_reason", "")
+            reason = _finish_reason(event.get("finish_reason", ""))
             ids = event.get("output_ids", [])
             yield Chunk(
                 text=event.get("text_output", ""),
@@ -162,6 +163,11 @@ def cancel_http(request_id: str, url: str = DEFAULT_HTTP_URL, model: str = DEFAU
         urllib.request.urlopen(request, timeout=30).close()
     except urllib.error.HTTPError as exc:
         raise ServerError(_error_text(exc.read())) from None
+
+
+def _finish_reason(sent: str) -> str:
+    """The finish reason a response carries, "" before the last one."""
+    return "" if sent == NOT_FINISHED else sent
 
 
 def _first_string(array: np.ndarray | None) -> str:

@@ -26,14 +26,14 @@ from dspark.sampling_params import (
 
 # field: (values at the bound, accepted; values one past it, rejected)
 BOUNDS = {
-    "max_tokens": ([1, MAX_INT], [0, MAX_INT + 1, 10**30, 1.0, "4", True]),
+    "max_tokens": ([1, MAX_INT, "4", " +4 "], [0, MAX_INT + 1, 10**30, 1.0, "4.0", "0", "many", True]),
     "temperature": (
-        [0.0, 0, MAX_TEMPERATURE],
-        [-1e-300, MAX_TEMPERATURE * 1.01, float("nan"), float("inf"), "1"],
+        [0.0, 0, MAX_TEMPERATURE, "0", "0.7"],
+        [-1e-300, MAX_TEMPERATURE * 1.01, float("nan"), float("inf"), "nan", "1e400", "hot"],
     ),
-    "top_p": ([1e-46, 5e-324, 1.0, 1], [0.0, 1.0000001, -0.5, float("nan"), "0.5"]),
+    "top_p": ([1e-46, 5e-324, 1.0, 1, "0.5"], [0.0, 1.0000001, -0.5, float("nan"), "0", "high"]),
     "top_k": ([0, MAX_INT], [-1, MAX_INT + 1, 10**30, 2.0]),
-    "seed": ([0, MAX_SEED], [-1, MAX_SEED + 1, 18446744073709551621, 1.5, "1"]),
+    "seed": ([0, MAX_SEED, "1"], [-1, MAX_SEED + 1, 18446744073709551621, 1.5, "1.5", "-1"]),
     "num_draft_tokens": ([0, MAX_INT], [-1, MAX_INT + 1, 10**30, 1.0]),
     "presence_penalty": ([-MAX_PENALTY, MAX_PENALTY, 0, 0.5], [-2.0001, 2.0001, float("nan"), [1.0], True]),
     "frequency_penalty": ([-MAX_PENALTY, MAX_PENALTY, 0], [-2.0001, 2.0001, float("inf"), {"a": 1}]),
@@ -55,7 +55,8 @@ BOUNDS = {
         [[0, MAX_INT], list(range(MAX_STOP_TOKEN_IDS))],
         [[-1], [MAX_INT + 1], list(range(MAX_STOP_TOKEN_IDS + 1)), [1.0], "1", [[1]]],
     ),
-    "ignore_eos": ([True, False], [1, "true"]),
+    "ignore_eos": ([True, False, "true", "False"], [1, "yes", "1", ""]),
+    "skip_special_tokens": ([True, False, "false"], [0, "no"]),
 }
 ACCEPTED = [(name, value) for name, (good, _) in BOUNDS.items() for value in good]
 REJECTED = [(name, value) for name, (_, bad) in BOUNDS.items() for value in bad]

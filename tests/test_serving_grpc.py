@@ -39,7 +39,7 @@ def test_stream_deltas_concatenate_to_the_non_streamed_text(streamed, whole):
 def test_final_flag_rides_on_the_last_data_response(streamed):
     assert [r.final for r in streamed.responses] == [False] * (len(streamed.responses) - 1) + [True]
     assert streamed.responses[-1].ids, "the final response carries tokens, it is not an empty marker"
-    assert [r.finish_reason for r in streamed.responses[:-1]] == [""] * (len(streamed.responses) - 1)
+    assert [r.finish_reason for r in streamed.responses[:-1]] == ["None"] * (len(streamed.responses) - 1)
     assert streamed.finish_reason == "length"
 
 

@@ -61,7 +61,7 @@ def test_generate_stream_sends_only_new_text_per_event_and_the_reason_last(trito
     events = sse_events(body)
     assert len(events) > 1
     assert "".join(e["text_output"] for e in events) == completion["text_output"]
-    assert [e["finish_reason"] for e in events] == [""] * (len(events) - 1) + ["length"]
+    assert [e["finish_reason"] for e in events] == ["None"] * (len(events) - 1) + ["length"]
 
 
 def test_generate_stream_reports_a_bad_request_as_an_error_naming_the_field(triton_server):

@@ -46,7 +46,7 @@ def metric(name: str, **labels: str) -> FakeMetric:
 
 def make() -> TritonMetrics:
     FakeFamily.created = {}
-    return TritonMetrics(FakeFamily, {"model": "dspark", "version": "1"})
+    return TritonMetrics(FakeFamily, {"model": "dspark", "version": "1"}, max_model_len=512)
 
 
 def stats_after(*steps: tuple[int, int, int]) -> dict:

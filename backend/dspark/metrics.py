@@ -5,17 +5,71 @@ locking) and calls `flush()` between sends. `Metrics` records nothing (metrics d
 `TritonMetrics` writes to `triton_python_backend_utils.MetricFamily`, passed in so that this module
 imports without Triton. Each metric update is a round trip to the server process (tens of µs), so
 counters and gauges are summed here and written once per flush; histograms are observed as events come.
+
+Beside the `dspark_` families, the `vllm:` families Triton's vLLM backend exports (src/utils/metrics.py
+there: same names, labels `model` and `version`, same buckets) and vLLM's speculative-decoding counters
+(`vllm:spec_decode_*`, which that backend does not forward), so dashboards built for either work. A
+vLLM "draft token" is one the target verified: DSpark drafts a block and verifies a planned prefix of
+it, so `vllm:spec_decode_num_draft_tokens_total` counts verified drafts (all drafted ones are
+`dspark_spec_drafted_tokens_total`), and its positions count from 0 as vLLM's do.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from dspark.config import EngineConfig
+from dspark.models.hf_config import ModelConfig
 from dspark.outputs import EngineLoad
+from dspark.sampling_params import MAX_INT
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 SPEC_COUNTERS = ("drafted_tokens", "verified_tokens", "accepted_tokens", "steps", "drafting_steps")
+VLLM_TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+]
+VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+VLLM_E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+VLLM_N_BUCKETS = [1, 2, 5, 10, 20]
+# vLLM's spec-decode counter -> the SpecStats counter it is
+VLLM_SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts_total": "drafting_steps",
+    "vllm:spec_decode_num_draft_tokens_total": "verified_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens",
+}
+
+
+def vllm_token_buckets(max_model_len: int) -> list[float]:
+    """vLLM's build_1_2_5_buckets: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def vllm_max_model_len(config: EngineConfig) -> int:
+    """The context length vLLM would report: max_model_len, else the target's max_position_embeddings."""
+    return config.max_model_len or ModelConfig.load(config.model_path).max_position_embeddings
 
 
 class Metrics:
@@ -23,6 +77,9 @@ class Metrics:
 
     def request_finished(self, finish_reason: str) -> None:
         """A request ended: stop, length, abort, error, or invalid (rejected before it started)."""
+
+    def request_completed(self, prompt_tokens: int, generation_tokens: int, e2e_latency: float) -> None:
+        """A request the engine ran ended, `e2e_latency` seconds after it arrived."""
 
     def prompt_tokens(self, count: int) -> None:
         """A request's prompt entered the engine."""
@@ -43,10 +100,12 @@ class Metrics:
 class TritonMetrics(Metrics):
     """Prometheus families on Triton's metrics endpoint, labelled with the model name and version."""
 
-    def __init__(self, family: Any, labels: dict[str, str]) -> None:
+    def __init__(self, family: Any, labels: dict[str, str], max_model_len: int = 0) -> None:
+        """`max_model_len` bounds vLLM's token-count buckets (0: unknown, up to MAX_INT)."""
         self._family = family
         self._labels = dict(labels)
         self._families: list[Any] = []  # a family is unregistered when garbage-collected
+        self._vllm = _VllmFamilies(self, max_model_len or MAX_INT)
         self._requests = self._new(
             family.COUNTER, "dspark_requests_total", "Finished requests, by finish reason"
         )
@@ -102,19 +161,30 @@ class TritonMetrics(Metrics):
             )
         self._add(self._by_reason[finish_reason], 1)
 
+    def request_completed(self, prompt_tokens: int, generation_tokens: int, e2e_latency: float) -> None:
+        vllm = self._vllm
+        vllm.e2e.observe(e2e_latency)
+        vllm.request_prompt.observe(prompt_tokens)
+        vllm.request_generation.observe(generation_tokens)
+        vllm.n.observe(1)
+
     def prompt_tokens(self, count: int) -> None:
         self._add(self._prompt, count)
+        self._add(self._vllm.prompt, count)
 
     def tokens_generated(self, count: int, since_arrival: float | None, since_last: float | None) -> None:
         if count <= 0:
             return
         self._add(self._generated, count)
+        self._add(self._vllm.generation, count)
         if since_arrival is not None:
             self._ttft.observe(since_arrival)
+            self._vllm.ttft.observe(since_arrival)
         elif since_last is not None:
             per_token = since_last / count
             for _ in range(count):
                 self._itl.observe(per_token)
+                self._vllm.tpot.observe(per_token)
 
     def speculation(self, before: dict | None, after: dict) -> None:
         before = before or {}
@@ -123,6 +193,15 @@ class TritonMetrics(Metrics):
             if step > 0:
                 self._add(self._spec[name], step)
                 self._totals[name] += step
+        for vllm_name, name in VLLM_SPEC_COUNTERS.items():
+            step = after.get(name, 0) - before.get(name, 0)
+            if step > 0:
+                self._add(self._vllm.spec[vllm_name], step)
+        accepted_before = before.get("accepted_per_position", [])
+        for k, count in enumerate(after["accepted_per_position"]):
+            step = count - (accepted_before[k] if k < len(accepted_before) else 0)
+            if step > 0:
+                self._add(self._vllm.accepted_at(k), step)
         _add_differences(
             self._accepted_at, before.get("accepted_per_position", []), after["accepted_per_position"]
         )
@@ -170,6 +249,77 @@ class TritonMetrics(Metrics):
         if buckets is None:
             return family.Metric(labels=self._labels)
         return family.Metric(labels=self._labels, buckets=buckets)
+
+
+class _VllmFamilies:
+    """The `vllm:` families of one TritonMetrics (names, labels and buckets as vLLM's)."""
+
+    def __init__(self, owner: TritonMetrics, max_model_len: int) -> None:
+        counter, histogram = owner._family.COUNTER, owner._family.HISTOGRAM
+        metric = owner._metric
+        token_buckets = vllm_token_buckets(max_model_len)
+        self._owner = owner
+        self.prompt = metric(counter, "vllm:prompt_tokens_total", "Number of prefill tokens processed.")
+        self.generation = metric(
+            counter, "vllm:generation_tokens_total", "Number of generation tokens processed."
+        )
+        self.ttft = metric(
+            histogram,
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            buckets=VLLM_TTFT_BUCKETS,
+        )
+        self.tpot = metric(
+            histogram,
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            buckets=VLLM_TPOT_BUCKETS,
+        )
+        self.e2e = metric(
+            histogram,
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.",
+            buckets=VLLM_E2E_BUCKETS,
+        )
+        self.request_prompt = metric(
+            histogram,
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            buckets=token_buckets,
+        )
+        self.request_generation = metric(
+            histogram,
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            buckets=token_buckets,
+        )
+        self.n = metric(
+            histogram,
+            "vllm:request_params_n",
+            "Histogram of the n request parameter.",
+            buckets=VLLM_N_BUCKETS,
+        )
+        self.spec = {
+            name: metric(counter, name, description)
+            for name, description in zip(
+                VLLM_SPEC_COUNTERS,
+                ("Number of spec decoding drafts.", "Number of draft tokens.", "Number of accepted tokens."),
+                strict=True,
+            )
+        }
+        self._per_position = owner._new(
+            counter,
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+            "Accepted tokens per draft position.",
+        )
+        self._positions: dict[int, Any] = {}
+
+    def accepted_at(self, position: int) -> Any:
+        """The accepted-tokens counter of draft position `position` (0: the first draft)."""
+        if position not in self._positions:
+            labels = {**self._owner._labels, "position": str(position)}
+            self._positions[position] = self._per_position.Metric(labels=labels)
+        return self._positions[position]
 
 
 def _add_differences(totals: list[int], before: list[int], after: list[int]) -> None:

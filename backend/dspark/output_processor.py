@@ -16,7 +16,9 @@ class OutputProcessor:
         self, seq: Sequence, tokenizer: Tokenizer, eos_token_ids: list[int], max_model_len: int
     ) -> None:
         self.seq = seq
-        self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens
+        )
         self.stops = StopStringMatcher(seq.params.stop) if seq.params.stop else None
         # Token ids that end the request, and the sequence length at which it ends for length.
         eos = set() if seq.params.ignore_eos else set(eos_token_ids)

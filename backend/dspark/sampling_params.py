@@ -2,12 +2,23 @@
 
 Every bound a request is held to is a constant here, so that the README, the validation and the tests
 read the same numbers.
+
+Parameters are read as Triton's vLLM backend reads them (from the `sampling_parameters` JSON, request
+parameters or the HTTP generate endpoint's top-level keys alike): a string given for a number or
+boolean parameter is converted to the type the field is annotated with (`"max_tokens": "32"`,
+`"temperature": "0"`, `"ignore_eos": "true"`); `max_tokens` defaults to vLLM's 16; vLLM parameters
+this engine lacks (`n`, `best_of`, `use_beam_search`, structured output) are accepted only at the
+value that asks for nothing and otherwise refused naming the parameter, like any unknown key.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import types
+import typing
 from dataclasses import dataclass, field, fields
+from functools import cache
 from typing import Any
 
 MAX_INT = 2**31 - 1  # max_tokens, top_k, num_draft_tokens and token ids fit an int32
@@ -23,6 +34,25 @@ _MAX_INT_DIGITS = 40  # JSON integers longer than this are not converted (Python
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (vLLM's range)
 MAX_REPETITION_PENALTY = 2.0  # repetition_penalty lies in (0, MAX_REPETITION_PENALTY] (vLLM's range)
 MAX_LOGPROBS = 20  # most top tokens `logprobs` may ask for a token (vLLM's default max_logprobs)
+DEFAULT_MAX_TOKENS = 16  # vLLM's default, which clients of Triton's vLLM backend rely on
+_INTEGER_TEXT = re.compile(r"\s*[+-]?\d+\s*")
+_ONE_COMPLETION = "only 1 is supported (one completion per request)"
+_NO_STRUCTURED_OUTPUT = "structured (guided) output is not supported"
+# vLLM sampling parameters this engine does not implement: the value that asks for nothing (accepted and
+# ignored; null is too) and why any other value is refused.
+UNSUPPORTED_PARAMETERS: dict[str, tuple[Any, str]] = {
+    "n": (1, _ONE_COMPLETION),
+    "best_of": (1, _ONE_COMPLETION),
+    "use_beam_search": (False, "beam search is not supported"),
+    "structured_outputs": (None, _NO_STRUCTURED_OUTPUT),
+    "guided_decoding": (None, _NO_STRUCTURED_OUTPUT),
+    "guided_json": (None, _NO_STRUCTURED_OUTPUT),
+    "guided_regex": (None, _NO_STRUCTURED_OUTPUT),
+    "guided_choice": (None, _NO_STRUCTURED_OUTPUT),
+    "guided_grammar": (None, _NO_STRUCTURED_OUTPUT),
+    "guided_decoding_backend": (None, _NO_STRUCTURED_OUTPUT),
+    "guided_whitespace_pattern": (None, _NO_STRUCTURED_OUTPUT),
+}
 
 
 class InvalidParameterError(ValueError):
@@ -49,10 +79,11 @@ class SamplingParams:
 
     `temperature` below GREEDY_BELOW_TEMPERATURE (0 included) means greedy. `top_p` keeps at least
     the most likely token. `num_draft_tokens` caps this request's verify window (None: the engine's
-    block size; 0: speculation off for this request).
+    block size; 0: speculation off for this request). `skip_special_tokens` leaves special tokens
+    (EOS, chat markers) out of the text, as vLLM does by default; the token ids keep them.
     """
 
-    max_tokens: int = 64
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -61,6 +92,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     num_draft_tokens: int | None = None
+    skip_special_tokens: bool = True
     # vLLM's penalties and min_tokens, applied to the target's logits wherever they are judged (each
     # verify position sees the drafts before it as history), and `logprobs`: the top-N tokens' log
     # probabilities (0: the chosen token's only; None: none) under the target's raw distribution.
@@ -112,6 +144,10 @@ class SamplingParams:
             raise InvalidParameterError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
         if self.num_draft_tokens is not None:
             _check_int("num_draft_tokens", self.num_draft_tokens, 0, MAX_INT)
+        if not isinstance(self.skip_special_tokens, bool):
+            raise InvalidParameterError(
+                "skip_special_tokens", f"must be a boolean, got {self.skip_special_tokens!r}"
+            )
         self._validate_penalties_and_logprobs()
 
     def _validate_penalties_and_logprobs(self) -> None:
@@ -150,19 +186,20 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
-        """Build from a JSON-like dict; unknown keys are an error naming the key."""
+        """Build from a JSON-like dict, as Triton's vLLM backend reads one (see the module's notes)."""
         if not isinstance(values, dict):
             raise InvalidParameterError("sampling_parameters", "must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        for key in values:
-            if key not in known:
+        kinds = _scalar_kinds(cls)
+        clean: dict[str, Any] = {}
+        for key, value in values.items():
+            if key in UNSUPPORTED_PARAMETERS:
+                _check_unsupported(key, value)
+            elif key not in kinds:
                 raise InvalidParameterError(
-                    key, f"unknown sampling parameter (known: {', '.join(sorted(known))})"
+                    key, f"unknown sampling parameter (known: {', '.join(sorted(kinds))})"
                 )
-        clean = {k: v for k, v in values.items() if v is not None}
-        for name in ("temperature", "top_p"):
-            if name in clean and isinstance(clean[name], int) and not isinstance(clean[name], bool):
-                clean[name] = float(clean[name])
+            elif value is not None:
+                clean[key] = _as_kind(key, value, kinds[key])
         return cls(**clean)
 
     @classmethod
@@ -194,6 +231,62 @@ def parse_json_object(text: str, field_name: str) -> dict[str, Any]:
 
 def _parse_int(digits: str) -> int | HugeInteger:
     return int(digits) if len(digits) <= _MAX_INT_DIGITS else HugeInteger(digits)
+
+
+@cache
+def _scalar_kinds(cls: type) -> dict[str, type | None]:
+    """Each field of `cls` with the one scalar type it takes (bool, int or float; None allowed beside
+    it), or None when it takes something else (a list, a string, a union of several)."""
+    hints = typing.get_type_hints(cls)
+    kinds: dict[str, type | None] = {}
+    for f in fields(cls):
+        hint = hints[f.name]
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        options = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
+        kinds[f.name] = options[0] if len(options) == 1 and options[0] in (bool, int, float) else None
+    return kinds
+
+
+def _as_kind(name: str, value: Any, kind: type | None) -> Any:
+    """`value` for a parameter of this scalar kind: a string converted (as Triton's vLLM backend does:
+    genai-perf and the backend's own clients send `"max_tokens": "32"`), an integer for a float field
+    made a float; anything else as it is, for validation to judge."""
+    if isinstance(value, str) and kind is not None:
+        return _from_string(name, value, kind)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _from_string(name: str, text: str, kind: type) -> bool | int | float | HugeInteger:
+    """A number or boolean given as a string. Unlike the vLLM backend's `bool(text)`, "false" is false:
+    only "true" and "false" (any case) are booleans."""
+    if kind is bool:
+        word = text.strip().lower()
+        if word not in ("true", "false"):
+            raise InvalidParameterError(name, f"must be a boolean (true or false), got {text!r}")
+        return word == "true"
+    if kind is int:
+        if not _INTEGER_TEXT.fullmatch(text):
+            raise InvalidParameterError(name, f"must be an integer, got {text!r}")
+        return _parse_int(text.strip().lstrip("+"))
+    try:
+        return float(text)
+    except ValueError:
+        raise InvalidParameterError(name, f"must be a number, got {text!r}") from None
+
+
+def _check_unsupported(name: str, value: Any) -> None:
+    """Accept a parameter this engine lacks only at the value that asks for nothing (or null)."""
+    accepted, reason = UNSUPPORTED_PARAMETERS[name]
+    if value is None:
+        return
+    if isinstance(value, str) and accepted is not None:
+        value = _from_string(name, value, type(accepted))
+    if accepted is None:
+        raise InvalidParameterError(name, reason)
+    if type(value) is not type(accepted) or value != accepted:
+        raise InvalidParameterError(name, f"{reason}, got {value!r}")
 
 
 def _depth(value: Any) -> int:

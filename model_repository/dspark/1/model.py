@@ -34,7 +34,7 @@ import triton_python_backend_utils as pb_utils
 from dspark import EngineConfig, InvalidParameterError, SamplingParams
 from dspark.async_engine import AsyncEngine, EngineDeadError
 from dspark.logprobs import logprobs_json
-from dspark.metrics import Metrics, TritonMetrics
+from dspark.metrics import Metrics, TritonMetrics, vllm_max_model_len
 from dspark.outputs import RequestDelta
 from dspark.sampling_params import MAX_INT, parse_json_object
 from dspark.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
@@ -297,6 +297,9 @@ class TritonPythonModel:
         live.spec_seen = spec
         if delta.finished:
             self._metrics.request_finished(delta.finish_reason or "stop")
+            self._metrics.request_completed(
+                delta.num_prompt_tokens, delta.num_output_tokens, at - live.arrived
+            )
 
     def _data_response(self, live: _Live, delta: RequestDelta, text: str, token_ids: list[int], spec: dict):
         outputs = [
@@ -304,7 +307,8 @@ class TritonPythonModel:
             pb_utils.Tensor("output_ids", np.array(token_ids, np.int32)),
         ]
         if "return_finish_reason" in live.returns:
-            outputs.append(_strings("finish_reason", [delta.finish_reason or ""]))
+            # str(None) before the end: the "None" Triton's vLLM backend sends on non-final responses
+            outputs.append(_strings("finish_reason", [str(delta.finish_reason)]))
         if "return_num_input_tokens" in live.returns:
             outputs.append(
                 pb_utils.Tensor("num_input_tokens", np.array([delta.num_prompt_tokens], np.uint32))
@@ -344,7 +348,10 @@ class TritonPythonModel:
         for live in live_now:
             if not live.cancelled and live.sender.is_cancelled():
                 live.cancelled = True
+                # The vLLM backend's wording, which its clients' tests and log scrapers look for.
+                self._logger.log_info(f"[vllm] Cancelling the request (dspark: {live.triton_id!r} cancelled)")
                 self._engine.abort(live.engine_id)
+                self._logger.log_info("[vllm] Successfully cancelled the request")
 
     def _exit_after_engine_death(self) -> None:
         """End what is still open, then end this process: `dspark serve` sees it and restarts the server."""
@@ -370,7 +377,7 @@ class TritonPythonModel:
             return Metrics()
         labels = {"model": args["model_name"], "version": args["model_version"]}
         try:
-            return TritonMetrics(pb_utils.MetricFamily, labels)
+            return TritonMetrics(pb_utils.MetricFamily, labels, max_model_len=vllm_max_model_len(config))
         except pb_utils.TritonModelException as exc:  # the server runs with --allow-metrics=false
             self._logger.log_warn(f"dspark: metrics unavailable: {exc}")
             return Metrics()
