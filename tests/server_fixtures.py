@@ -9,6 +9,7 @@ holds show up in the metrics, and a short context, so that a too-long prompt is 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import random
@@ -33,6 +34,8 @@ TEST_ENGINE_CONFIG = EngineConfig(
     num_kv_pages=96, kv_page_size=16, max_num_seqs=8, max_model_len=512, seed=0, adaptive_speculation=False
 )
 STARTUP_TIMEOUT_S = 300.0
+# The OpenAI frontend's packages (the `serve` extra; `make test` always has them).
+OPENAI_FRONTEND_INSTALLED = all(importlib.util.find_spec(name) for name in ("starlette", "uvicorn"))
 ADMIN_KEY = "test-admin-key"  # what the test servers take as --admin-key
 
 
@@ -280,6 +283,8 @@ def start_server(root: Path, config: EngineConfig = TEST_ENGINE_CONFIG) -> Trito
     """Render a repository under root and start a server on it."""
     root.mkdir(parents=True, exist_ok=True)
     http_port, grpc_port, metrics_port, openai_port = free_ports(4)
+    if not OPENAI_FRONTEND_INSTALLED:  # a bare GPU machine (gpu_check.sh) serves without it
+        openai_port = 0
     server = TritonServer(
         render_model_repository(root, config),
         root / "server.log",

@@ -121,7 +121,7 @@ class TritonMetrics(Metrics):
         self._itl = self._metric(
             family.HISTOGRAM,
             "dspark_inter_token_latency_seconds",
-            "Seconds between streamed tokens (a step's gap divided by the tokens it committed)",
+            "Seconds between streamed tokens: one observation per response, its gap over its tokens",
             buckets=ITL_BUCKETS,
         )
         self._spec = {
@@ -181,10 +181,11 @@ class TritonMetrics(Metrics):
             self._ttft.observe(since_arrival)
             self._vllm.ttft.observe(since_arrival)
         elif since_last is not None:
+            # One observation per update, not per token: each observe is a round trip to the server
+            # process, and an update carries every token the engine committed since the last one.
             per_token = since_last / count
-            for _ in range(count):
-                self._itl.observe(per_token)
-                self._vllm.tpot.observe(per_token)
+            self._itl.observe(per_token)
+            self._vllm.tpot.observe(per_token)
 
     def speculation(self, before: dict | None, after: dict) -> None:
         before = before or {}

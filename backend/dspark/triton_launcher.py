@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import secrets
@@ -87,16 +88,16 @@ def find_server() -> Server:
     system = shutil.which("tritonserver")
     if system:
         return Server(Path(system), None, [])
-    try:
-        import pytriton
-    except ImportError:
+    # Found, not imported: only the wheel's files are used, and its Python API needs more (pyzmq, ...).
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
         raise SystemExit(
             "no tritonserver on PATH and nvidia-pytriton is not installed (pip install -e '.[serve]')"
-        ) from None
+        )
     problem = wheel_stub_problem(importlib.metadata.version("numpy"))
     if problem:
         raise SystemExit(f"dspark serve: {problem}")
-    root = Path(pytriton.__file__).resolve().parent
+    root = Path(spec.submodule_search_locations[0]).resolve()
     dist = root / "tritonserver"
     return Server(
         dist / "bin" / "tritonserver", _wheel_backends(dist), [root.parent / "nvidia_pytriton.libs"]

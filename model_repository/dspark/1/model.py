@@ -16,6 +16,7 @@ output_ids, return_spec_stats/spec_stats and cancel_request_id; see dspark.trito
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -33,6 +34,7 @@ import triton_python_backend_utils as pb_utils
 
 from dspark import EngineConfig, InvalidParameterError, SamplingParams
 from dspark.async_engine import AsyncEngine, EngineDeadError
+from dspark.engine_process import EngineProcess
 from dspark.logprobs import logprobs_json
 from dspark.metrics import Metrics, TritonMetrics, vllm_max_model_len
 from dspark.outputs import RequestDelta
@@ -40,6 +42,9 @@ from dspark.sampling_params import MAX_INT, parse_json_object
 from dspark.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
 
 POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing, between sends
+SEND_THREADS = 4  # threads sending responses (a request's always on the same one)
+CANCEL_POLL_BUDGET = 32  # senders asked about cancellation per poll
+MAX_OUTBOX_TAKE = 4096  # outbox items taken (and coalesced) at once by the response thread
 DEATH_GRACE_S = 1.0  # after the engine died: time for the error responses to go out before exiting
 CANCEL_ALL = "*"  # cancel_request_id that cancels every request in flight (dspark serve does, to stop)
 RETURN_FLAGS = (
@@ -78,6 +83,15 @@ class _Reply:
     sender: Any
     response: Any
     outcome: str | None  # counted as a finished request with this reason, when set
+
+
+@dataclass
+class _Update:
+    """What the engine committed for one request (since the last update sent), and when it arrived."""
+
+    live: _Live
+    delta: RequestDelta
+    at: float  # when the first of its tokens arrived
 
 
 @dataclass
@@ -122,13 +136,27 @@ class TritonPythonModel:
         self._next_id = itertools.count()
         self._outbox: queue.Queue = queue.Queue()
         self._cancels: list[_PendingCancel] = []
-        self._engine = AsyncEngine(config, on_death=lambda cause: self._outbox.put(_EngineDied(cause)))
+        self._cancel_poll_at = 0  # where the next cancellation poll starts in the live requests
+        self._engine = self._make_engine(config, lambda cause: self._outbox.put(_EngineDied(cause)))
         self._engine.start()
+        self._send_queues: list[queue.Queue] = [queue.Queue() for _ in range(SEND_THREADS)]
+        self._send_threads = [
+            threading.Thread(target=self._send_loop, args=(sends,), name=f"dspark-send-{i}", daemon=True)
+            for i, sends in enumerate(self._send_queues)
+        ]
+        for thread in self._send_threads:
+            thread.start()
         self._responder = threading.Thread(target=self._respond_loop, name="dspark-responses", daemon=True)
         self._responder.start()
         self._logger.log_info(
             f"dspark: engine started (spec_mode={config.spec_mode}, device={config.device})"
         )
+
+    def _make_engine(self, config: EngineConfig, on_death) -> AsyncEngine | EngineProcess:  # noqa: ANN001
+        """The engine this model serves (benchmarks/serving_ceiling.py puts a synthetic one here)."""
+        if config.engine_process:
+            return EngineProcess(config, on_death=on_death)
+        return AsyncEngine(config, on_death=on_death)
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -152,6 +180,7 @@ class TritonPythonModel:
         self._engine.shutdown()  # in-flight requests end with reason "abort"; their last deltas are queued
         self._outbox.put(None)
         self._responder.join()
+        self._stop_sending()
         self._logger.log_info("dspark: engine shut down")
 
     # execute(): hand over ----------------------------------------------------------------------
@@ -216,8 +245,8 @@ class TritonPythonModel:
         self._outbox.put(_Reply(sender, error, outcome))
 
     def _on_delta(self, live: _Live, delta: RequestDelta) -> None:
-        """Engine thread: queue and return (never block the step loop)."""
-        self._outbox.put((live, delta, time.monotonic(), delta.spec_stats.as_dict()))
+        """Engine thread: queue and return (never block the step loop, nor hold the GIL long)."""
+        self._outbox.put(_Update(live, delta, time.monotonic()))
 
     # The response thread -----------------------------------------------------------------------
 
@@ -225,35 +254,62 @@ class TritonPythonModel:
         next_poll = time.monotonic()
         exit_at: float | None = None
         while True:
-            try:
-                item = self._outbox.get(timeout=POLL_INTERVAL_S)
-            except queue.Empty:
-                item = ()
-            if item is None:
+            items = self._take_outbox()
+            if items and items[-1] is None:
+                self._respond_all(items[:-1], exit_at)
                 break
             if exit_at is not None and time.monotonic() >= exit_at:
                 self._exit_after_engine_death()
-            try:
-                if isinstance(item, _EngineDied):
-                    exit_at = time.monotonic() + DEATH_GRACE_S
-                    self._logger.log_error(
-                        f"dspark: the engine stopped on {item.cause!r}; its requests failed; this backend "
-                        f"process exits in {DEATH_GRACE_S:.0f}s so that the server is restarted"
-                    )
-                elif isinstance(item, _Reply):
-                    self._send(item.sender, item.response, final=True)
-                    if item.outcome is not None:
-                        self._metrics.request_finished(item.outcome)
-                elif item:
-                    self._respond(*item)
-                if time.monotonic() >= next_poll:
+            exit_at = self._respond_all(items, exit_at)
+            if time.monotonic() >= next_poll:
+                try:
                     self._poll_cancelled()
                     self._metrics.load(self._engine.load())
                     self._metrics.flush()
-                    next_poll = time.monotonic() + POLL_INTERVAL_S
+                except Exception:
+                    self._logger.log_error(f"dspark: response thread: {traceback.format_exc()}")
+                next_poll = time.monotonic() + POLL_INTERVAL_S
+        self._end_abandoned()
+
+    def _take_outbox(self) -> list:
+        """Everything queued now (waiting up to POLL_INTERVAL_S for the first), a request's updates merged
+        into one: when the engine commits faster than responses go out, a stream gets fewer, fuller
+        responses instead of falling behind. Order is kept within a request and around other items."""
+        try:
+            items = [self._outbox.get(timeout=POLL_INTERVAL_S)]
+        except queue.Empty:
+            return []
+        while items[-1] is not None and len(items) < MAX_OUTBOX_TAKE:
+            try:
+                items.append(self._outbox.get_nowait())
+            except queue.Empty:
+                break
+        return _coalesce(items)
+
+    def _respond_all(self, items: list, exit_at: float | None) -> float | None:
+        """Answer each item; the time to exit at once the engine died."""
+        for item in items:
+            try:
+                exit_at = self._respond_item(item, exit_at)
             except Exception:
                 self._logger.log_error(f"dspark: response thread: {traceback.format_exc()}")
-        self._end_abandoned()
+        return exit_at
+
+    def _respond_item(self, item, exit_at: float | None) -> float | None:  # noqa: ANN001
+        """Send what one outbox item calls for; the time to exit at once the engine died."""
+        if isinstance(item, _EngineDied):
+            self._logger.log_error(
+                f"dspark: the engine stopped on {item.cause!r}; its requests failed; this backend "
+                f"process exits in {DEATH_GRACE_S:.0f}s so that the server is restarted"
+            )
+            return time.monotonic() + DEATH_GRACE_S
+        if isinstance(item, _Reply):
+            self._send(item.sender, item.response, final=True)
+            if item.outcome is not None:
+                self._metrics.request_finished(item.outcome)
+        elif isinstance(item, _Update):
+            self._respond(item.live, item.delta, item.at, item.delta.spec_stats.as_dict())
+        return exit_at
 
     def _respond(self, live: _Live, delta: RequestDelta, at: float, spec: dict) -> None:
         self._account(live, delta, at, spec)
@@ -275,7 +331,7 @@ class TritonPythonModel:
             if delta.finished:
                 self._finish(live, response)
             else:
-                self._send(live.sender, response, final=False)
+                self._send(live.sender, response, final=False, key=live.engine_id)
             return
         live.text.append(delta.new_text)
         live.token_ids.extend(delta.new_token_ids)
@@ -332,19 +388,42 @@ class TritonPythonModel:
             self._live.pop(live.engine_id, None)
             settled = [cancel for cancel in self._cancels if cancel.settle(live.engine_id)]
             self._cancels = [cancel for cancel in self._cancels if cancel.waiting_on]
-        self._send(live.sender, response, final=True)
-        for cancel in settled:
-            self._send(cancel.sender, _cancelled(), final=True)
+        self._send(live.sender, response, final=True, key=live.engine_id)
+        for cancel in settled:  # after the response it waited on: the same send thread
+            self._send(cancel.sender, _cancelled(), final=True, key=live.engine_id)
 
-    def _send(self, sender, response, final: bool) -> None:
-        try:
-            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-        except Exception as exc:  # the client may be gone; the request still ends in the engine
-            self._logger.log_warn(f"dspark: send failed: {exc}")
+    def _send(self, sender, response, final: bool, key: str | None = None) -> None:
+        """Hand a response to the send thread of its request (`key`, else its sender): one request's
+        responses go out in order, different requests' side by side."""
+        shard = hash(key if key is not None else id(sender)) % len(self._send_queues)
+        self._send_queues[shard].put((sender, response, final))
+
+    def _send_loop(self, sends: queue.Queue) -> None:
+        """A send thread: each send waits on a round trip to the server process, outside the GIL."""
+        while (item := sends.get()) is not None:
+            sender, response, final = item
+            try:
+                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+            except Exception as exc:  # the client may be gone; the request still ends in the engine
+                self._logger.log_warn(f"dspark: send failed: {exc}")
+
+    def _stop_sending(self) -> None:
+        """Let the send threads send what they hold, then end them."""
+        for sends in self._send_queues:
+            sends.put(None)
+        for thread in self._send_threads:
+            thread.join()
 
     def _poll_cancelled(self) -> None:
+        """Ask up to CANCEL_POLL_BUDGET senders, in turn, whether their client went away: each ask is a
+        round trip to the server process, and asking all of them every poll took the response thread's
+        time from sending at hundreds of streams (a cancel is still seen within a few polls)."""
         with self._lock:
             live_now = list(self._live.values())
+        if len(live_now) > CANCEL_POLL_BUDGET:
+            start = self._cancel_poll_at % len(live_now)
+            live_now = (live_now[start:] + live_now[:start])[:CANCEL_POLL_BUDGET]
+            self._cancel_poll_at = start + CANCEL_POLL_BUDGET
         for live in live_now:
             if not live.cancelled and live.sender.is_cancelled():
                 live.cancelled = True
@@ -356,6 +435,7 @@ class TritonPythonModel:
     def _exit_after_engine_death(self) -> None:
         """End what is still open, then end this process: `dspark serve` sees it and restarts the server."""
         self._end_abandoned()
+        self._stop_sending()
         print("dspark: backend process exits after the engine died", file=sys.stderr, flush=True)
         os._exit(1)
 
@@ -442,6 +522,29 @@ def _describe(exc: InvalidParameterError) -> str:
 
 def _message(exc: InvalidParameterError) -> str:
     return str(exc).removeprefix(f"{exc.field}: ")
+
+
+def _coalesce(items: list) -> list:
+    """The outbox items with each run of one request's updates merged into its first (between any two
+    other items, so that replies and the engine's death keep their place)."""
+    merged: list = []
+    open_updates: dict[str, _Update] = {}
+    for item in items:
+        if not isinstance(item, _Update):
+            open_updates.clear()
+            merged.append(item)
+            continue
+        earlier = open_updates.get(item.live.engine_id)
+        if earlier is None or earlier.delta.finished:
+            open_updates[item.live.engine_id] = item
+            merged.append(item)
+            continue
+        earlier.delta = dataclasses.replace(
+            item.delta,
+            new_token_ids=earlier.delta.new_token_ids + item.delta.new_token_ids,
+            new_text=earlier.delta.new_text + item.delta.new_text,
+        )
+    return merged
 
 
 def _cancelled():
