@@ -38,6 +38,7 @@ from dspark.tp_worker import python_executable, spawning_with
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # past the engine's own shutdown, before its process is killed
+LOAD_INTERVAL_S = 0.1  # how often an idle engine process reports a changed occupancy
 
 
 class EngineProcess:
@@ -157,6 +158,8 @@ class EngineProcess:
             if message[0] == "deltas":
                 self._load = message[2]
                 self._dispatch(message[1])
+            elif message[0] == "load":
+                self._load = message[1]
             elif message[0] == "dead":
                 self._died(RuntimeError(message[1]))
         if not self._stopping.is_set():
@@ -248,9 +251,18 @@ def _serve_control(engine: AsyncEngine, control: Connection, on_delta: Callable[
 
 
 def _send_events(outbox: queue.Queue, events: Connection, load: Callable[[], EngineLoad]) -> None:
-    """Send everything queued as one batch of deltas (plus the engine's death, in order)."""
+    """Send everything queued as one batch of deltas (plus the engine's death, in order); while nothing
+    is queued, the occupancy whenever it changes (requests waiting or finishing without deltas)."""
+    last_load = None
     while True:
-        items = [outbox.get()]
+        try:
+            items = [outbox.get(timeout=LOAD_INTERVAL_S)]
+        except queue.Empty:
+            now = load()
+            if now != last_load:
+                events.send(("load", now))
+                last_load = now
+            continue
         while True:
             try:
                 items.append(outbox.get_nowait())
@@ -262,10 +274,10 @@ def _send_events(outbox: queue.Queue, events: Connection, load: Callable[[], Eng
                 deltas.append(item)
                 continue
             if deltas:
-                events.send(("deltas", deltas, load()))
+                events.send(("deltas", deltas, last_load := load()))
                 deltas = []
             if item is None:
                 return
             events.send(item)
         if deltas:
-            events.send(("deltas", deltas, load()))
+            events.send(("deltas", deltas, last_load := load()))
