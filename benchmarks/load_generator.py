@@ -14,24 +14,11 @@ import argparse
 import json
 import multiprocessing
 import os
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
-
-PROMPTS = [
-    "Explain how a bicycle stays upright.",
-    "Write a short poem about the sea.",
-    "What are the three primary colors?",
-    "Describe the water cycle in simple terms.",
-    "Give three tips for learning a new language.",
-    "Why is the sky blue?",
-    "How does a refrigerator keep food cold?",
-    "List four planets of the solar system.",
-]
+from dspark_client.bench import PROMPTS  # the prompts `dspark-client bench` sends
 
 
 @dataclass
