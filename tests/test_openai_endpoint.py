@@ -191,20 +191,8 @@ def model_has_logprobs(server) -> bool:
     return any(tensor["name"] == "return_logprobs" for tensor in config["input"])
 
 
-def test_logprobs_are_a_400_naming_them_while_the_model_has_none(client, triton_server):
-    if model_has_logprobs(triton_server):
-        pytest.skip("the model returns log probabilities")
-    with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2)
-    assert raised.value.param == "top_logprobs"
-    with pytest.raises(openai.BadRequestError) as raised:
-        client.completions.create(model=MODEL, prompt=PROMPT, logprobs=1)
-    assert raised.value.param == "logprobs"
-
-
 def test_greedy_chat_logprobs_follow_the_chosen_tokens_streamed_or_not(client, triton_server):
-    if not model_has_logprobs(triton_server):
-        pytest.skip("the model has no log probabilities yet")
+    assert model_has_logprobs(triton_server)
     request = {"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 3, **GREEDY}
     reply = client.chat.completions.create(**request)
     content = reply.choices[0].logprobs.content
@@ -226,8 +214,7 @@ def test_greedy_chat_logprobs_follow_the_chosen_tokens_streamed_or_not(client, t
 
 
 def test_completion_logprobs_list_each_token_with_its_alternatives(client, triton_server):
-    if not model_has_logprobs(triton_server):
-        pytest.skip("the model has no log probabilities yet")
+    assert model_has_logprobs(triton_server)
     reply = client.completions.create(model=MODEL, prompt=PROMPT, logprobs=2, **GREEDY)
     logprobs = reply.choices[0].logprobs
     assert "".join(logprobs.tokens) == reply.choices[0].text
