@@ -251,3 +251,12 @@ def test_vllm_metric_families_follow_the_requests_on_the_server(triton_server):
     assert (
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{model="dspark",position="0",version="1"}' in text
     )
+
+
+def test_a_stream_asking_for_the_prompt_gets_the_vllm_backends_exact_error(triton_server):
+    with GrpcStream(triton_server) as grpc:
+        outcome = grpc.send(text_input=PROMPT, stream=True, exclude_input_in_output=False).collect()
+    assert outcome.error == (
+        "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+    )
+    assert not outcome.responses
