@@ -65,3 +65,26 @@ def test_dspark_generate_cli_prints_text(smollm2_dir, smollm2_drafter_dir) -> No
     )
     assert "Paris" in result.stdout
     assert "tokens/s" in result.stderr
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_stop_token_that_ends_a_request_is_in_its_ids_not_its_text(smollm2_dir, skip_special_tokens):
+    # vLLM's rule: EOS or a stop_token_id that ends a request is returned as an id, never as text,
+    # even with skip_special_tokens false.
+    llm = LLM(EngineConfig(model=str(smollm2_dir), spec_mode="off", num_kv_pages=64))
+    tokenizer = llm.engine.tokenizer
+    free = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    stop_id = free.token_ids[4]
+    params = SamplingParams(
+        max_tokens=8, ignore_eos=True, stop_token_ids=[stop_id], skip_special_tokens=skip_special_tokens
+    )
+    out = llm.generate(PROMPTS[:1], params)[0]
+    first = free.token_ids.index(stop_id)
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first + 1]
+    assert out.text == tokenizer.decode(out.token_ids[:-1], skip_special_tokens=skip_special_tokens)
+    chat = llm.chat(
+        [{"role": "user", "content": "Say hi."}],
+        SamplingParams(max_tokens=64, skip_special_tokens=skip_special_tokens),
+    )
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] in llm.engine.eos_token_ids
+    assert "<|im_end|>" not in chat.text

@@ -65,7 +65,8 @@ class OutputProcessor:
             if reason is not None:
                 appended = new_token_ids[: i + 1]
                 break
-        text = self.detokenizer.push(appended)
+        # A stop id (EOS included) that ends the request is kept among the ids, not in the text (vLLM).
+        text = self.detokenizer.push(appended[:-1] if reason == "stop" else appended)
         if reason is not None:
             text += self._flush()
         return appended, text, reason
@@ -80,6 +81,9 @@ class OutputProcessor:
         for token in new_token_ids:
             seq.token_ids.append(token)
             appended.append(token)
+            if self._ends_on_stop_id(token):  # kept among the ids, not in the text (vLLM)
+                text.append(self._flush())
+                return appended, "".join(text), "stop"
             piece = self.detokenizer.push([token])
             if seq.num_output_tokens <= self.min_tokens:
                 # vLLM matches stop strings only past min_tokens: this text is passed, never matched.
@@ -99,9 +103,13 @@ class OutputProcessor:
                 return appended, "".join(text), reason
         return appended, "".join(text), None
 
+    def _ends_on_stop_id(self, token: int) -> bool:
+        """True when `token`, just appended, is a stop id (EOS included) that ends the request."""
+        return token in self.stop_ids and self.seq.num_output_tokens >= self.min_tokens
+
     def _finish_reason(self, token: int) -> str | None:
         """Why the request ends at `token`, just appended (None: it goes on)."""
-        if token in self.stop_ids and self.seq.num_output_tokens >= self.min_tokens:
+        if self._ends_on_stop_id(token):
             return "stop"
         if len(self.seq.token_ids) >= self.length_limit:
             return "length"
