@@ -9,6 +9,7 @@ import pickle
 
 import pytest
 import torch
+from tiny_models import tiny_engine_config
 
 from dspark import LLM, EngineConfig, SamplingParams, outputs
 from dspark.logprobs import logprobs_json
@@ -21,17 +22,8 @@ TOLERANCE = 1e-5  # fp32 logits of one position computed in windows of different
 
 
 def _config(target_dir, draft_dir=None, **changes) -> EngineConfig:
-    base = EngineConfig(
-        model=str(target_dir),
-        draft_model=str(draft_dir or ""),
-        num_kv_pages=96,
-        kv_page_size=4,
-        max_num_seqs=16,
-        max_num_batched_tokens=64,
-        adaptive_speculation=False,
-        dtype="float32",  # compared with the dense fp32 target, also where the engine runs on a GPU
-    )
-    return base.replace(**changes)
+    # fp32: compared with the dense fp32 target, also where the engine runs on a GPU
+    return tiny_engine_config(target_dir, draft_dir, **{"dtype": "float32", **changes})
 
 
 def _assert_same_logprobs(a, b) -> None:

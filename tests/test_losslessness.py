@@ -10,8 +10,9 @@ import pytest
 import torch
 from penalty_reference import penalized_row
 from proposers import OracleProposer, TrapProposer
+from tiny_models import tiny_engine_config
 
-from dspark import LLM, EngineConfig, SamplingParams
+from dspark import LLM, SamplingParams
 from dspark.models.dense import dense_logits
 from dspark.models.loader import load_target_model
 from dspark.spec import planner as planner_module
@@ -19,19 +20,6 @@ from dspark.spec.sps_table import SpsTable
 
 SPEC_SETTINGS = [("static", "sync"), ("compact", "sync"), ("compact", "lagged"), ("cap-accept", "sync")]
 BLOCK = 4
-
-
-def _config(target_dir, draft_dir=None, **changes) -> EngineConfig:
-    base = EngineConfig(
-        model=str(target_dir),
-        draft_model=str(draft_dir or ""),
-        num_kv_pages=96,
-        kv_page_size=4,
-        max_num_seqs=16,
-        max_num_batched_tokens=64,
-        adaptive_speculation=False,  # every step drafts: the laws measured are speculation's
-    )
-    return base.replace(**changes)
 
 
 def _decaying_sps(tmp_path) -> str:
@@ -51,7 +39,7 @@ def greedy_truth(tiny_target_dir):
     """Plain greedy continuations of a fixed prompt set (the oracle's truth and the expected output)."""
     rng = random.Random(1234)
     prompts = _prompts(7, rng)
-    llm = LLM(_config(tiny_target_dir, spec_mode="off"))
+    llm = LLM(tiny_engine_config(tiny_target_dir, spec_mode="off"))
     outs = llm.generate(params=SamplingParams(max_tokens=24, ignore_eos=True), prompt_token_ids=prompts)
     return prompts, [o.token_ids for o in outs]
 
@@ -78,7 +66,9 @@ def test_greedy_output_unchanged_by_speculation_for_every_acceptance_pattern(
 
     proposer = OracleProposer(truth, 8, BLOCK, corrupt, confidence)
     llm = LLM(
-        _config(tiny_target_dir, spec_mode=mode, planner_policy=policy, sps_table=_decaying_sps(tmp_path)),
+        tiny_engine_config(
+            tiny_target_dir, spec_mode=mode, planner_policy=policy, sps_table=_decaying_sps(tmp_path)
+        ),
         proposer=proposer,
     )
     outs = llm.generate(params=SamplingParams(max_tokens=24, ignore_eos=True), prompt_token_ids=prompts)
@@ -98,7 +88,7 @@ def test_greedy_output_unchanged_with_the_real_drafter(
 ) -> None:
     prompts, expected = greedy_truth
     llm = LLM(
-        _config(
+        tiny_engine_config(
             tiny_target_dir,
             tiny_drafter_dir,
             spec_mode=mode,
@@ -115,7 +105,7 @@ def test_num_draft_tokens_zero_turns_speculation_off_for_that_request(
     tiny_target_dir, tiny_drafter_dir, greedy_truth
 ) -> None:
     prompts, expected = greedy_truth
-    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static"))
+    llm = LLM(tiny_engine_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static"))
     params = [
         SamplingParams(max_tokens=24, ignore_eos=True, num_draft_tokens=0 if i % 2 else None)
         for i in range(len(prompts))
@@ -151,8 +141,10 @@ def penalized_truth(tiny_target_dir):
         if prompt not in prompts:
             prompts.append(prompt)
     params = [PENALTY_VARIANTS[i % len(PENALTY_VARIANTS)] for i in range(len(prompts))]
-    outs = LLM(_config(tiny_target_dir, spec_mode="off")).generate(params=params, prompt_token_ids=prompts)
-    plain = LLM(_config(tiny_target_dir, spec_mode="off")).generate(
+    outs = LLM(tiny_engine_config(tiny_target_dir, spec_mode="off")).generate(
+        params=params, prompt_token_ids=prompts
+    )
+    plain = LLM(tiny_engine_config(tiny_target_dir, spec_mode="off")).generate(
         params=SamplingParams(max_tokens=24), prompt_token_ids=prompts
     )
     changed = sum(a.token_ids != b.token_ids for a, b in zip(outs, plain, strict=True))
@@ -177,7 +169,9 @@ def test_penalized_greedy_output_unchanged_by_speculation_for_every_acceptance_p
 
     proposer = OracleProposer(truth, 8, BLOCK, corrupt, lambda seq, k: rng.uniform(0.3, 1.0))
     llm = LLM(
-        _config(tiny_target_dir, spec_mode=mode, planner_policy=policy, sps_table=_decaying_sps(tmp_path)),
+        tiny_engine_config(
+            tiny_target_dir, spec_mode=mode, planner_policy=policy, sps_table=_decaying_sps(tmp_path)
+        ),
         proposer=proposer,
     )
     outs = llm.generate(params=params, prompt_token_ids=prompts)
@@ -192,7 +186,7 @@ def test_penalized_greedy_output_unchanged_with_the_real_drafter(
 ) -> None:
     prompts, params, expected = penalized_truth
     llm = LLM(
-        _config(
+        tiny_engine_config(
             tiny_target_dir,
             tiny_drafter_dir,
             spec_mode=mode,
@@ -286,7 +280,7 @@ TRIGGER = 5
 
 
 def _sampling_llm(target_dir, tmp_path, sps: list[tuple[int, float]], **changes) -> LLM:
-    cfg = _config(
+    cfg = tiny_engine_config(
         target_dir,
         spec_mode="compact",
         max_num_seqs=512,
@@ -340,7 +334,7 @@ def test_sampling_with_the_real_drafter_and_filters_follows_target(
     # the output under early-stopped drafting is what is measured.
     params = SamplingParams(max_tokens=4, temperature=0.8, top_k=6, top_p=0.9, ignore_eos=True)
     llm = LLM(
-        _config(
+        tiny_engine_config(
             tiny_target_dir,
             tiny_drafter_dir,
             spec_mode=mode,
@@ -378,7 +372,7 @@ def test_penalized_sampling_follows_the_penalized_target_distribution(
         llm = _sampling_llm(tiny_target_dir, tmp_path, RAGGED_SPS, planner_policy="sync")
     else:
         changes = {"max_num_seqs": 512, "num_kv_pages": 1024, "max_num_batched_tokens": 4096}
-        llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static", **changes))
+        llm = LLM(tiny_engine_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static", **changes))
     tv = _tv(_empirical_joint(llm, PENALIZED_SAMPLING), exact)
     print(f"total variation {tv:.4f}")
     assert tv < TV_BOUND
@@ -390,8 +384,12 @@ def test_early_stopped_drafting_keeps_greedy_output_and_verifies_only_drafts(
 ) -> None:
     prompts = [[1, 2, 3], [4, 5, 6, 7], [2, 2], [7, 1, 3, 3, 5]]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    plain = LLM(_config(tiny_target_dir, spec_mode="off")).generate(params=params, prompt_token_ids=prompts)
-    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="compact", draft_stop_survival=0.4))
+    plain = LLM(tiny_engine_config(tiny_target_dir, spec_mode="off")).generate(
+        params=params, prompt_token_ids=prompts
+    )
+    llm = LLM(
+        tiny_engine_config(tiny_target_dir, tiny_drafter_dir, spec_mode="compact", draft_stop_survival=0.4)
+    )
     outs = llm.generate(params=params, prompt_token_ids=prompts)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     stats = llm.engine.total_spec_stats
@@ -400,7 +398,7 @@ def test_early_stopped_drafting_keeps_greedy_output_and_verifies_only_drafts(
 
 
 def test_seeded_sampling_is_reproducible(tiny_target_dir, tiny_drafter_dir) -> None:
-    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="compact"))
+    llm = LLM(tiny_engine_config(tiny_target_dir, tiny_drafter_dir, spec_mode="compact"))
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
     first, second = (llm.generate(params=params, prompt_token_ids=[PROMPT])[0].token_ids for _ in range(2))
     assert first == second

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from penalty_reference import penalized_row
+from tiny_models import tiny_engine_config
 
 from dspark import LLM, EngineConfig, InvalidParameterError, SamplingParams
 from dspark.penalties import PenaltyState, PenaltyWindow, apply_penalties
@@ -80,17 +81,8 @@ def test_min_tokens_masks_stop_ids_only_before_the_min_tokens_th_output_token() 
 
 
 def _config(target_dir, draft_dir=None, **changes) -> EngineConfig:
-    base = EngineConfig(
-        model=str(target_dir),
-        draft_model=str(draft_dir or ""),
-        num_kv_pages=96,
-        kv_page_size=4,
-        max_num_seqs=16,
-        max_num_batched_tokens=64,
-        adaptive_speculation=False,
-        dtype="float32",  # compared with the dense fp32 target, also where the engine runs on a GPU
-    )
-    return base.replace(**changes)
+    # fp32: compared with the dense fp32 target, also where the engine runs on a GPU
+    return tiny_engine_config(target_dir, draft_dir, **{"dtype": "float32", **changes})
 
 
 PROMPTS = [[3, 5], [1, 2, 3], [7, 7, 7, 7], [4, 6, 2, 1, 5]]

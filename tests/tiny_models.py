@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from dspark.config import EngineConfig
 from dspark.models.hf_config import ModelConfig
 from dspark.spec.draft_checkpoint import create_random_drafter, fresh_draft_config, save_drafter
 
@@ -89,3 +90,18 @@ def write_tiny_drafter(
     )
     save_drafter(create_random_drafter(cfg, seed=seed, std=std), path, dtype=torch.float32)
     return path
+
+
+def tiny_engine_config(target_dir: Path, draft_dir: Path | None = None, **changes: object) -> EngineConfig:
+    """An engine over the tiny checkpoints with room for the tests' batches, drafting on every step (the
+    laws the tests measure are speculation's, not the adaptive gate's)."""
+    base = EngineConfig(
+        model=str(target_dir),
+        draft_model=str(draft_dir or ""),
+        num_kv_pages=96,
+        kv_page_size=4,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        adaptive_speculation=False,
+    )
+    return base.replace(**changes)
