@@ -203,28 +203,44 @@ def frontend_command(args: argparse.Namespace) -> list[str]:
     ]
 
 
+def _proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, parent, process group, ...), or
+    None when there is no such process."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _live_processes() -> list[tuple[int, list[str]]]:
+    """Every live (not zombie) process: (pid, its stat fields)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        stat = _proc_stat(entry.name) if entry.name.isdigit() else None
+        if stat is not None and stat[0] != "Z":
+            found.append((int(entry.name), stat))
+    return found
+
+
 def backend_stubs(server_pid: int) -> dict[int, str]:
     """The Python backend stub processes of a tritonserver: pid -> model instance name."""
     stubs = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for pid, stat in _live_processes():
+        if stat[1] != str(server_pid):
             continue
         try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
+            argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+        except OSError:
             continue
-        if parent == server_pid and argv and argv[0].decode(errors="replace").endswith(STUB_BINARY):
-            stubs[int(entry.name)] = argv[8].decode(errors="replace") if len(argv) > 8 else "?"
+        if argv[0].decode(errors="replace").endswith(STUB_BINARY):
+            stubs[pid] = argv[8].decode(errors="replace") if len(argv) > 8 else "?"
     return stubs
 
 
 def process_alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] != "Z"
 
 
 def remove_shared_memory(prefix: str) -> list[str]:
@@ -331,15 +347,7 @@ def _kill_group(pgid: int, timeout: float = 5.0) -> None:
 
 def _group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes of a process group."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[2] == str(pgid) and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
+    return [pid for pid, stat in _live_processes() if stat[2] == str(pgid)]
 
 
 @dataclass
