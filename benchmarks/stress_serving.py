@@ -12,16 +12,13 @@ exits 1 if any stream erred, was lost or differed from its solo text.
 from __future__ import annotations
 
 import argparse
-import json
-import queue
 import random
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-import tritonclient.grpc as grpcclient
+from dspark_client.streaming import GrpcSession, ServerError
 
 PROMPTS = [
     "Write a haiku about autumn leaves.",
@@ -46,51 +43,26 @@ class StreamResult:
     cancelled: bool
 
 
-def inputs(prompt: str, max_tokens: int) -> list:
-    """The request's tensors: prompt, streaming on, greedy with ignore_eos."""
-    tensors = []
-    for name, array, datatype in (
-        ("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
-        ("stream", np.array([True]), "BOOL"),
-        (
-            "sampling_parameters",
-            np.array([json.dumps({"max_tokens": max_tokens, "ignore_eos": True}).encode()], dtype=np.object_),
-            "BYTES",
-        ),
-    ):
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
-    return tensors
-
-
 def run_stream(
     url: str, prompt: str, max_tokens: int, cancel_after: int | None, timeout: float
 ) -> StreamResult:
     """One client on its own stream; it closes the stream (cancelling) after `cancel_after` tokens."""
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    session = GrpcSession(url)
     ids: list[int] = []
     try:
-        client.async_stream_infer("dspark", inputs(prompt, max_tokens))
-        while True:
-            try:
-                result, error = results.get(timeout=timeout)
-            except queue.Empty:
-                return StreamResult(prompt, ids, f"no response in {timeout}s", False, False)
-            if error is not None:
-                return StreamResult(prompt, ids, str(error), False, False)
-            response = result.get_response()
-            ids.extend(int(i) for i in result.as_numpy("output_ids").reshape(-1))
-            if response.parameters["triton_final_response"].bool_param:
+        for chunk in session.generate(
+            prompt, {"max_tokens": max_tokens, "ignore_eos": True}, timeout=timeout
+        ):
+            ids.extend(chunk.token_ids)
+            if chunk.final:
                 return StreamResult(prompt, ids, None, True, False)
             if cancel_after is not None and len(ids) >= cancel_after:
-                client.stop_stream(cancel_requests=True)
-                return StreamResult(prompt, ids, None, False, True)
+                return StreamResult(prompt, ids, None, False, True)  # close() below cancels it
+        return StreamResult(prompt, ids, "the stream ended without a final response", False, False)
+    except ServerError as exc:
+        return StreamResult(prompt, ids, str(exc), False, False)
     finally:
-        client.stop_stream(cancel_requests=False)
-        client.close()
+        session.close()
 
 
 def solo_ids(url: str, max_tokens: int, timeout: float) -> dict[str, list[int]]:

@@ -53,9 +53,15 @@ class GrpcSession:
         self._client.start_stream(callback=lambda result, error: self._results.put((result, error)))
 
     def generate(
-        self, prompt: str, params: dict, request_id: str | None = None, spec_stats: bool = False
+        self,
+        prompt: str,
+        params: dict,
+        request_id: str | None = None,
+        spec_stats: bool = False,
+        timeout: float | None = None,
     ) -> Iterator[Chunk]:
-        """Send one request and yield its chunks until the final one."""
+        """Send one request and yield its chunks until the final one (ServerError when a response takes
+        longer than `timeout` seconds, if given)."""
         inputs = [
             self._input("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
             self._input("stream", np.array([True]), "BOOL"),
@@ -68,7 +74,10 @@ class GrpcSession:
         self._client.async_stream_infer(self.model, inputs, request_id=request_id or next_request_id())
         self._in_flight = True
         while True:
-            result, error = self._results.get()
+            try:
+                result, error = self._results.get(timeout=timeout)
+            except queue.Empty:
+                raise ServerError(f"no response in {timeout} s") from None
             if error is not None:
                 self._in_flight = False
                 raise ServerError(str(error.message() if hasattr(error, "message") else error))
