@@ -275,12 +275,16 @@ class LLMEngine:
         return bool(self._seqs or self._pending or self._aborts)
 
     def load(self) -> EngineLoad:
-        """Occupancy snapshot."""
+        """Occupancy snapshot (the device memory figures read the allocator's counters: no sync)."""
+        device = self.limits.device
+        on_gpu = device.type == "cuda"
         return EngineLoad(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_pages_used=self.allocator.num_used,
             kv_pages_total=self.allocator.num_pages,
+            gpu_memory_allocated_bytes=torch.cuda.memory_allocated(device) if on_gpu else 0,
+            gpu_memory_reserved_bytes=torch.cuda.memory_reserved(device) if on_gpu else 0,
         )
 
     def close(self) -> None:

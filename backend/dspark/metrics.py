@@ -148,6 +148,16 @@ class TritonMetrics(Metrics):
         self._kv_total = self._metric(family.GAUGE, "dspark_kv_pages_total", "KV-cache pages in all")
         self._running = self._metric(family.GAUGE, "dspark_num_requests_running", "Requests decoding")
         self._waiting = self._metric(family.GAUGE, "dspark_num_requests_waiting", "Requests waiting to start")
+        self._gpu_allocated = self._metric(
+            family.GAUGE,
+            "dspark_gpu_memory_allocated_bytes",
+            "Bytes in tensors on the engine's GPU (torch.cuda.memory_allocated; 0 on the CPU)",
+        )
+        self._gpu_reserved = self._metric(
+            family.GAUGE,
+            "dspark_gpu_memory_reserved_bytes",
+            "Bytes the engine's caching allocator holds on its GPU (torch.cuda.memory_reserved; 0 on CPU)",
+        )
         self._totals = dict.fromkeys(SPEC_COUNTERS, 0)
         self._accepted_at: list[int] = []
         self._verified_at: list[int] = []
@@ -222,6 +232,8 @@ class TritonMetrics(Metrics):
         self._gauges[self._kv_total] = load.kv_pages_total
         self._gauges[self._running] = load.num_running
         self._gauges[self._waiting] = load.num_waiting
+        self._gauges[self._gpu_allocated] = load.gpu_memory_allocated_bytes
+        self._gauges[self._gpu_reserved] = load.gpu_memory_reserved_bytes
 
     def flush(self) -> None:
         for counter, amount in self._pending.items():

@@ -224,3 +224,7 @@ class EngineLoad:
     num_waiting: int
     kv_pages_used: int
     kv_pages_total: int
+    # The caching allocator's bytes on the engine's device (tensor-parallel rank 0's), in tensors and
+    # held from the driver in all; 0 on the CPU. A stress run watches them for growth between phases.
+    gpu_memory_allocated_bytes: int = 0
+    gpu_memory_reserved_bytes: int = 0
