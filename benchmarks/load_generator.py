@@ -3,7 +3,8 @@
 `run_load(url, concurrency, ...)` spreads `concurrency` closed-loop streams over worker processes
 (threads inside each, one gRPC stream per thread); each stream sends its requests one after another.
 The result counts output tokens and responses over the wall time from the first send to the last
-final response, with TTFT and inter-response percentiles.
+final response, with TTFT and inter-response percentiles. `run_in_processes` and `split_evenly` are the
+process plumbing, shared with benchmarks/stress.py.
 
     python benchmarks/load_generator.py --url localhost:8001 --concurrency 64 --requests 256
 """
@@ -14,9 +15,13 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from dspark_client.bench import PROMPTS  # the prompts `dspark-client bench` sends
 
@@ -100,7 +105,15 @@ def _stream_loop(url: str, count: int, params: dict, offset: int, stats: StreamS
         session.close()
 
 
-def _worker(url: str, streams: int, per_stream: list[int], params: dict, offset: int, start_at: float, out):
+def _worker(
+    url: str,
+    streams: int,
+    per_stream: list[int],
+    params: dict,
+    offset: int,
+    start_at: float,
+    report: Callable[[Any], None],
+) -> dict:
     stats = StreamStats()
     lock = threading.Lock()
     while time.time() < start_at:  # every process starts its streams at the same moment
@@ -114,7 +127,65 @@ def _worker(url: str, streams: int, per_stream: list[int], params: dict, offset:
     for thread in threads:
         thread.join()
     # monotonic clocks are per boot, shared by the processes of one machine
-    out.put(asdict(stats))
+    return asdict(stats)
+
+
+def split_evenly(total: int, parts: int) -> list[int]:
+    """`total` items over `parts` shares, the first `total % parts` of them one larger."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process raised, or died without returning."""
+
+
+def _process_main(target: Callable[..., Any], index: int, args: tuple, out: Any) -> None:
+    def report(payload: Any) -> None:
+        out.put(("progress", index, payload))
+
+    try:
+        out.put(("done", index, target(*args, report=report)))
+    except BaseException:  # the parent must hear of it rather than wait for a result forever
+        out.put(("failed", index, traceback.format_exc()))
+
+
+def run_in_processes(
+    target: Callable[..., Any],
+    args: list[tuple],
+    on_progress: Callable[[int, Any], None] | None = None,
+) -> list[Any]:
+    """Call `target(*args[i], report=...)` in one spawned process per entry and return what each call
+    returned, in order (a WorkerFailed in place of one that raised or died). `report(payload)` hands
+    `on_progress(i, payload)` a message in this process while the workers run. `target` and its
+    arguments must pickle: a module-level function."""
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    workers = [
+        context.Process(target=_process_main, args=(target, index, worker_args, out))
+        for index, worker_args in enumerate(args)
+    ]
+    for worker in workers:
+        worker.start()
+    results: dict[int, Any] = {}
+    while len(results) < len(workers):
+        try:
+            kind, index, payload = out.get(timeout=1.0)
+        except queue.Empty:
+            for index, worker in enumerate(workers):
+                # A process that died without a word (killed, out of memory): its result never comes.
+                if index not in results and worker.exitcode not in (None, 0):
+                    results[index] = WorkerFailed(f"worker {index} exited with {worker.exitcode}")
+            continue
+        if kind == "progress":
+            if on_progress is not None:
+                on_progress(index, payload)
+        elif kind == "done":
+            results[index] = payload
+        else:
+            results[index] = WorkerFailed(payload)
+    for worker in workers:
+        worker.join()
+    return [results[index] for index in range(len(workers))]
 
 
 def run_load(
@@ -128,21 +199,17 @@ def run_load(
     """Run `requests` requests over `concurrency` streams in up to `processes` worker processes."""
     processes = max(1, min(processes or os.cpu_count() or 1, concurrency))
     params = {"max_tokens": max_tokens, "ignore_eos": True, **(params or {})}
-    per_stream = [requests // concurrency + (i < requests % concurrency) for i in range(concurrency)]
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
+    per_stream = split_evenly(requests, concurrency)
     start_at = time.time() + 2.0 + 0.02 * concurrency  # time for the processes to import and connect
-    workers, stream = [], 0
-    for p in range(processes):
-        streams = concurrency // processes + (p < concurrency % processes)
-        args = (url, streams, per_stream[stream : stream + streams], params, stream, start_at, out)
-        workers.append(context.Process(target=_worker, args=args))
+    worker_args, stream = [], 0
+    for streams in split_evenly(concurrency, processes):
+        worker_args.append((url, streams, per_stream[stream : stream + streams], params, stream, start_at))
         stream += streams
-    for worker in workers:
-        worker.start()
-    parts = [StreamStats(**out.get()) for _ in workers]
-    for worker in workers:
-        worker.join()
+    returned = run_in_processes(_worker, worker_args)
+    for value in returned:
+        if isinstance(value, WorkerFailed):
+            raise value
+    parts = [StreamStats(**value) for value in returned]
     seconds = max(p.last_final for p in parts) - min(p.first_send for p in parts)
     tokens = sum(p.output_tokens for p in parts)
     responses = sum(p.responses for p in parts)
