@@ -15,12 +15,16 @@
 #   5. serving on the GPU: the real tritonserver (`dspark serve`, the nvidia-pytriton wheel) started by
 #      the serving integration tests (text and ids, streaming and not, cancel, faults), when the wheels
 #      are here (parked in /tmp/carry like the GGUF parts, see below);
-#   6. benchmarks/serving_overhead.py: the offline engine against the same engine behind the server.
+#   6. benchmarks/serving_overhead.py: the offline engine against the same engine behind the server;
+#   7. benchmarks/stress.py: the CUDA-graph stress and regression run through tritonserver (fresh-start
+#      captures, four servers under 5 minutes of mixed gRPC traffic, checks, compute-sanitizer).
 # Limits (seconds): TESTS_S (default 420; 0 skips them), PROFILE_S and E2E_S (default 0: skipped, the
 # tests need the call's time; e.g. TESTS_S=0 PROFILE_S=100 E2E_S=330 refreshes the tables in a call of its
 # own). PROFILE_ARGS go to profile_host.py (e.g. "--kernels --modes off,static"). SERVING_S (default
 # 300; 0 skips; SERVING_TESTS: which test files, text and ids, streaming and not, cancel by default) and
-# OVERHEAD_S (default 0: skipped), OVERHEAD_ARGS for serving_overhead.py.
+# OVERHEAD_S (default 0: skipped), OVERHEAD_ARGS for serving_overhead.py. STRESS_S (default 0: skipped; it
+# needs a call of its own: TESTS_S=0 SERVING_S=0 STRESS_S=540), STRESS_ARGS for stress.py; the run is
+# told to end 15 s before STRESS_S (--deadline-s) and writes $OUT/stress/{stress.json,stress.md,...}.
 # The tests run in TEST_WORKERS (default 8) pytest-xdist processes sharing the GPU: they are mostly bound
 # by the host (small models, Triton compiles, graph captures), so one process leaves the GPU idle. The
 # whole list took 143 s so on an H200 (2026-12-01, the big_gpu_memory test alone after the workers);
@@ -149,4 +153,17 @@ else
   grep -v "^=== " "$OUT/overhead.log" | tail -20
   cp "$OUT"/overhead/overhead.{json,md} "$OUT"/ 2>/dev/null
   tail -30 "$OUT"/overhead/*/server.log > "$OUT/overhead-server-logs.txt" 2>/dev/null
+fi
+
+echo "=== benchmarks/stress.py (CUDA-graph stress and regression run through tritonserver)"
+if [[ "${STRESS_S:-0}" == 0 ]]; then
+  echo "skipped (STRESS_S=0)"
+elif ! python3 -c "import importlib.util as u, tritonclient.grpc; assert u.find_spec('pytriton')" 2>/dev/null; then
+  echo "skipped: no nvidia-pytriton / tritonclient here (carry the wheels)"
+else
+  # shellcheck disable=SC2086  # STRESS_ARGS is a list of arguments
+  timeout "$STRESS_S" python3 benchmarks/stress.py --out "$OUT/stress" --deadline-s "$((STRESS_S - 15))" \
+    ${STRESS_ARGS:-} > "$OUT/stress.log" 2>&1
+  echo "stress exit $? (0 passed, 1 a check failed, 2 a phase did not run)"
+  tail -40 "$OUT/stress.log"
 fi

@@ -1134,7 +1134,8 @@ class Run:
         # The replay, sanitizer beside it.
         replay_s = knobs.replay_s
         if knobs.deadline_s > 0:
-            reserve = knobs.solo_s + knobs.idle_timeout_s / 2 + 45  # checks, solo runs, stopping servers
+            # The checks after the phase: the solo runs' time box, draining and stopping the servers.
+            reserve = knobs.solo_s + 35
             room = knobs.deadline_s - self.elapsed() - reserve
             if room < replay_s:
                 replay_s = max(room, 10.0)
