@@ -117,6 +117,8 @@ WORDS = (
     "music winter bread engine silver forest ocean letter market candle"
 ).split()
 MIB = 1 << 20
+# Phases whose checks are per server configuration, so that `attribute` can blame a feature.
+ATTRIBUTED_PHASES = ("start", "warm-up", "replay", "stop")
 WARMUP_LEVEL = 9999  # the level index of warm-up requests (their keys stay apart from the replay's)
 
 # Traffic mix (shares of requests).
@@ -568,9 +570,12 @@ class ServerOwner:
         finally:
             self._stopped.set()
 
-    def stop(self, timeout: float = 120.0) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after server_fixtures' wait) and wait for it."""
+    def request_stop(self) -> None:
+        """Begin stopping the server (SIGTERM, then SIGKILL after server_fixtures' wait)."""
         self._stop.set()
+
+    def wait_stopped(self, timeout: float = 120.0) -> None:
+        """Wait until the server stopped."""
         self._stopped.wait(timeout)
 
 
@@ -1172,16 +1177,25 @@ class Run:
             thread.start()
         for thread in threads:
             thread.join()
-        for name, thread in background.items():
-            thread.join(timeout=max(1.0, knobs.sanitizer_s * 2 + 30) if name == "sanitizer" else None)
-
+        for owner in owners.values():  # all at once: each takes seconds to drain and stop
+            owner.request_stop()
         for owner in owners.values():
-            owner.stop()
+            owner.wait_stopped()
+        # Captures and sanitizer runs are time-boxed (their processes killed at the box's end).
+        for thread in background.values():
+            thread.join()
         for name, owner in owners.items():
             flagged, restarts = scan_log(owner.server.log_text() if owner.server.log_path.exists() else "")
             servers_report.setdefault(name, {})["exit_status"] = owner.exit_status
             servers_report[name]["log_fault_lines_final"] = flagged[:20]
             self.check("stop", name, "stopped cleanly", owner.exit_status == 0, f"exit {owner.exit_status}")
+            self.check(
+                "stop",
+                name,
+                "no CUDA error or traceback in the whole log",
+                not flagged,
+                " | ".join(flagged[:3])[:500],
+            )
             leftovers = owner.server.leftover_processes()
             self.check("stop", name, "no process left", not leftovers, "; ".join(leftovers)[:300])
         self.write_server_logs(owners)
@@ -1198,12 +1212,12 @@ class Run:
             },
         }
         attribution = {}
-        for check_name in sorted({c["check"] for c in self.checks if c["phase"] in ("replay", "start")}):
+        for check_name in sorted({c["check"] for c in self.checks if c["phase"] in ATTRIBUTED_PHASES}):
             failed = {
                 name: any(
                     c["passed"] is False
                     for c in self.checks
-                    if c["server"] == name and c["check"] == check_name and c["phase"] in ("replay", "start")
+                    if c["server"] == name and c["check"] == check_name and c["phase"] in ATTRIBUTED_PHASES
                 )
                 for name in configs
             }
@@ -1253,17 +1267,23 @@ class Run:
                 plan_request(knobs.seed + 1, WARMUP_LEVEL, stream, 0, vocab, knobs.warmup_max_len)
                 for stream in range(top)
             ]
-            threads = [
-                threading.Thread(target=run_request, args=(server.grpc_url, plan, knobs.response_timeout_s))
-                for plan in plans
-            ]
+            results: list[RequestRecord] = []
+
+            def one(plan: RequestPlan) -> None:
+                results.append(run_request(server.grpc_url, plan, knobs.response_timeout_s))
+
+            threads = [threading.Thread(target=one, args=(plan,)) for plan in plans]
             for thread in threads:
                 thread.start()
             for thread in threads:
                 thread.join()
             # A logprobs request too: the solo checks ask for them.
             logprobs_plan = dataclasses.replace(plans[0], key=f"{WARMUP_LEVEL}-0-1", cancel_after=None)
-            run_request(server.grpc_url, logprobs_plan, knobs.response_timeout_s, logprobs=2)
+            results.append(run_request(server.grpc_url, logprobs_plan, knobs.response_timeout_s, logprobs=2))
+            errors = [r.error for r in results if r.error is not None]
+            self.check(
+                "warm-up", name, "warm-up requests served", not errors, f"{len(errors)} errors: {errors[:3]}"
+            )
             idle, _ = wait_idle(server, knobs.idle_timeout_s)
             baseline[name] = {"idle": idle, **memory(server)}
 
