@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from server_fixtures import GrpcStream, wait_for
 
@@ -29,8 +31,19 @@ def snapshot(server) -> dict[str, float]:
     return values
 
 
+def settled_snapshot(server) -> dict[str, float]:
+    """A snapshot once earlier tests' counters are published (at most 0.1 s after their events)."""
+    previous = snapshot(server)
+    while True:
+        time.sleep(0.3)
+        now = snapshot(server)
+        if now == previous:
+            return now
+        previous = now
+
+
 def test_counters_and_histograms_move_with_requests(triton_server):
-    before = snapshot(triton_server)
+    before = settled_snapshot(triton_server)
     with GrpcStream(triton_server) as grpc:
         outcome = grpc.send(
             text_input="List three fruits:",

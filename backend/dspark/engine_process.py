@@ -30,7 +30,7 @@ from typing import Any
 
 from dspark.async_engine import AsyncEngine, DeathCallback, DeltaCallback, EngineDeadError
 from dspark.config import EngineConfig
-from dspark.outputs import EngineLoad, RequestDelta
+from dspark.outputs import EngineLoad, RequestDelta, merge_by_request
 from dspark.sampling_params import InvalidParameterError, SamplingParams
 from dspark.tokenizer import Tokenizer
 from dspark.tp_worker import python_executable, spawning_with
@@ -251,8 +251,9 @@ def _serve_control(engine: AsyncEngine, control: Connection, on_delta: Callable[
 
 
 def _send_events(outbox: queue.Queue, events: Connection, load: Callable[[], EngineLoad]) -> None:
-    """Send everything queued as one batch of deltas (plus the engine's death, in order); while nothing
-    is queued, the occupancy whenever it changes (requests waiting or finishing without deltas)."""
+    """Send everything queued as one batch of deltas, each request's merged into one (when the adapter
+    reads slower than the engine steps, a batch spans steps: fewer, fuller deltas), plus the engine's
+    death, in order; while nothing is queued, the occupancy whenever it changes."""
     last_load = None
     while True:
         try:
@@ -274,10 +275,10 @@ def _send_events(outbox: queue.Queue, events: Connection, load: Callable[[], Eng
                 deltas.append(item)
                 continue
             if deltas:
-                events.send(("deltas", deltas, last_load := load()))
+                events.send(("deltas", merge_by_request(deltas), last_load := load()))
                 deltas = []
             if item is None:
                 return
             events.send(item)
         if deltas:
-            events.send(("deltas", deltas, last_load := load()))
+            events.send(("deltas", merge_by_request(deltas), last_load := load()))

@@ -16,6 +16,7 @@ it, so `vllm:spec_decode_num_draft_tokens_total` counts verified drafts (all dra
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from dspark.config import EngineConfig
@@ -163,42 +164,53 @@ class TritonMetrics(Metrics):
         self._verified_at: list[int] = []
         self._pending: dict[Any, float] = {}  # counter -> increment not yet published
         self._gauges: dict[Any, float] = {}  # gauge -> value not yet published
+        # The adapter reports from several threads (its send threads and its poll thread), and the
+        # Python backend's metric calls must not run concurrently (its stub process crashed when two
+        # threads observed at once): one lock around the sums above and every call to the server.
+        self._lock = threading.RLock()
 
     def request_finished(self, finish_reason: str) -> None:
-        if finish_reason not in self._by_reason:
-            self._by_reason[finish_reason] = self._requests.Metric(
-                labels={**self._labels, "finish_reason": finish_reason}
-            )
-        self._add(self._by_reason[finish_reason], 1)
+        with self._lock:
+            if finish_reason not in self._by_reason:
+                self._by_reason[finish_reason] = self._requests.Metric(
+                    labels={**self._labels, "finish_reason": finish_reason}
+                )
+            self._add(self._by_reason[finish_reason], 1)
 
     def request_completed(self, prompt_tokens: int, generation_tokens: int, e2e_latency: float) -> None:
         vllm = self._vllm
-        vllm.e2e.observe(e2e_latency)
-        vllm.request_prompt.observe(prompt_tokens)
-        vllm.request_generation.observe(generation_tokens)
-        vllm.n.observe(1)
+        with self._lock:
+            vllm.e2e.observe(e2e_latency)
+            vllm.request_prompt.observe(prompt_tokens)
+            vllm.request_generation.observe(generation_tokens)
+            vllm.n.observe(1)
 
     def prompt_tokens(self, count: int) -> None:
-        self._add(self._prompt, count)
-        self._add(self._vllm.prompt, count)
+        with self._lock:
+            self._add(self._prompt, count)
+            self._add(self._vllm.prompt, count)
 
     def tokens_generated(self, count: int, since_arrival: float | None, since_last: float | None) -> None:
         if count <= 0:
             return
-        self._add(self._generated, count)
-        self._add(self._vllm.generation, count)
-        if since_arrival is not None:
-            self._ttft.observe(since_arrival)
-            self._vllm.ttft.observe(since_arrival)
-        elif since_last is not None:
-            # One observation per update, not per token: each observe is a round trip to the server
-            # process, and an update carries every token the engine committed since the last one.
-            per_token = since_last / count
-            self._itl.observe(per_token)
-            self._vllm.tpot.observe(per_token)
+        with self._lock:
+            self._add(self._generated, count)
+            self._add(self._vllm.generation, count)
+            if since_arrival is not None:
+                self._ttft.observe(since_arrival)
+                self._vllm.ttft.observe(since_arrival)
+            elif since_last is not None:
+                # One observation per update, not per token: each observe is a round trip to the server
+                # process, and an update carries every token the engine committed since the last one.
+                per_token = since_last / count
+                self._itl.observe(per_token)
+                self._vllm.tpot.observe(per_token)
 
     def speculation(self, before: dict | None, after: dict) -> None:
-        before = before or {}
+        with self._lock:
+            self._speculation(before or {}, after)
+
+    def _speculation(self, before: dict, after: dict) -> None:
         for name in SPEC_COUNTERS:
             step = after.get(name, 0) - before.get(name, 0)
             if step > 0:
@@ -236,12 +248,13 @@ class TritonMetrics(Metrics):
         self._gauges[self._gpu_reserved] = load.gpu_memory_reserved_bytes
 
     def flush(self) -> None:
-        for counter, amount in self._pending.items():
-            counter.increment(amount)
-        for gauge, value in self._gauges.items():
-            gauge.set(value)
-        self._pending.clear()
-        self._gauges.clear()
+        with self._lock:
+            for counter, amount in self._pending.items():
+                counter.increment(amount)
+            for gauge, value in self._gauges.items():
+                gauge.set(value)
+            self._pending.clear()
+            self._gauges.clear()
 
     def _add(self, counter: Any, amount: float) -> None:
         self._pending[counter] = self._pending.get(counter, 0) + amount

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import overload
 
 
@@ -198,6 +198,25 @@ class RequestDelta:
     def failed(cls, request_id: str, message: str) -> RequestDelta:
         """The last delta of a request that ended on an error."""
         return cls(request_id, [], "", True, "error", 0, 0, SpecStats(), error=message)
+
+
+def merge_deltas(earlier: RequestDelta, later: RequestDelta) -> RequestDelta:
+    """One delta for `earlier` then `later` (the same request's): both deltas' tokens and text, the rest
+    (finish, counts, statistics, logprobs so far) as of `later`."""
+    return replace(
+        later,
+        new_token_ids=earlier.new_token_ids + later.new_token_ids,
+        new_text=earlier.new_text + later.new_text,
+    )
+
+
+def merge_by_request(deltas: list[RequestDelta]) -> list[RequestDelta]:
+    """The deltas with each request's merged into one, in the order of each request's first."""
+    merged: dict[str, RequestDelta] = {}
+    for delta in deltas:
+        earlier = merged.get(delta.request_id)
+        merged[delta.request_id] = delta if earlier is None else merge_deltas(earlier, delta)
+    return list(merged.values())
 
 
 @dataclass

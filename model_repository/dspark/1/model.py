@@ -1,9 +1,14 @@
 """Triton Python backend adapter for the DSpark engine: it translates, and nothing more.
 
 `execute()` turns each request into an `AsyncEngine.submit` and returns at once. The engine calls
-back from its loop thread with `RequestDelta`s, which only get queued; a response thread does every
-blocking `send()`, puts the FINAL flag on the last data response, polls cancellation between sends
-(aborting cancelled requests so their KV pages free at the next step) and refreshes the load gauges.
+back with `RequestDelta`s, which are merged into the request's pending update (a dict write under a
+lock: the engine's side never waits on a response). Send threads (each request always on the same
+one) turn a request's pending update into one response and `send()` it: while a send waits on its
+round trip to the server process, the engine's next tokens merge into the following one, so a stream
+gets fewer, fuller responses under load instead of falling behind, and one request's responses stay
+in order. A request's first response goes ahead of the rest (time to first token). A poll thread asks
+senders whether their client went away (aborting cancelled requests so their KV pages free at the
+next step) and publishes the load gauges and counters.
 
 If the engine loop dies, every request in flight ends with an INTERNAL error (FINAL), new ones get
 UNAVAILABLE, and after a short grace this backend process exits: a model whose engine is gone must not
@@ -16,11 +21,10 @@ output_ids, return_spec_stats/spec_stats and cancel_request_id; see dspark.trito
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import itertools
 import json
 import os
-import queue
 import sys
 import threading
 import time
@@ -37,14 +41,13 @@ from dspark.async_engine import AsyncEngine, EngineDeadError
 from dspark.engine_process import EngineProcess
 from dspark.logprobs import logprobs_json
 from dspark.metrics import Metrics, TritonMetrics, vllm_max_model_len
-from dspark.outputs import RequestDelta
+from dspark.outputs import RequestDelta, merge_deltas
 from dspark.sampling_params import MAX_INT, parse_json_object
 from dspark.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
 
-POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing, between sends
+POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing
 SEND_THREADS = 4  # threads sending responses (a request's always on the same one)
 CANCEL_POLL_BUDGET = 32  # senders asked about cancellation per poll
-MAX_OUTBOX_TAKE = 4096  # outbox items taken (and coalesced) at once by the response thread
 DEATH_GRACE_S = 1.0  # after the engine died: time for the error responses to go out before exiting
 CANCEL_ALL = "*"  # cancel_request_id that cancels every request in flight (dspark serve does, to stop)
 RETURN_FLAGS = (
@@ -64,7 +67,7 @@ STREAMED_PROMPT_REFUSED = (
 
 @dataclass
 class _Live:
-    """One request in flight: where its responses go and what it asked for."""
+    """One request in flight: where its responses go, what it asked for, and what is left to send."""
 
     engine_id: str
     triton_id: str
@@ -75,9 +78,17 @@ class _Live:
     arrived: float
     text: list[str] = field(default_factory=list)  # non-streamed: everything so far
     token_ids: list[int] = field(default_factory=list)
-    last_token_at: float | None = None
+    last_token_at: float | None = None  # when the tokens of the last response sent arrived
     spec_seen: dict | None = None
     cancelled: bool = False  # the client went away; the engine was told to abort
+    # Guarded by the model's lock: the engine's deltas not yet sent, merged into one; when the first
+    # and the last of their tokens arrived; whether a send thread holds it in its queue; and whether
+    # its final response is decided (nothing may be sent for it after that).
+    pending: RequestDelta | None = None
+    first_pending_at: float | None = None
+    last_pending_at: float | None = None
+    scheduled: bool = False
+    closed: bool = False
 
 
 @dataclass
@@ -87,22 +98,6 @@ class _Reply:
     sender: Any
     response: Any
     outcome: str | None  # counted as a finished request with this reason, when set
-
-
-@dataclass
-class _Update:
-    """What the engine committed for one request (since the last update sent), and when it arrived."""
-
-    live: _Live
-    delta: RequestDelta
-    at: float  # when the first of its tokens arrived
-
-
-@dataclass
-class _EngineDied:
-    """The engine loop stopped on this error (queued after the failed deltas of its requests)."""
-
-    cause: BaseException
 
 
 @dataclass
@@ -118,6 +113,29 @@ class _PendingCancel:
             return False
         self.waiting_on.discard(engine_id)
         return not self.waiting_on
+
+
+class _SendQueue:
+    """One send thread's work, in order, except that requests yet to send their first response go
+    ahead of the rest (time to first token)."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Condition()
+        self._first: collections.deque = collections.deque()
+        self._rest: collections.deque = collections.deque()
+
+    def put(self, item: Any, first: bool = False) -> None:
+        """Queue a request with a pending update, a single reply, or None (the end)."""
+        with self._ready:
+            (self._first if first else self._rest).append(item)
+            self._ready.notify()
+
+    def take(self) -> Any:
+        """The next item, waiting for one."""
+        with self._ready:
+            while not self._first and not self._rest:
+                self._ready.wait()
+            return self._first.popleft() if self._first else self._rest.popleft()
 
 
 class TritonPythonModel:
@@ -136,22 +154,23 @@ class TritonPythonModel:
         self._logger = pb_utils.Logger
         self._metrics = self._make_metrics(config, args)
         self._live: dict[str, _Live] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # _live, _cancels and each _Live's pending fields
         self._next_id = itertools.count()
-        self._outbox: queue.Queue = queue.Queue()
         self._cancels: list[_PendingCancel] = []
         self._cancel_poll_at = 0  # where the next cancellation poll starts in the live requests
-        self._engine = self._make_engine(config, lambda cause: self._outbox.put(_EngineDied(cause)))
-        self._engine.start()
-        self._send_queues: list[queue.Queue] = [queue.Queue() for _ in range(SEND_THREADS)]
+        self._engine_death: BaseException | None = None
+        self._stopping = threading.Event()
+        self._send_queues = [_SendQueue() for _ in range(SEND_THREADS)]
         self._send_threads = [
             threading.Thread(target=self._send_loop, args=(sends,), name=f"dspark-send-{i}", daemon=True)
             for i, sends in enumerate(self._send_queues)
         ]
+        self._engine = self._make_engine(config, self._on_engine_death)
+        self._engine.start()
         for thread in self._send_threads:
             thread.start()
-        self._responder = threading.Thread(target=self._respond_loop, name="dspark-responses", daemon=True)
-        self._responder.start()
+        self._poller = threading.Thread(target=self._poll_loop, name="dspark-poll", daemon=True)
+        self._poller.start()
         self._logger.log_info(
             f"dspark: engine started (spec_mode={config.spec_mode}, device={config.device})"
         )
@@ -181,9 +200,10 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
-        self._engine.shutdown()  # in-flight requests end with reason "abort"; their last deltas are queued
-        self._outbox.put(None)
-        self._responder.join()
+        self._engine.shutdown()  # in-flight requests end with reason "abort"; their last deltas are merged
+        self._stopping.set()
+        self._poller.join()
+        self._end_abandoned()
         self._stop_sending()
         self._logger.log_info("dspark: engine shut down")
 
@@ -230,9 +250,13 @@ class TritonPythonModel:
         if not target:
             raise InvalidParameterError("cancel_request_id", "must be the id of a request in flight")
         with self._lock:
-            matches = [live for live in self._live.values() if target in (CANCEL_ALL, live.triton_id)]
+            matches = [
+                live
+                for live in self._live.values()
+                if target in (CANCEL_ALL, live.triton_id) and not live.closed
+            ]
             if matches and not self._engine.healthy:  # a dead engine ends nothing: answer at once
-                self._outbox.put(_Reply(sender, _cancelled(), None))
+                self._queue_reply(_Reply(sender, _cancelled(), None))
                 return
             if matches:
                 self._cancels.append(_PendingCancel(sender, {live.engine_id for live in matches}))
@@ -240,128 +264,130 @@ class TritonPythonModel:
             message = f"cancel_request_id: no request in flight with id {target!r}"
             self._reply_error(sender, message, pb_utils.TritonError.NOT_FOUND, None)
         elif not matches:
-            self._outbox.put(_Reply(sender, _cancelled(), None))
+            self._queue_reply(_Reply(sender, _cancelled(), None))
         for live in matches:
             self._engine.abort(live.engine_id)
 
     def _reply_error(self, sender, message: str, code: Any, outcome: str | None) -> None:
         error = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
-        self._outbox.put(_Reply(sender, error, outcome))
+        self._queue_reply(_Reply(sender, error, outcome))
+
+    def _queue_reply(self, reply: _Reply) -> None:
+        self._send_queues[hash(id(reply.sender)) % len(self._send_queues)].put(reply)
+
+    # The engine's side: merge and hand over ------------------------------------------------------
 
     def _on_delta(self, live: _Live, delta: RequestDelta) -> None:
-        """Engine thread: queue and return (never block the step loop, nor hold the GIL long)."""
-        self._outbox.put(_Update(live, delta, time.monotonic()))
+        """Engine thread: merge into the request's pending update, queue the request for its send
+        thread unless it is queued already, and return (never block the engine, nor hold the GIL long)."""
+        now = time.monotonic()
+        with self._lock:
+            if live.closed:
+                return
+            if live.pending is None:
+                live.pending = delta
+            else:
+                live.pending = merge_deltas(live.pending, delta)
+            if delta.new_token_ids:
+                live.last_pending_at = now
+                if live.first_pending_at is None:
+                    live.first_pending_at = now
+            if live.scheduled:
+                return
+            live.scheduled = True
+        first = live.spec_seen is None  # no response sent yet
+        self._send_queues[hash(live.engine_id) % len(self._send_queues)].put(live, first=first)
 
-    # The response thread -----------------------------------------------------------------------
+    def _on_engine_death(self, cause: BaseException) -> None:
+        """Engine thread: its requests' failed deltas came first; the poll thread ends this process."""
+        self._engine_death = cause
 
-    def _respond_loop(self) -> None:
-        next_poll = time.monotonic()
-        exit_at: float | None = None
-        while True:
-            items = self._take_outbox()
-            if items and items[-1] is None:
-                self._respond_all(items[:-1], exit_at)
-                break
-            if exit_at is not None and time.monotonic() >= exit_at:
-                self._exit_after_engine_death()
-            exit_at = self._respond_all(items, exit_at)
-            if time.monotonic() >= next_poll:
-                try:
-                    self._poll_cancelled()
-                    self._metrics.load(self._engine.load())
-                    self._metrics.flush()
-                except Exception:
-                    self._logger.log_error(f"dspark: response thread: {traceback.format_exc()}")
-                next_poll = time.monotonic() + POLL_INTERVAL_S
-        self._end_abandoned()
+    # The send threads --------------------------------------------------------------------------
 
-    def _take_outbox(self) -> list:
-        """Everything queued now (waiting up to POLL_INTERVAL_S for the first), a request's updates merged
-        into one: when the engine commits faster than responses go out, a stream gets fewer, fuller
-        responses instead of falling behind. Order is kept within a request and around other items."""
-        try:
-            items = [self._outbox.get(timeout=POLL_INTERVAL_S)]
-        except queue.Empty:
-            return []
-        while items[-1] is not None and len(items) < MAX_OUTBOX_TAKE:
+    def _send_loop(self, sends: _SendQueue) -> None:
+        """A send thread: each send waits on a round trip to the server process, outside the GIL."""
+        while (item := sends.take()) is not None:
             try:
-                items.append(self._outbox.get_nowait())
-            except queue.Empty:
-                break
-        return _coalesce(items)
-
-    def _respond_all(self, items: list, exit_at: float | None) -> float | None:
-        """Answer each item; the time to exit at once the engine died."""
-        for item in items:
-            try:
-                exit_at = self._respond_item(item, exit_at)
+                if isinstance(item, _Reply):
+                    self._send_now(item.sender, item.response, final=True)
+                    if item.outcome is not None:
+                        self._metrics.request_finished(item.outcome)
+                else:
+                    self._send_pending(item)
             except Exception:
-                self._logger.log_error(f"dspark: response thread: {traceback.format_exc()}")
-        return exit_at
+                self._logger.log_error(f"dspark: send thread: {traceback.format_exc()}")
 
-    def _respond_item(self, item, exit_at: float | None) -> float | None:  # noqa: ANN001
-        """Send what one outbox item calls for; the time to exit at once the engine died."""
-        if isinstance(item, _EngineDied):
-            self._logger.log_error(
-                f"dspark: the engine stopped on {item.cause!r}; its requests failed; this backend "
-                f"process exits in {DEATH_GRACE_S:.0f}s so that the server is restarted"
-            )
-            return time.monotonic() + DEATH_GRACE_S
-        if isinstance(item, _Reply):
-            self._send(item.sender, item.response, final=True)
-            if item.outcome is not None:
-                self._metrics.request_finished(item.outcome)
-        elif isinstance(item, _Update):
-            self._respond(item.live, item.delta, item.at, item.delta.spec_stats.as_dict())
-        return exit_at
-
-    def _respond(self, live: _Live, delta: RequestDelta, at: float, spec: dict) -> None:
-        self._account(live, delta, at, spec)
-        if live.cancelled:
+    def _send_pending(self, live: _Live) -> None:
+        """Send what the engine committed for this request since its last response, as one response."""
+        with self._lock:
+            delta, first_at, last_at = live.pending, live.first_pending_at, live.last_pending_at
+            live.pending = live.first_pending_at = live.last_pending_at = None
+            live.scheduled = False
+            if delta is None or live.closed:
+                return
+            settled: list[_PendingCancel] = []
             if delta.finished:
-                cancelled = pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
-                )
-                self._finish(live, cancelled)
-            return
+                live.closed = True
+                settled = self._settle(live)
+        self._account(live, delta, first_at, last_at)
+        response = self._response(live, delta)
+        if response is not None:
+            self._send_now(live.sender, response, final=delta.finished)
+        for cancel in settled:  # after the response it waited on
+            self._send_now(cancel.sender, _cancelled(), final=True)
+
+    def _settle(self, live: _Live) -> list[_PendingCancel]:
+        """Under the lock: forget an ended request; the cancel requests it was the last one of."""
+        self._live.pop(live.engine_id, None)
+        settled = [cancel for cancel in self._cancels if cancel.settle(live.engine_id)]
+        self._cancels = [cancel for cancel in self._cancels if cancel.waiting_on]
+        return settled
+
+    def _response(self, live: _Live, delta: RequestDelta):  # noqa: ANN202 - pb_utils.InferenceResponse
+        """The response for this (merged) update, None when there is nothing to send yet."""
+        if live.cancelled:
+            if not delta.finished:
+                return None
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+            )
         if delta.finish_reason == "error":
-            failed = pb_utils.InferenceResponse(
+            return pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"engine error: {delta.error}", pb_utils.TritonError.INTERNAL)
             )
-            self._finish(live, failed)
-            return
         if live.stream:
-            response = self._data_response(live, delta, delta.new_text, delta.new_token_ids, spec)
-            if delta.finished:
-                self._finish(live, response)
-            else:
-                self._send(live.sender, response, final=False, key=live.engine_id)
-            return
+            return self._data_response(live, delta, delta.new_text, delta.new_token_ids)
         live.text.append(delta.new_text)
         live.token_ids.extend(delta.new_token_ids)
-        if delta.finished:
-            text = live.prefix + "".join(live.text)
-            self._finish(live, self._data_response(live, delta, text, live.token_ids, spec))
+        if not delta.finished:
+            return None
+        return self._data_response(live, delta, live.prefix + "".join(live.text), live.token_ids)
 
-    def _account(self, live: _Live, delta: RequestDelta, at: float, spec: dict) -> None:
+    def _account(
+        self, live: _Live, delta: RequestDelta, first_at: float | None, last_at: float | None
+    ) -> None:
+        """Metrics of one response: times measured from when the engine's tokens arrived."""
+        spec = delta.spec_stats.as_dict()
         if live.spec_seen is None:
             self._metrics.prompt_tokens(delta.num_prompt_tokens)
         count = len(delta.new_token_ids)
-        if count:
+        if count and last_at is not None:
             first = live.last_token_at is None
-            since_arrival = at - live.arrived if first else None
-            since_last = None if first else at - live.last_token_at
+            since_arrival = first_at - live.arrived if first and first_at is not None else None
+            since_last = None if first else last_at - live.last_token_at
             self._metrics.tokens_generated(count, since_arrival, since_last)
-            live.last_token_at = at
+            live.last_token_at = last_at
         self._metrics.speculation(live.spec_seen, spec)
         live.spec_seen = spec
         if delta.finished:
+            ended_at = last_at if last_at is not None else time.monotonic()
             self._metrics.request_finished(delta.finish_reason or "stop")
             self._metrics.request_completed(
-                delta.num_prompt_tokens, delta.num_output_tokens, at - live.arrived
+                delta.num_prompt_tokens, delta.num_output_tokens, ended_at - live.arrived
             )
 
-    def _data_response(self, live: _Live, delta: RequestDelta, text: str, token_ids: list[int], spec: dict):
+    def _data_response(self, live: _Live, delta: RequestDelta, text: str, token_ids: list[int]):
+        spec = live.spec_seen or {}
         outputs = [
             _strings("text_output", [text]),
             pb_utils.Tensor("output_ids", np.array(token_ids, np.int32)),
@@ -387,29 +413,11 @@ class TritonPythonModel:
             outputs.append(pb_utils.Tensor("cumulative_logprob", np.array([value], np.float32)))
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
-    def _finish(self, live: _Live, response) -> None:
-        with self._lock:
-            self._live.pop(live.engine_id, None)
-            settled = [cancel for cancel in self._cancels if cancel.settle(live.engine_id)]
-            self._cancels = [cancel for cancel in self._cancels if cancel.waiting_on]
-        self._send(live.sender, response, final=True, key=live.engine_id)
-        for cancel in settled:  # after the response it waited on: the same send thread
-            self._send(cancel.sender, _cancelled(), final=True, key=live.engine_id)
-
-    def _send(self, sender, response, final: bool, key: str | None = None) -> None:
-        """Hand a response to the send thread of its request (`key`, else its sender): one request's
-        responses go out in order, different requests' side by side."""
-        shard = hash(key if key is not None else id(sender)) % len(self._send_queues)
-        self._send_queues[shard].put((sender, response, final))
-
-    def _send_loop(self, sends: queue.Queue) -> None:
-        """A send thread: each send waits on a round trip to the server process, outside the GIL."""
-        while (item := sends.get()) is not None:
-            sender, response, final = item
-            try:
-                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-            except Exception as exc:  # the client may be gone; the request still ends in the engine
-                self._logger.log_warn(f"dspark: send failed: {exc}")
+    def _send_now(self, sender, response, final: bool) -> None:
+        try:
+            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        except Exception as exc:  # the client may be gone; the request still ends in the engine
+            self._logger.log_warn(f"dspark: send failed: {exc}")
 
     def _stop_sending(self) -> None:
         """Let the send threads send what they hold, then end them."""
@@ -418,10 +426,31 @@ class TritonPythonModel:
         for thread in self._send_threads:
             thread.join()
 
+    # The poll thread ---------------------------------------------------------------------------
+
+    def _poll_loop(self) -> None:
+        """Every POLL_INTERVAL_S: cancellations, load gauges and counters; exit once the engine died."""
+        exit_at: float | None = None
+        while not self._stopping.wait(POLL_INTERVAL_S):
+            if self._engine_death is not None and exit_at is None:
+                self._logger.log_error(
+                    f"dspark: the engine stopped on {self._engine_death!r}; its requests failed; this "
+                    f"backend process exits in {DEATH_GRACE_S:.0f}s so that the server is restarted"
+                )
+                exit_at = time.monotonic() + DEATH_GRACE_S
+            if exit_at is not None and time.monotonic() >= exit_at:
+                self._exit_after_engine_death()
+            try:
+                self._poll_cancelled()
+                self._metrics.load(self._engine.load())
+                self._metrics.flush()
+            except Exception:
+                self._logger.log_error(f"dspark: poll thread: {traceback.format_exc()}")
+
     def _poll_cancelled(self) -> None:
         """Ask up to CANCEL_POLL_BUDGET senders, in turn, whether their client went away: each ask is a
-        round trip to the server process, and asking all of them every poll took the response thread's
-        time from sending at hundreds of streams (a cancel is still seen within a few polls)."""
+        round trip to the server process, and asking all of them every poll took the time of sends
+        at hundreds of streams (a cancel is still seen within a few polls)."""
         with self._lock:
             live_now = list(self._live.values())
         if len(live_now) > CANCEL_POLL_BUDGET:
@@ -429,7 +458,7 @@ class TritonPythonModel:
             live_now = (live_now[start:] + live_now[:start])[:CANCEL_POLL_BUDGET]
             self._cancel_poll_at = start + CANCEL_POLL_BUDGET
         for live in live_now:
-            if not live.cancelled and live.sender.is_cancelled():
+            if not live.cancelled and not live.closed and live.sender.is_cancelled():
                 live.cancelled = True
                 # The vLLM backend's wording, which its clients' tests and log scrapers look for.
                 self._logger.log_info(f"[vllm] Cancelling the request (dspark: {live.triton_id!r} cancelled)")
@@ -444,17 +473,22 @@ class TritonPythonModel:
         os._exit(1)
 
     def _end_abandoned(self) -> None:
-        """After shutdown: close any request the engine never finished, so Triton can release it."""
+        """After shutdown: close any request the engine never finished, so Triton can release it (one
+        whose final update is pending is left to its send thread)."""
+        ends: list[tuple[Any, Any]] = []
         with self._lock:
-            abandoned, self._live = list(self._live.values()), {}
-            cancels, self._cancels = self._cancels, []
-        for live in abandoned:
-            gone = pb_utils.InferenceResponse(
-                error=pb_utils.TritonError("model is shutting down", pb_utils.TritonError.UNAVAILABLE)
-            )
-            self._send(live.sender, gone, final=True)
-        for cancel in cancels:
-            self._send(cancel.sender, _cancelled(), final=True)
+            for live in list(self._live.values()):
+                if live.closed or (live.pending is not None and live.pending.finished):
+                    continue
+                live.closed = True
+                live.pending = None
+                gone = pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("model is shutting down", pb_utils.TritonError.UNAVAILABLE)
+                )
+                ends.append((live.sender, gone))
+                ends.extend((cancel.sender, _cancelled()) for cancel in self._settle(live))
+        for sender, response in ends:
+            self._queue_reply(_Reply(sender, response, None))
 
     def _make_metrics(self, config: EngineConfig, args: dict) -> Metrics:
         if not config.enable_metrics:
@@ -529,29 +563,6 @@ def _describe(exc: InvalidParameterError) -> str:
 
 def _message(exc: InvalidParameterError) -> str:
     return str(exc).removeprefix(f"{exc.field}: ")
-
-
-def _coalesce(items: list) -> list:
-    """The outbox items with each run of one request's updates merged into its first (between any two
-    other items, so that replies and the engine's death keep their place)."""
-    merged: list = []
-    open_updates: dict[str, _Update] = {}
-    for item in items:
-        if not isinstance(item, _Update):
-            open_updates.clear()
-            merged.append(item)
-            continue
-        earlier = open_updates.get(item.live.engine_id)
-        if earlier is None or earlier.delta.finished:
-            open_updates[item.live.engine_id] = item
-            merged.append(item)
-            continue
-        earlier.delta = dataclasses.replace(
-            item.delta,
-            new_token_ids=earlier.delta.new_token_ids + item.delta.new_token_ids,
-            new_text=earlier.delta.new_text + item.delta.new_text,
-        )
-    return merged
 
 
 def _cancelled():
