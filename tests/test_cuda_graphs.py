@@ -5,13 +5,25 @@ the eager engine, spec on and off."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.attention_batch import AttentionBatch
-from dspark.cuda_graphs import CudaGraphs, all_tiers, next_pow2, pow2_upto, step_tiers, token_tiers
+from dspark.cuda_graphs import (
+    CAPTURE_RESERVE_BYTES,
+    CAPTURE_SAFETY,
+    CudaGraphs,
+    all_tiers,
+    capture_budget,
+    capture_bytes,
+    next_pow2,
+    pow2_upto,
+    step_tiers,
+    token_tiers,
+)
 from dspark.model_runner import ModelRunner
 
 PAGE = 4
@@ -294,3 +306,42 @@ def test_static_steps_draft_inside_the_target_step_on_the_gpu(smollm2_dir, smoll
     assert [o.token_ids for o in outputs] == expected
     assert in_step_counts and max(in_step_counts) > 1, "no step drafted inside the target step"
     assert sum(o.spec_stats.accepted_tokens for o in outputs) > 0
+
+
+def test_capture_budget_keeps_the_tiers_whose_estimated_graph_memory_fits(
+    tiny_target_dir, monkeypatch
+) -> None:
+    """On a GPU a rank captures the smallest tiers first, while their estimated graph memory fits what
+    is free (the device's free memory plus the allocator's unused cache); emulated, every tier."""
+    config = EngineConfig(model=str(tiny_target_dir), spec_mode="off", num_kv_pages=64, kv_page_size=PAGE)
+    runner = ModelRunner.create(config, torch.device("cpu"), torch.float32)
+    tiers = [1, 2, 4, 8, 16, 32, 60, 96, 112]
+    graphs = SimpleNamespace(
+        token_tiers=tiers,
+        max_requests=4,
+        emulate=False,
+        device=torch.device("cuda", 0),
+        model=runner.model,
+        cache=runner.cache,
+    )
+
+    def needed(count: int, layers: tuple[int, ...]) -> int:
+        plan = all_tiers(tiers[:count], 4)
+        return CAPTURE_SAFETY * capture_bytes(graphs, plan, layers) + CAPTURE_RESERVE_BYTES
+
+    cached = 3 << 20  # reserved by the allocator, unused: free for a capture
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 * cached)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 9 * cached)
+    for free, layers, expected in [
+        (needed(7, ()), (), tiers[:7]),
+        (needed(7, ()) - 1, (), tiers[:6]),
+        (needed(7, ()), (0, 1), tiers[:6]),  # captured features are graph outputs too
+        (needed(len(tiers), ()), (), tiers),
+        (CAPTURE_RESERVE_BYTES, (), []),
+    ]:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free - cached, 1 << 40))
+        assert capture_budget(graphs, layers) == expected, (free, layers)
+    # The estimate: every graph's outputs, plus one forward's activations at the largest tier.
+    assert needed(7, (0, 1)) > needed(7, ()) > needed(6, ())
+    graphs.emulate = True
+    assert capture_budget(graphs, ()) == tiers

@@ -77,6 +77,11 @@ class EngineConfig:
     # captured at start-up. 0 runs everything eagerly. A Python-driven forward launches hundreds of
     # kernels a step and is bound by the host.
     cuda_graph_max_tokens: int = 512
+    # The token counts captured steps are padded up to, comma-separated (e.g. 1,2,4,8,16,32,60,96,112,128):
+    # a step takes the smallest one that holds it, a larger step runs eagerly; each at most
+    # cuda_graph_max_tokens and max_num_batched_tokens. Empty: powers of two to 128, then quarter steps
+    # (160, 192, 224, 256, 320, ...) up to cuda_graph_max_tokens.
+    cuda_graph_token_tiers: str = ""
     # GPUs one instance spreads the model over.
     tensor_parallel_size: int = 1
     # GPU indices of the tensor-parallel ranks, comma-separated (rank i on the i-th; CUDA only); empty:
@@ -124,6 +129,14 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= {minimum}, got {value}")
         if not 0.0 <= self.draft_stop_survival < 1.0:
             raise ValueError(f"draft_stop_survival: must be in [0, 1), got {self.draft_stop_survival}")
+        tiers = self.cuda_graph_tiers
+        # Tiers only matter with graphs on: turning them off (0) need not clear the list.
+        largest = min(self.cuda_graph_max_tokens, self.max_num_batched_tokens)
+        if tiers and self.cuda_graph_max_tokens > 0 and tiers[-1] > largest:
+            raise ValueError(
+                f"cuda_graph_token_tiers: {tiers[-1]} is above cuda_graph_max_tokens and "
+                f"max_num_batched_tokens ({largest})"
+            )
         devices = self.tensor_parallel_device_ids
         if devices and len(devices) != self.tensor_parallel_size:
             raise ValueError(
@@ -156,6 +169,23 @@ class EngineConfig:
         if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
             raise ValueError(f"tensor_parallel_devices: GPU indices must be distinct and >= 0, got {text!r}")
         return ids
+
+    @property
+    def cuda_graph_tiers(self) -> list[int]:
+        """The token tiers of `cuda_graph_token_tiers`, ascending without repeats ([] when unset: the
+        default ladder)."""
+        text = self.cuda_graph_token_tiers.strip()
+        if not text:
+            return []
+        try:
+            tiers = [int(item) for item in text.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"cuda_graph_token_tiers: expected comma-separated token counts, got {text!r}"
+            ) from None
+        if min(tiers) < 1:
+            raise ValueError(f"cuda_graph_token_tiers: token counts must be >= 1, got {text!r}")
+        return sorted(set(tiers))
 
     @property
     def speculative(self) -> bool:

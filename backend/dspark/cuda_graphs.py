@@ -2,28 +2,42 @@
 
 A Python-driven forward launches hundreds of kernels per step, so a decode or verify step of a large
 model is bound by the host, not by the GPU. One graph is captured per (token tier, request tier) a
-step is padded up to (`token_tiers`; requests: powers of two): padding tokens store nothing (slot
--1) and padding windows are empty with no keys. A replay copies the step's tokens and windows
-(start, length, pages) into the static buffers the graph reads, and the graph lays them out itself
-(the layout kernel, see `StaticLayout`); logits are computed after it, for the rows the driver asks
-for only. A feature sink (the drafter's KV injection) is captured into the same graph, so a
-speculative step injects for free.
+step is padded up to (`token_tiers` or a configured set; requests: powers of two): padding tokens
+store nothing (slot -1) and padding windows are empty with no keys. A replay copies the step's
+tokens and windows (start, length, pages) into the static buffers the graph reads, and the graph
+lays them out itself (the layout kernel, see `StaticLayout`); logits are computed after it, for the
+rows the driver asks for only. A feature sink (the drafter's KV injection) is captured into the same
+graph, so a speculative step injects for free.
+
+Tensor-parallel ranks must replay the same graph for every step (the collectives inside carry the
+padded tier's shapes), so a start-up capture is agreed over the group (`CudaGraphs.capture_all`):
+the ranks capture the token tiers all of them can, in the same order, and if a capture fails on any
+rank, every rank drops its graphs and runs eagerly. Every capture is logged and kept in `capture_log`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol, TypeVar
+import logging
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
 from dspark.attention_batch import AttentionBatch, build_page_table
+from dspark.distributed import SINGLE, TensorParallel
 from dspark.host_to_device import copy_to_device
 from dspark.kernels import ops
 from dspark.kv_cache import PagedKVCache
 from dspark.models.llama import CausalLM
 from dspark.verify_tokens import write_verify_tokens
+
+if TYPE_CHECKING:
+    from dspark.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 # Takes (features [T, L * hidden], positions [T], slots [T]) of every token of a step (padding: slot -1).
 FeatureSink = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -85,17 +99,25 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def step_tiers(
-    num_tokens: int, num_requests: int, max_tokens: int, max_requests: int
-) -> tuple[int, int] | None:
+# Token tiers: ascending token counts, or an int, the default ladder up to it (`token_tiers`).
+Tiers = int | Sequence[int]
+
+
+def ladder(tiers: Tiers) -> Sequence[int]:
+    """The token tiers `tiers` stands for: itself, or `token_tiers` of an int (a power of two)."""
+    return token_tiers(tiers) if isinstance(tiers, int) else tiers
+
+
+def step_tiers(num_tokens: int, num_requests: int, tiers: Tiers, max_requests: int) -> tuple[int, int] | None:
     """The padded (tokens, requests) a step of this size runs at, or None when it is too large to capture
-    (max_tokens, max_requests: powers of two, max_requests <= max_tokens)."""
-    if num_tokens < 1 or num_tokens > max_tokens or num_requests > max_requests:
+    (tiers: see `Tiers`; max_requests: a power of two). The token tier is the smallest that holds the
+    step's tokens and, since a tier holds at least one token per window, its request tier."""
+    if num_tokens < 1 or num_requests > max_requests:
         return None
     requests = next_pow2(max(num_requests, 1))
-    # A tier holds at least one token per request tier's window (the power of two is a tier).
-    tokens = next(t for t in token_tiers(max_tokens) if t >= max(num_tokens, requests))
-    return tokens, requests
+    tokens = ladder(tiers)
+    i = bisect_left(tokens, max(num_tokens, requests))
+    return (tokens[i], requests) if i < len(tokens) else None
 
 
 def token_tiers(max_tokens: int) -> list[int]:
@@ -118,18 +140,19 @@ def token_tiers(max_tokens: int) -> list[int]:
 FINE_TIERS_FROM = 128
 
 
-def all_tiers(max_tokens: int, max_requests: int) -> list[tuple[int, int]]:
-    """Every (tokens, requests) tier `step_tiers` can return: the graphs a start-up capture makes."""
+def all_tiers(tiers: Tiers, max_requests: int) -> list[tuple[int, int]]:
+    """Every (tokens, requests) tier `step_tiers` can return, in capture order: the graphs a start-up
+    capture makes."""
     return [
         (tokens, requests)
-        for tokens in token_tiers(max_tokens)
+        for tokens in ladder(tiers)
         for requests in pow2_upto(min(next_pow2(tokens), max_requests))
         if requests <= tokens
     ]
 
 
 def pow2_upto(limit: int) -> list[int]:
-    """1, 2, 4, ..., up to `limit` (a power of two)."""
+    """1, 2, 4, ..., up to `limit`."""
     return [1 << i for i in range(limit.bit_length())]
 
 
@@ -273,6 +296,77 @@ class GraphStepOutput:
     slots: torch.Tensor
 
 
+@dataclass(frozen=True)
+class CaptureRecord:
+    """One graph capture: its tier, how long it took (device synchronised before and after) and whether
+    it succeeded (error: what it raised)."""
+
+    tokens: int
+    requests: int
+    seconds: float
+    ok: bool
+    error: str = ""
+
+
+@dataclass
+class CaptureOutcome:
+    """What a start-up capture agreed and did: the same on every tensor-parallel rank."""
+
+    # The token tiers configured, and those every rank could capture (`capture_budget`, intersected).
+    planned: list[int]
+    tiers: list[int]
+    # The token tiers each rank could capture, by rank.
+    budgets: list[list[int]] = field(default_factory=list)
+    # The first rank whose capture failed and at which (tokens, requests); None: every capture succeeded.
+    failed_rank: int | None = None
+    failed_at: tuple[int, int] | None = None
+
+    @property
+    def replays(self) -> bool:
+        """Whether steps replay graphs after this capture: some tier agreed, and no rank failed."""
+        return bool(self.tiers) and self.failed_rank is None
+
+
+# Graph memory a capture leaves to others: the cuBLAS workspace the first captured matmul takes for the
+# capture stream (32 MiB on an H200), NCCL's buffers, the allocator's rounding.
+CAPTURE_RESERVE_BYTES = 256 << 20
+# How far the per-token estimate of `capture_bytes` may be off (attention workspaces, allocator blocks).
+CAPTURE_SAFETY = 2
+
+
+def capture_bytes(graphs: CudaGraphs, plan: list[tuple[int, int]], capture_layers: tuple[int, ...]) -> int:
+    """Estimated graph-pool memory of capturing `plan` (ascending tiers): every graph keeps its outputs
+    (hidden, captured features), while the activations of one forward, the largest, are shared."""
+    cfg, tp = graphs.model.config, graphs.model.tp
+    outputs = cfg.hidden_size * (1 + len(capture_layers))
+    q_kv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // tp.size
+    # Residual, norm, attention output and MLP output; Q, K and V; gate, up and their product.
+    activations = 4 * cfg.hidden_size + q_kv + 3 * cfg.intermediate_size // tp.size
+    element = graphs.cache.k.element_size()
+    largest = max((tokens for tokens, _ in plan), default=0)
+    return element * (sum(tokens for tokens, _ in plan) * outputs + largest * activations)
+
+
+def capture_budget(graphs: CudaGraphs, capture_layers: tuple[int, ...]) -> list[int]:
+    """The token tiers this rank can capture: the smallest first, while the estimated graph memory of
+    them all (`capture_bytes`, with CAPTURE_SAFETY and CAPTURE_RESERVE_BYTES) fits the device's free
+    memory; every tier when emulated. Ranks differ (rank 0 also holds the drafter), hence the
+    agreement in `CudaGraphs.capture_all`."""
+    tiers = list(graphs.token_tiers)
+    if graphs.emulate or graphs.device.type != "cuda":
+        return tiers
+    free, _ = torch.cuda.mem_get_info(graphs.device)
+    # Blocks PyTorch caches but nobody uses are freed for a capture that needs them.
+    free += torch.cuda.memory_reserved(graphs.device) - torch.cuda.memory_allocated(graphs.device)
+    fits = 0
+    while fits < len(tiers):
+        plan = all_tiers(tiers[: fits + 1], graphs.max_requests)
+        if CAPTURE_SAFETY * capture_bytes(graphs, plan, capture_layers) + CAPTURE_RESERVE_BYTES > free:
+            break
+        fits += 1
+    return tiers[:fits]
+
+
 class CudaGraphs:
     """The captured forwards of one target shard and the static inputs they read."""
 
@@ -281,18 +375,21 @@ class CudaGraphs:
         model: CausalLM,
         cache: PagedKVCache,
         device: torch.device,
-        max_tokens: int,
+        tiers: Tiers,
         max_requests: int,
         emulate: bool = False,
     ) -> None:
-        """emulate: no CUDA graphs, each replay runs the forward eagerly from the static buffers (so the
-        buffer and padding logic is tested on any device)."""
+        """tiers: the token tiers steps are padded up to, ascending, or an int: the default ladder up to
+        its power of two. emulate: no CUDA graphs, each replay runs the forward eagerly from the static
+        buffers (so the buffer, padding and agreement logic is tested on any device)."""
         self.model = model
         self.emulate = emulate
         self.cache = cache
         self.device = device
-        self.max_tokens = next_pow2(max_tokens)
-        self.max_requests = min(next_pow2(max_requests), self.max_tokens)
+        self.token_tiers = list(ladder(next_pow2(tiers) if isinstance(tiers, int) else tiers))
+        self.max_tokens = self.token_tiers[-1]
+        # A request tier needs a token tier at least as large (one token per window).
+        self.max_requests = min(next_pow2(max_requests), 1 << (self.max_tokens.bit_length() - 1))
         max_pages = max_pages_per_request(
             model.config.max_position_embeddings, cache.page_size, cache.num_pages
         )
@@ -300,6 +397,22 @@ class CudaGraphs:
         self.pool = new_pool(emulate)
         self.captured: dict[tuple[int, int, tuple[int, ...]], Captured] = {}
         self.feature_sink: FeatureSink | None = None
+        # Every capture this object made, in order (start-up and on first use).
+        self.capture_log: list[CaptureRecord] = []
+
+    @classmethod
+    def from_config(
+        cls,
+        model: CausalLM,
+        cache: PagedKVCache,
+        device: torch.device,
+        config: EngineConfig,
+        emulate: bool = False,
+    ) -> CudaGraphs:
+        """The graphs `config` asks for (cuda_graph_token_tiers, else the ladder up to
+        cuda_graph_max_tokens; both at most max_num_batched_tokens), up to max_num_seqs requests."""
+        tiers = config.cuda_graph_tiers or min(config.cuda_graph_max_tokens, config.max_num_batched_tokens)
+        return cls(model, cache, device, tiers, config.max_num_seqs, emulate)
 
     def set_feature_sink(self, sink: FeatureSink | None) -> None:
         """Capture `sink` after the forward of every step that captures features (graphs captured
@@ -331,7 +444,7 @@ class CudaGraphs:
         """Replay (capturing first if needed) the forward of this step; None when it does not fit.
         verify_drafts, drafter: see TargetStep (drafts packed into the static token ids on the
         device; a drafter drafts once the step's windows are in the static buffers)."""
-        tiers = step_tiers(len(token_ids), len(window_lens), self.max_tokens, self.max_requests)
+        tiers = step_tiers(len(token_ids), len(window_lens), self.token_tiers, self.max_requests)
         if tiers is None or not self.layout.holds(pages):
             return None
         tokens, requests = tiers
@@ -341,24 +454,69 @@ class CudaGraphs:
             drafter.draft_into(self.layout, token_ids, window_lens)
         elif verify_drafts is not None:
             write_verify_tokens(token_ids, window_lens, verify_drafts, self.layout.token_ids)
-        key = (tokens, requests, tuple(capture_layers))
-        captured = self.captured.get(key)
+        captured = self.captured.get((tokens, requests, tuple(capture_layers)))
         if captured is None:
-            captured = self.captured[key] = self._capture(tokens, requests, tuple(capture_layers))
+            captured = self.capture(tokens, requests, tuple(capture_layers))
         hidden, features = captured.replay()
         assert hidden is not None
         n = len(token_ids)
         features = None if features is None else features[:n]
         return GraphStepOutput(hidden[:n], features, self.layout.slots[:n])
 
-    def capture_all(self, capture_layers: tuple[int, ...]) -> None:
+    def capture_all(self, capture_layers: tuple[int, ...], tp: TensorParallel = SINGLE) -> CaptureOutcome:
         """Capture every tier now (at start-up) rather than on a step's first use, which would stall it.
-        Each is captured over an all-padding layout: no window, nothing stored."""
-        for tokens, requests in all_tiers(self.max_tokens, self.max_requests):
-            key = (tokens, requests, tuple(capture_layers))
-            if key not in self.captured:
+        Each is captured over an all-padding layout: no window, nothing stored.
+
+        Every rank of `tp` calls this at once. The ranks first agree on the token tiers all of them can
+        capture (`capture_budget`), and steps pad to those only; then they capture them in the same
+        order, telling each other after each tier whether it succeeded, so that a failure on any rank
+        makes every rank drop its graphs (and run eagerly) before any starts the next tier, whose
+        warm-up would wait in a collective for the failed one. A rank that fails inside a warm-up's
+        forward leaves the others in a collective: that ends the group (the tensor-parallel timeout)."""
+        layers = tuple(capture_layers)
+        mine = set(capture_budget(self, layers))
+        can = _gather(tp, [int(t in mine) for t in self.token_tiers], self.device)
+        agreed = [t for i, t in enumerate(self.token_tiers) if all(row[i] for row in can)]
+        budgets = [[t for t, ok in zip(self.token_tiers, row, strict=True) if ok] for row in can]
+        outcome = CaptureOutcome(list(self.token_tiers), agreed, budgets)
+        self.token_tiers = agreed
+        for tokens, requests in all_tiers(agreed, self.max_requests):
+            failed = 0
+            if (tokens, requests, layers) not in self.captured:
                 self.layout.fill(torch.zeros(0, dtype=torch.long), [], [], [])
-                self.captured[key] = self._capture(tokens, requests, tuple(capture_layers))
+                try:
+                    self.capture(tokens, requests, layers)
+                except Exception:  # logged by `capture`; every rank learns of it just below
+                    failed = 1
+            ranks = [rank for rank, row in enumerate(_gather(tp, [failed], self.device)) if row[0]]
+            if ranks:
+                self._drop_captured()
+                outcome.failed_rank, outcome.failed_at = ranks[0], (tokens, requests)
+                break
+        return outcome
+
+    def capture(self, tokens: int, requests: int, capture_layers: tuple[int, ...]) -> Captured:
+        """Capture one tier now, from a synchronised device (an earlier kernel's fault must not surface
+        inside the capture), logged and recorded in `capture_log`; a failure is logged and re-raised."""
+        start = time.perf_counter()
+        try:
+            self._synchronize()
+            captured = self._capture(tokens, requests, capture_layers)
+            self._synchronize()  # so a fault of this capture's warm-up is reported here, for this size
+        except Exception as exc:
+            seconds = time.perf_counter() - start
+            self.capture_log.append(CaptureRecord(tokens, requests, seconds, False, str(exc)))
+            logger.error("cuda graph capture failed at tokens=%d requests=%d: %s", tokens, requests, exc)
+            raise
+        seconds = time.perf_counter() - start
+        self.capture_log.append(CaptureRecord(tokens, requests, seconds, True))
+        logger.info("cuda graph captured: tokens=%d requests=%d in %.1f ms", tokens, requests, seconds * 1e3)
+        self.captured[(tokens, requests, capture_layers)] = captured
+        return captured
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _capture(self, tokens: int, requests: int, capture_layers: tuple[int, ...]) -> Captured:
         layout = self.layout
@@ -377,3 +535,9 @@ class CudaGraphs:
             return hidden, features
 
         return Captured.capture(forward, self.device, self.pool, self.emulate)
+
+
+def _gather(tp: TensorParallel, values: list[int], device: torch.device) -> list[list[int]]:
+    """`values` of every rank, by rank (a collective: every rank calls it with as many values)."""
+    mine = torch.tensor(values, dtype=torch.long, device=device)
+    return tp.all_gather_last_dim(mine).view(tp.size, len(values)).tolist()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from safetensors import safe_open
 
 from dspark.attention_batch import AttentionBatch
 from dspark.config import EngineConfig
-from dspark.cuda_graphs import CudaGraphs, FeatureSink, StepDrafter
+from dspark.cuda_graphs import CaptureOutcome, CudaGraphs, FeatureSink, StepDrafter
 from dspark.distributed import (
     SINGLE,
     TensorParallel,
@@ -34,6 +35,8 @@ from dspark.models.llama import CausalLM
 from dspark.models.loader import load_target_model
 from dspark.tp_worker import WorkerGroup, collective_timeout_s
 from dspark.verify_tokens import write_verify_tokens
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -114,10 +117,20 @@ class ModelRunner:
         if graphs is not None:
             graphs.set_feature_sink(self.feature_sink)
 
-    def capture_graphs(self, capture_layers: tuple[int, ...]) -> None:
-        """Capture every step graph now (start-up), so that no step stalls on a capture."""
-        if self.graphs is not None:
-            self.graphs.capture_all(capture_layers)
+    def capture_graphs(self, capture_layers: tuple[int, ...]) -> CaptureOutcome | None:
+        """Capture every step graph now (start-up), so that no step stalls on a capture; every
+        tensor-parallel rank calls this at once, and they capture the same tiers (`capture_all`). When
+        no tier is captured (none fits, or a capture failed on some rank), every rank runs eagerly.
+        None: no graphs."""
+        if self.graphs is None:
+            return None
+        tp = self.model.tp
+        outcome = self.graphs.capture_all(capture_layers, tp)
+        if not outcome.replays:
+            self.use_graphs(None)
+        if tp.rank == 0:  # the driver speaks for the group
+            log_capture(outcome)
+        return outcome
 
     def release_graphs(self) -> None:
         """Drop every captured graph. A graph that captured NCCL collectives pins its communicator, so
@@ -152,8 +165,7 @@ class ModelRunner:
         # Tensor-parallel ranks capture too: every rank takes the same steps, so each replays the same
         # tier's graph and the NCCL collectives captured in it meet.
         if device.type == "cuda" and config.cuda_graph_max_tokens > 0:
-            max_tokens = min(config.cuda_graph_max_tokens, config.max_num_batched_tokens)
-            graphs = CudaGraphs(model, cache, device, max_tokens, config.max_num_seqs)
+            graphs = CudaGraphs.from_config(model, cache, device, config)
         return cls(model, cache, device, graphs)
 
     @property
@@ -288,8 +300,9 @@ class TensorParallelRunner:
         return self.workers.pids
 
     def capture_graphs(self, capture_layers: tuple[int, ...]) -> None:
-        """Capture every step graph on every rank now, in the same order (the collectives inside each
-        capture pair up across ranks); nothing to do where steps run eagerly (CPU, gloo)."""
+        """Capture every step graph on every rank now, the same tiers in the same order (the collectives
+        inside each capture pair up across ranks; see `CudaGraphs.capture_all`), or none on any rank;
+        nothing to do where steps run eagerly (CPU, gloo)."""
         if self.local.graphs is None:
             return
         self.workers.send(("capture", tuple(capture_layers)))
@@ -341,6 +354,26 @@ class TensorParallelRunner:
         leave_group()
         torch.set_num_threads(self._threads_before)
         atexit.unregister(self.close)
+
+
+def log_capture(outcome: CaptureOutcome) -> None:
+    """Say where a start-up capture departed from the plan: a rank that could capture fewer tiers, the
+    tiers every rank captured instead, a failed capture (on which rank, at which size)."""
+    for rank, budget in enumerate(outcome.budgets):
+        if budget != outcome.planned:
+            logger.warning(
+                "cuda graph capture: rank %d can capture token tiers %s of %s", rank, budget, outcome.planned
+            )
+    if outcome.tiers != outcome.planned:
+        logger.warning("cuda graph capture: every rank captures token tiers %s", outcome.tiers)
+    if outcome.failed_rank is not None:
+        tokens, requests = outcome.failed_at or (0, 0)
+        logger.error(
+            "cuda graph capture failed on rank %d at tokens=%d requests=%d: every rank runs eagerly",
+            outcome.failed_rank,
+            tokens,
+            requests,
+        )
 
 
 def create_runner(

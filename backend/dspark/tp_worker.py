@@ -4,7 +4,8 @@ The driver (the engine's process, rank 0) spawns one process per further rank. E
 and its KV cache shard, reports `loaded`, joins the TP group (NCCL on CUDA, gloo on CPU), then loops:
 receive a TargetStep through its pipe, run the forward (the collectives inside the layers keep the
 ranks in step), repeat, until a `shutdown` message. On CUDA a `capture` message first captures every
-step graph, in the order rank 0 does, so later steps replay graphs with the collectives inside.
+step graph, the tiers and order agreed with the other ranks (`CudaGraphs.capture_all`: all ranks, or
+none, replay graphs), so later steps replay graphs with the collectives inside.
 Steps travel as pickled bytes through a private pipe per rank, so the control path is the same on
 both backends and needs no named shared memory.
 
