@@ -168,12 +168,14 @@ class EngineProcess:
         self._fail_all("the engine process stopped")
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
-        for delta in deltas:
-            with self._lock:
-                if delta.finished:
-                    callback = self._callbacks.pop(delta.request_id, None)
-                else:
-                    callback = self._callbacks.get(delta.request_id)
+        with self._lock:  # once a batch: hundreds of deltas a step at high concurrency
+            callbacks = [
+                self._callbacks.pop(delta.request_id, None)
+                if delta.finished
+                else self._callbacks.get(delta.request_id)
+                for delta in deltas
+            ]
+        for delta, callback in zip(deltas, callbacks, strict=True):
             if callback is not None:
                 callback(delta)
 

@@ -200,23 +200,25 @@ class RequestDelta:
         return cls(request_id, [], "", True, "error", 0, 0, SpecStats(), error=message)
 
 
-def merge_deltas(earlier: RequestDelta, later: RequestDelta) -> RequestDelta:
-    """One delta for `earlier` then `later` (the same request's): both deltas' tokens and text, the rest
-    (finish, counts, statistics, logprobs so far) as of `later`."""
+def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
+    """One delta for a run of one request's deltas: all their tokens and text, the rest (finish, counts,
+    statistics, logprobs so far) as of the last."""
+    last = deltas[-1]
+    if len(deltas) == 1:
+        return last
     return replace(
-        later,
-        new_token_ids=earlier.new_token_ids + later.new_token_ids,
-        new_text=earlier.new_text + later.new_text,
+        last,
+        new_token_ids=[token for delta in deltas for token in delta.new_token_ids],
+        new_text="".join(delta.new_text for delta in deltas),
     )
 
 
 def merge_by_request(deltas: list[RequestDelta]) -> list[RequestDelta]:
     """The deltas with each request's merged into one, in the order of each request's first."""
-    merged: dict[str, RequestDelta] = {}
+    runs: dict[str, list[RequestDelta]] = {}
     for delta in deltas:
-        earlier = merged.get(delta.request_id)
-        merged[delta.request_id] = delta if earlier is None else merge_deltas(earlier, delta)
-    return list(merged.values())
+        runs.setdefault(delta.request_id, []).append(delta)
+    return [merge_deltas(run) for run in runs.values()]
 
 
 @dataclass

@@ -81,10 +81,10 @@ class _Live:
     last_token_at: float | None = None  # when the tokens of the last response sent arrived
     spec_seen: dict | None = None
     cancelled: bool = False  # the client went away; the engine was told to abort
-    # Guarded by the model's lock: the engine's deltas not yet sent, merged into one; when the first
-    # and the last of their tokens arrived; whether a send thread holds it in its queue; and whether
-    # its final response is decided (nothing may be sent for it after that).
-    pending: RequestDelta | None = None
+    # Guarded by the model's lock: the engine's deltas not yet sent (merged into one at send time);
+    # when the first and the last of their tokens arrived; whether a send thread holds it in its
+    # queue; and whether its final response is decided (nothing may be sent for it after that).
+    pending: list[RequestDelta] = field(default_factory=list)
     first_pending_at: float | None = None
     last_pending_at: float | None = None
     scheduled: bool = False
@@ -284,10 +284,7 @@ class TritonPythonModel:
         with self._lock:
             if live.closed:
                 return
-            if live.pending is None:
-                live.pending = delta
-            else:
-                live.pending = merge_deltas(live.pending, delta)
+            live.pending.append(delta)
             if delta.new_token_ids:
                 live.last_pending_at = now
                 if live.first_pending_at is None:
@@ -320,11 +317,12 @@ class TritonPythonModel:
     def _send_pending(self, live: _Live) -> None:
         """Send what the engine committed for this request since its last response, as one response."""
         with self._lock:
-            delta, first_at, last_at = live.pending, live.first_pending_at, live.last_pending_at
-            live.pending = live.first_pending_at = live.last_pending_at = None
+            deltas, first_at, last_at = live.pending, live.first_pending_at, live.last_pending_at
+            live.pending, live.first_pending_at, live.last_pending_at = [], None, None
             live.scheduled = False
-            if delta is None or live.closed:
+            if not deltas or live.closed:
                 return
+            delta = merge_deltas(deltas)
             settled: list[_PendingCancel] = []
             if delta.finished:
                 live.closed = True
@@ -478,10 +476,10 @@ class TritonPythonModel:
         ends: list[tuple[Any, Any]] = []
         with self._lock:
             for live in list(self._live.values()):
-                if live.closed or (live.pending is not None and live.pending.finished):
+                if live.closed or (live.pending and live.pending[-1].finished):
                     continue
                 live.closed = True
-                live.pending = None
+                live.pending = []
                 gone = pb_utils.InferenceResponse(
                     error=pb_utils.TritonError("model is shutting down", pb_utils.TritonError.UNAVAILABLE)
                 )
