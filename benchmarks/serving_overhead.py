@@ -7,6 +7,8 @@ run, per concurrency and speculation mode; greedy, `--max-tokens` tokens, ignore
 Writes overhead.json and overhead.md under --out. `--modes` picks the engine configurations:
 `off` (plain decoding), `default` (the serve default), `default-inprocess` (the default with the
 engine in the adapter's process: engine_process false, the design before the engine process).
+`--profile-levels 64,256` samples the server's Python processes with py-spy (when installed) while
+the load of those levels runs: collapsed stacks in `<out>/<mode>/py-spy-<level>.txt`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import gc
 import json
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -57,6 +60,9 @@ def offline_tokens_per_s(
     rates, tokens = {}, {}
     for level in levels:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(level)]
+        # Once untimed at this batch size: the adaptive gate settles its choice for it (a first short
+        # generate() would time its probing), and every graph tier this batch uses is warm.
+        llm.generate(prompts, params)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         started = time.perf_counter()
@@ -73,8 +79,17 @@ def offline_tokens_per_s(
     return rates, tokens
 
 
-def served(config: EngineConfig, levels: list[int], max_tokens: int, root: Path, ports: list[int]) -> dict:
-    """The same engine behind `dspark serve`: the load generator's result at each concurrency."""
+def served(
+    config: EngineConfig,
+    levels: list[int],
+    max_tokens: int,
+    root: Path,
+    ports: list[int],
+    profile_levels: tuple[int, ...] = (),
+    profile_s: float = 8.0,
+) -> dict:
+    """The same engine behind `dspark serve`: the load generator's result at each concurrency (and, at
+    `profile_levels`, py-spy's samples of the server's Python processes while the load runs)."""
     repo = root / "model_repository"
     shutil.copytree(
         DEFAULT_MODEL_REPOSITORY / "dspark", repo / "dspark", ignore=shutil.ignore_patterns("__pycache__")
@@ -87,7 +102,12 @@ def served(config: EngineConfig, levels: list[int], max_tokens: int, root: Path,
     try:
         run_load(f"localhost:{ports[1]}", 8, 8, 16)  # warm-up
         for level in levels:
+            profiler = None
+            if level in profile_levels:
+                profiler = start_profile(server.pid, root / f"py-spy-{level}.txt", profile_s)
             result = run_load(f"localhost:{ports[1]}", level, 2 * level, max_tokens)
+            if profiler is not None:
+                profiler.wait(profile_s + 30)
             results[level] = asdict(result)
             print(
                 f"server  {level:>4} streams: {result.tokens_per_s:.0f} tok/s, "
@@ -99,6 +119,22 @@ def served(config: EngineConfig, levels: list[int], max_tokens: int, root: Path,
         server.terminate()
         server.wait(120)
     return results
+
+
+def start_profile(pid: int, out: Path, seconds: float) -> subprocess.Popen | None:
+    """py-spy (when installed) sampling `pid` and its child processes (tritonserver's backend stub, the
+    engine process) for `seconds`, from 3 s on (the load's start), as collapsed stacks in `out`."""
+    py_spy = shutil.which("py-spy")
+    if py_spy is None:
+        print("py-spy not installed: no profile", flush=True)
+        return None
+    command = [py_spy, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--idle"]
+    command += ["--rate", "200", "--duration", str(int(seconds)), "--format", "raw", "--output", str(out)]
+    return subprocess.Popen(
+        ["bash", "-c", 'sleep 3 && exec "$@"', "py-spy", *command],
+        stdout=subprocess.DEVNULL,
+        stderr=(out.parent / f"{out.stem}.log").open("wb"),
+    )
 
 
 def table(levels: list[int], runs: dict) -> str:
@@ -128,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ports", default="18600,18601,18602")
     parser.add_argument("--out", type=Path, default=Path("/tmp/dspark-overhead"))
+    parser.add_argument("--profile-levels", default="", help="concurrencies to sample with py-spy")
+    parser.add_argument("--profile-s", type=float, default=8.0)
     args = parser.parse_args(argv)
+    profile_levels = tuple(int(x) for x in args.profile_levels.split(",") if x)
     levels = [int(x) for x in args.levels.split(",")]
     ports = [int(p) for p in args.ports.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -140,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         if not mode.endswith("inprocess"):
             offline, tokens = offline_tokens_per_s(config, levels, args.max_tokens)
         outputs[mode] = tokens
-        server = served(config, levels, args.max_tokens, args.out / mode, ports)
+        server = served(
+            config, levels, args.max_tokens, args.out / mode, ports, profile_levels, args.profile_s
+        )
         runs[mode] = {"offline": offline, "server": server}
         (args.out / "overhead.json").write_text(json.dumps(runs, indent=1))
     markdown = table(levels, runs)
