@@ -55,11 +55,18 @@ class AsyncEngine:
     """
 
     def __init__(
-        self, config: EngineConfig, engine: LLMEngine | None = None, on_death: DeathCallback | None = None
+        self,
+        config: EngineConfig,
+        engine: LLMEngine | None = None,
+        on_death: DeathCallback | None = None,
+        after_step: Callable[[], None] | None = None,
     ) -> None:
+        """after_step: called from the loop thread once a step's deltas are all delivered (the engine
+        process sends a step's deltas together then, rather than waking its sender for each one)."""
         self.config = config
         self.engine = engine if engine is not None else LLMEngine(config)
         self._on_death = on_death
+        self._after_step = after_step
         self._inbox: queue.Queue[_Submit | _Abort | None] = queue.Queue()
         self._callbacks: dict[str, DeltaCallback] = {}
         self._thread: threading.Thread | None = None
@@ -206,6 +213,8 @@ class AsyncEngine:
         except Exception as exc:
             logger.exception("dspark: request %s could not be admitted", item.request_id)
             item.on_delta(RequestDelta.failed(item.request_id, f"{type(exc).__name__}: {exc}"))
+            if self._after_step is not None:
+                self._after_step()
             return
         self._callbacks[item.request_id] = item.on_delta
 
@@ -216,6 +225,8 @@ class AsyncEngine:
                 self._callbacks.pop(delta.request_id, None)
             if callback is not None:
                 callback(delta)
+        if self._after_step is not None:
+            self._after_step()
 
     def _fail_all(self, message: str) -> None:
         """End every request the loop holds or has queued with a failed delta."""

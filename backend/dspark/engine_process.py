@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import queue
 import threading
 import traceback
 from collections.abc import Callable
@@ -206,10 +205,12 @@ class EngineProcess:
 
 def engine_main(config: EngineConfig, control: Connection, events: Connection) -> None:
     """The engine process: build the engine, serve control commands, send delta batches."""
-    outbox: queue.Queue = queue.Queue()
+    outbox = _Outbox()
     try:
         engine = AsyncEngine(
-            config, on_death=lambda cause: outbox.put(("dead", f"{type(cause).__name__}: {cause}"))
+            config,
+            on_death=lambda cause: outbox.put_now(("dead", f"{type(cause).__name__}: {cause}")),
+            after_step=outbox.wake,
         )
     except BaseException:
         events.send(("failed", traceback.format_exc()))
@@ -220,8 +221,40 @@ def engine_main(config: EngineConfig, control: Connection, events: Connection) -
     sender.start()
     _serve_control(engine, control, outbox.put)
     engine.shutdown()
-    outbox.put(None)
+    outbox.put_now(None)
     sender.join()
+
+
+class _Outbox:
+    """What the engine process sends next, in order: a step's deltas (put without waking the sender,
+    which would take the GIL from the step loop mid-step) until the step's end wakes it once."""
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+
+    def put(self, item: Any) -> None:
+        """Queue a delta (sent at the step's end)."""
+        with self._lock:
+            self._items.append(item)
+
+    def put_now(self, item: Any) -> None:
+        """Queue an event (the engine's death, None: the end) and wake the sender."""
+        self.put(item)
+        self._ready.set()
+
+    def wake(self) -> None:
+        """The step's end: send what is queued."""
+        self._ready.set()
+
+    def take(self, timeout: float) -> list:
+        """Everything queued, once woken (or after `timeout`: possibly nothing)."""
+        self._ready.wait(timeout)
+        self._ready.clear()
+        with self._lock:
+            items, self._items = self._items, []
+        return items
 
 
 def _serve_control(engine: AsyncEngine, control: Connection, on_delta: Callable[[Any], None]) -> None:
@@ -252,25 +285,19 @@ def _serve_control(engine: AsyncEngine, control: Connection, on_delta: Callable[
             return
 
 
-def _send_events(outbox: queue.Queue, events: Connection, load: Callable[[], EngineLoad]) -> None:
+def _send_events(outbox: _Outbox, events: Connection, load: Callable[[], EngineLoad]) -> None:
     """Send everything queued as one batch of deltas, each request's merged into one (when the adapter
     reads slower than the engine steps, a batch spans steps: fewer, fuller deltas), plus the engine's
     death, in order; while nothing is queued, the occupancy whenever it changes."""
     last_load = None
     while True:
-        try:
-            items = [outbox.get(timeout=LOAD_INTERVAL_S)]
-        except queue.Empty:
+        items = outbox.take(LOAD_INTERVAL_S)
+        if not items:
             now = load()
             if now != last_load:
                 events.send(("load", now))
                 last_load = now
             continue
-        while True:
-            try:
-                items.append(outbox.get_nowait())
-            except queue.Empty:
-                break
         deltas = []
         for item in items:
             if isinstance(item, RequestDelta):
