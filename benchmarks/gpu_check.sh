@@ -152,6 +152,9 @@ else
   echo "serving_overhead exit $?"
   grep -v "^=== " "$OUT/overhead.log" | tail -20
   cp "$OUT"/overhead/overhead.{json,md} "$OUT"/ 2>/dev/null
+  for profile in "$OUT"/overhead/*/py-spy-*.txt; do  # --profile-levels in OVERHEAD_ARGS
+    [[ -e "$profile" ]] && python3 benchmarks/pyspy_top.py "$profile" > "${profile%.txt}-top.txt"
+  done
   tail -30 "$OUT"/overhead/*/server.log > "$OUT/overhead-server-logs.txt" 2>/dev/null
 fi
 

@@ -123,12 +123,13 @@ def served(
 
 def start_profile(pid: int, out: Path, seconds: float) -> subprocess.Popen | None:
     """py-spy (when installed) sampling `pid` and its child processes (tritonserver's backend stub, the
-    engine process) for `seconds`, from 3 s on (the load's start), as collapsed stacks in `out`."""
+    engine process) for `seconds`, from 3 s on (the load's start), as collapsed stacks in `out` (running
+    threads only: where each process spends its CPU; benchmarks/pyspy_top.py summarizes them)."""
     py_spy = shutil.which("py-spy")
     if py_spy is None:
         print("py-spy not installed: no profile", flush=True)
         return None
-    command = [py_spy, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--idle"]
+    command = [py_spy, "record", "--pid", str(pid), "--subprocesses", "--nonblocking"]
     command += ["--rate", "200", "--duration", str(int(seconds)), "--format", "raw", "--output", str(out)]
     return subprocess.Popen(
         ["bash", "-c", 'sleep 3 && exec "$@"', "py-spy", *command],
