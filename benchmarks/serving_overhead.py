@@ -7,8 +7,9 @@ run, per concurrency and speculation mode; greedy, `--max-tokens` tokens, ignore
 Writes overhead.json and overhead.md under --out. `--modes` picks the engine configurations:
 `off` (plain decoding), `default` (the serve default), `default-inprocess` (the default with the
 engine in the adapter's process: engine_process false, the design before the engine process).
-`--profile-levels 64,256` samples the server's Python processes with py-spy (when installed) while
-the load of those levels runs: collapsed stacks in `<out>/<mode>/py-spy-<level>.txt`.
+`--profile-levels 64,256` then runs a longer load at those levels (at least 10 requests a stream),
+untimed, while py-spy (when installed) samples the server's Python processes: collapsed stacks in
+`<out>/<mode>/py-spy-<level>.txt`.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def served(
     root: Path,
     ports: list[int],
     profile_levels: tuple[int, ...] = (),
-    profile_s: float = 8.0,
+    profile_s: float = 6.0,
 ) -> dict:
     """The same engine behind `dspark serve`: the load generator's result at each concurrency (and, at
     `profile_levels`, py-spy's samples of the server's Python processes while the load runs)."""
@@ -102,12 +103,12 @@ def served(
     try:
         run_load(f"localhost:{ports[1]}", 8, 8, 16)  # warm-up
         for level in levels:
-            profiler = None
-            if level in profile_levels:
-                profiler = start_profile(server.pid, root / f"py-spy-{level}.txt", profile_s)
             result = run_load(f"localhost:{ports[1]}", level, 2 * level, max_tokens)
-            if profiler is not None:
-                profiler.wait(profile_s + 30)
+            if level in profile_levels:  # a longer run of this load, sampled, not timed
+                profiler = start_profile(server.pid, root / f"py-spy-{level}.txt", profile_s)
+                run_load(f"localhost:{ports[1]}", level, max(10 * level, 1280), max_tokens)
+                if profiler is not None:
+                    profiler.wait(profile_s + 30)
             results[level] = asdict(result)
             print(
                 f"server  {level:>4} streams: {result.tokens_per_s:.0f} tok/s, "
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ports", default="18600,18601,18602")
     parser.add_argument("--out", type=Path, default=Path("/tmp/dspark-overhead"))
     parser.add_argument("--profile-levels", default="", help="concurrencies to sample with py-spy")
-    parser.add_argument("--profile-s", type=float, default=8.0)
+    parser.add_argument("--profile-s", type=float, default=6.0)
     args = parser.parse_args(argv)
     profile_levels = tuple(int(x) for x in args.profile_levels.split(",") if x)
     levels = [int(x) for x in args.levels.split(",")]
