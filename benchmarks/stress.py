@@ -12,15 +12,16 @@ Phases of the default run (one H200 device call, killed at 600 s; `--deadline-s`
    answer" is exact; bf16 batch-shape rounding flips near-ties), drafting on every step
    (`adaptive_speculation` false: the speculative path under load, not the gate's choice):
    `main-static`, `main-compact` (graphs on), `control-no-graphs` (compact, `cuda_graph_max_tokens` 0)
-   and `control-spec-off` (`spec_mode` off, graphs on). A fault or slowdown in the mains alone and
-   not in a control is attributed by `attribute()`: to graphs, to speculation, to both or to neither.
+   and `control-spec-off` (`spec_mode` off, graphs on). Each failed check is attributed by
+   `attribute()` to the features of exactly the servers that failed it: graphs, speculation, both, or
+   neither; tokens/s stand side by side in the report for a slowdown.
 2. **capture** (in the background from the start): `--capture-runs` (5) fresh processes, each builds
    the engine with `main-static`'s or `main-compact`'s EngineConfig (alternating) and so captures
    every tier; the token tiers asked for are `--token-tiers` (60, 96, 112 and the largest among them)
    when the engine has `cuda_graph_token_tiers`, else its default ladder (the report says which).
-   Each capture is logged with its size and seconds (`CudaGraphs.capture_log` when the engine keeps
-   one, else the tiers captured and the whole start-up's seconds); a failed start names the failing
-   size from the engine's log lines.
+   Each capture is logged with its size and seconds (`CudaGraphs.capture_log`, else the engine's log
+   lines); a failed capture is named by its size. On an idle H200 a 30-layer checkpoint's 74 target
+   graphs took 48 s from a cold Triton cache, 8 s from a warm one.
 3. **warm-up** (a few s): one burst at the top concurrency with short outputs, then the idle GPU
    memory (the `dspark_gpu_memory_*_bytes` gauges) as the baseline.
 4. **replay** (`--replay-s` 300, shortened to fit `--deadline-s` and flagged if the start ran long):
@@ -30,9 +31,9 @@ Phases of the default run (one H200 device call, killed at 600 s; `--deadline-s`
    Each request (`plan_request`): a random `input_ids` prompt of 1..`--max-len` ids (80%) or text,
    max_tokens 1..`--max-len`, greedy or temperature 0.8 with a seed (half each), ignore_eos for half,
    `num_draft_tokens` 0 for 10%, and 20% closed by the client after a random number of tokens.
-   Every `--malformed-every-s` (60) each server gets a malformed request (`MALFORMED`, in turn): the
+   Every `--malformed-every-s` (60) each server gets a malformed request (`malformed_cases`, in turn): the
    stream's error and the `dspark_generate` wrapper's INVALID_ARGUMENT must name the field, and the
-   server must stay ready. Compute-sanitizer runs beside the replay (5).
+   server must stay ready. Compute-sanitizer runs beside the replay (6).
 5. **checks** (about 90 s): per server, ready (HTTP /v2/health/ready), KV pages used, running and
    waiting back to 0 (bounded wait), no `CUDA error` / `illegal memory access` / `device-side assert` /
    `Traceback` line and no restart in its log, no stream error, GPU memory allocated after the phase
@@ -42,12 +43,14 @@ Phases of the default run (one H200 device call, killed at 600 s; `--deadline-s`
    prefix of it. A difference whose first divergent position has a top-2 margin below
    `--near-tie-nats` (1e-4) in the solo answer counts as `near_tie` (reported, not failing), any other
    as `mismatch` (failing).
-6. **sanitizer** (two runs of at most `--sanitizer-s` (90) s, beside the replay): `compute-sanitizer
-   --tool memcheck` over `stress.py sanitizer-target` (a short offline engine run: ragged prompts,
-   greedy and sampled, static speculation, CUDA graphs of a few small tiers) and `--tool racecheck`
-   over `sanitizer-target --no-graphs --modes compact` (every kernel launched on its own). Zero errors
-   from `ERROR SUMMARY` pass; no compute-sanitizer, a device it refuses or a run past its time box
-   leaves the phase unavailable or incomplete, never passed.
+6. **sanitizer** (two runs of at most `--sanitizer-s` (120) s, beside the replay; about 40 and 70 s on
+   an idle H200 with a 30-layer checkpoint): `compute-sanitizer --tool memcheck` over `stress.py
+   sanitizer-target` (a short offline engine run per speculation mode, static and compact: ragged
+   prompts, greedy and sampled requests, one without drafts, CUDA graphs of tiers 1-16) and `--tool
+   racecheck` over `sanitizer-target --no-graphs` with only the Triton kernels checked (`--kernel-name
+   regex=`: every launch of kernels/ on its own; racecheck over every kernel of a 30-layer run did not
+   finish in 150 s). Zero errors in the summary pass; no compute-sanitizer, a device it refuses or a run
+   past its time box leaves the phase unavailable or incomplete, never passed.
 
 Results: `stress.json` (every figure and check), `stress.md` (tables), `server-logs.txt` (each
 server's flagged lines and log tail), `capture.log`, `sanitizer.log` under `--out` (default
@@ -912,8 +915,28 @@ def sanitizer_target(graphs: bool, modes: list[str], max_tokens: int, model: str
     return 0
 
 
-def run_sanitizer(tool: str, target_args: list[str], timeout: float) -> tuple[dict, str]:
-    """compute-sanitizer --tool `tool` over sanitizer-target; (result, output)."""
+# Triton names a kernel after its function, unmangled; every kernel of kernels/ is `_<name>_kernel`
+# (torch's and cuBLAS's are mangled C++ names). racecheck instruments only these: over every kernel
+# of the eager engine it did not finish a 30-layer run in 150 s on an H200.
+TRITON_KERNELS = "^_[A-Za-z0-9_]*_kernel$"
+
+
+def parse_sanitizer_summary(output: str) -> tuple[int | None, int | None]:
+    """(errors, warnings) of compute-sanitizer's last summary line (None: no summary). memcheck, initcheck
+    and synccheck end with `ERROR SUMMARY: N errors`; racecheck with `RACECHECK SUMMARY: N hazards
+    displayed (E errors, W warnings)`."""
+    race = re.findall(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warnings?\)", output)
+    if race:
+        return int(race[-1][0]), int(race[-1][1])
+    errors = re.findall(r"ERROR SUMMARY: (\d+) errors?", output)
+    return (int(errors[-1]), None) if errors else (None, None)
+
+
+def run_sanitizer(
+    tool: str, target_args: list[str], timeout: float, kernel_regex: str | None = None
+) -> tuple[dict, str]:
+    """compute-sanitizer --tool `tool` over sanitizer-target (only the kernels whose names match
+    `kernel_regex` checked, if given); (result, output)."""
     binary = find_compute_sanitizer()
     if binary is None:
         return {
@@ -921,24 +944,16 @@ def run_sanitizer(tool: str, target_args: list[str], timeout: float) -> tuple[di
             "status": "unavailable",
             "detail": "no compute-sanitizer on PATH or /usr/local/cuda*",
         }, ""
-    command = [
-        binary,
-        "--tool",
-        tool,
-        "--print-limit",
-        "50",
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "sanitizer-target",
-        *target_args,
-    ]
+    command = [binary, "--tool", tool, "--print-limit", "50"]
+    if kernel_regex:
+        command += ["--kernel-name", f"regex={kernel_regex}"]
+    command += [sys.executable, str(Path(__file__).resolve()), "sanitizer-target", *target_args]
     started = time.monotonic()
     status, output = run_bounded(command, timeout)
     result: dict[str, Any] = {"tool": tool, "command": " ".join(command), "exit": status}
     result["seconds"] = round(time.monotonic() - started, 1)
-    summary = re.findall(r"ERROR SUMMARY: (\d+) error", output)
-    errors = int(summary[-1]) if summary else None
-    result["errors"] = errors
+    errors, warnings = parse_sanitizer_summary(output)
+    result["errors"], result["warnings"] = errors, warnings
     target_done = "sanitizer-target done" in output
     if "Device not supported" in output or "not supported on this" in output:
         result["status"], result["detail"] = "unavailable", "compute-sanitizer refused the device"
@@ -947,7 +962,8 @@ def run_sanitizer(tool: str, target_args: list[str], timeout: float) -> tuple[di
     elif errors:
         result["status"], result["detail"] = "failed", f"{errors} errors"
     elif errors == 0 and target_done:
-        result["status"], result["detail"] = "passed", "0 errors"
+        result["status"] = "passed"
+        result["detail"] = "0 errors" + (f", {warnings} warnings" if warnings else "")
     else:
         result["status"], result["detail"] = "failed", f"the target did not finish (exit {status})"
     print(f"sanitizer {tool}: {result['status']} ({result['detail']}) in {result['seconds']} s", flush=True)
@@ -1152,8 +1168,10 @@ class Run:
                 )
         sanitizer_results: dict[str, Any] = {}
         if knobs.sanitizer_s > 0 and on_gpu:
+            # Both runs end within the replay, so that the checks after it wait for neither.
+            box = min(knobs.sanitizer_s, max(30.0, replay_s / 2 - 10))
             background["sanitizer"] = threading.Thread(
-                target=self.sanitize, args=(sanitizer_results,), daemon=True
+                target=self.sanitize, args=(sanitizer_results, box), daemon=True
             )
             background["sanitizer"].start()
         else:
@@ -1531,17 +1549,18 @@ class Run:
         )
         return result
 
-    def sanitize(self, results: dict) -> None:
-        """memcheck over the engine with graphs, then racecheck over the eager engine, each time-boxed."""
+    def sanitize(self, results: dict, box_s: float) -> None:
+        """memcheck over the engine with graphs, then racecheck over the eager engine's Triton kernels, each
+        time-boxed."""
         knobs = self.knobs
         model_args = ["--model", knobs.model, "--draft-model", knobs.draft_model]
         runs = {
-            "memcheck": ["--graphs", "--modes", "static", *model_args],
-            "racecheck": ["--no-graphs", "--modes", "compact", *model_args],
+            "memcheck": (["--graphs", "--modes", "static,compact", *model_args], None),
+            "racecheck": (["--no-graphs", "--modes", "static,compact", *model_args], TRITON_KERNELS),
         }
         outputs = []
-        for tool, target_args in runs.items():
-            result, output = run_sanitizer(tool, target_args, knobs.sanitizer_s)
+        for tool, (target_args, kernels) in runs.items():
+            result, output = run_sanitizer(tool, target_args, box_s, kernels)
             results[tool] = result
             outputs.append(f"=== {tool}: {result.get('command', '')}\n{output}\n")
         (knobs.out / "sanitizer.log").write_text("".join(outputs))
@@ -1745,7 +1764,7 @@ def parse_args(argv: list[str] | None) -> Knobs:
     add("--capture-runs", type=int, help="fresh-start captures (default 5; 0: none)")
     add("--capture-parallel", type=int, default=3, help="captures at once (default 3)")
     add("--capture-timeout-s", type=float, default=240.0, help="time box of one capture run")
-    add("--sanitizer-s", type=float, help="time box of each compute-sanitizer run (default 90; 0: none)")
+    add("--sanitizer-s", type=float, help="time box of each compute-sanitizer run (default 120; 0: none)")
     add(
         "--token-tiers", default=DEFAULT_TOKEN_TIERS, help="cuda_graph_token_tiers when the engine takes them"
     )
@@ -1775,7 +1794,7 @@ def parse_args(argv: list[str] | None) -> Knobs:
         "response_timeout_s": 120.0,
         "idle_timeout_s": 60.0,
         "capture_runs": 5,
-        "sanitizer_s": 90.0,
+        "sanitizer_s": 120.0,
         "kv_pages": 8192,
         "max_num_seqs": 256,
         "max_model_len": 0,

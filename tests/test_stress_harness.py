@@ -5,6 +5,7 @@ schedule, fault attribution, the seeded traffic mix, and the GPU memory load gau
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -213,3 +214,14 @@ def test_first_divergence_is_the_first_differing_position_or_the_shorter_length(
     assert stress.first_divergence([1, 2], [1, 2, 3]) == 2
     assert stress.top2_margin(_entry(-1.0, -1.5, -4.0)) == pytest.approx(0.5)
     assert stress.top2_margin(_entry(-1.0)) is None
+
+
+def test_sanitizer_summaries_of_memcheck_and_racecheck_are_read():
+    assert stress.parse_sanitizer_summary("x\n========= ERROR SUMMARY: 0 errors\n") == (0, None)
+    assert stress.parse_sanitizer_summary("========= ERROR SUMMARY: 3 errors") == (3, None)
+    race = "========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)"
+    assert stress.parse_sanitizer_summary(race) == (1, 1)
+    assert stress.parse_sanitizer_summary("killed before the end") == (None, None)
+    # Only the Triton kernels (unmangled `_<name>_kernel`) match racecheck's filter, not torch's.
+    assert re.match(stress.TRITON_KERNELS, "_rms_norm_kernel")
+    assert not re.match(stress.TRITON_KERNELS, "_ZN2at6native29vectorized_elementwise_kernelILi4EEEv")
