@@ -319,6 +319,22 @@ def traffic_worker(
     return records
 
 
+def burst_worker(
+    url: str, plans: list[RequestPlan], timeout: float, report: Callable[[Any], None]
+) -> list[dict]:
+    """One client process of a burst: every plan at once, one thread each; their records."""
+    records: list[dict] = []
+    threads = [
+        threading.Thread(target=lambda plan=plan: records.append(asdict(run_request(url, plan, timeout))))
+        for plan in plans
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return records
+
+
 def tally(records: list[dict]) -> dict:
     """Finished, cancelled, errored requests and tokens received."""
     return {
@@ -1275,37 +1291,41 @@ class Run:
 
     def warm_up(self, live: dict[str, TritonServer], vocab: int) -> dict[str, dict]:
         """One burst per server at the top concurrency with short outputs (allocations that load brings
-        happen here, not in the measured phase), then the idle memory as the baseline."""
+        happen here, not in the measured phase), from the client processes (a stream is a connection:
+        thousands in this process could pass its file limit), then the idle memory as the baseline."""
         knobs = self.knobs
-        top = max(knobs.concurrency_cycle)
+        names = list(live)
+        plans = [
+            plan_request(knobs.seed + 1, WARMUP_LEVEL, stream, 0, vocab, knobs.warmup_max_len)
+            for stream in range(max(knobs.concurrency_cycle))
+        ]
+        args, owners = [], []
+        for name in names:
+            for process in range(knobs.client_procs):
+                args.append(
+                    (live[name].grpc_url, plans[process :: knobs.client_procs], knobs.response_timeout_s)
+                )
+                owners.append(name)
+        returned = run_in_processes(burst_worker, args)
         baseline: dict[str, dict] = {}
 
-        def burst(name: str, server: TritonServer) -> None:
-            plans = [
-                plan_request(knobs.seed + 1, WARMUP_LEVEL, stream, 0, vocab, knobs.warmup_max_len)
-                for stream in range(top)
-            ]
-            results: list[RequestRecord] = []
-
-            def one(plan: RequestPlan) -> None:
-                results.append(run_request(server.grpc_url, plan, knobs.response_timeout_s))
-
-            threads = [threading.Thread(target=one, args=(plan,)) for plan in plans]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+        def settle(name: str, server: TritonServer) -> None:
+            mine = [value for owner, value in zip(owners, returned, strict=True) if owner == name]
+            errors = [str(value)[-500:] for value in mine if isinstance(value, WorkerFailed)]
+            records = [r for value in mine if not isinstance(value, WorkerFailed) for r in value]
             # A logprobs request too: the solo checks ask for them.
             logprobs_plan = dataclasses.replace(plans[0], key=f"{WARMUP_LEVEL}-0-1", cancel_after=None)
-            results.append(run_request(server.grpc_url, logprobs_plan, knobs.response_timeout_s, logprobs=2))
-            errors = [r.error for r in results if r.error is not None]
+            records.append(
+                asdict(run_request(server.grpc_url, logprobs_plan, knobs.response_timeout_s, logprobs=2))
+            )
+            errors += [r["error"] for r in records if r["error"] is not None]
             self.check(
                 "warm-up", name, "warm-up requests served", not errors, f"{len(errors)} errors: {errors[:3]}"
             )
             idle, _ = wait_idle(server, knobs.idle_timeout_s)
             baseline[name] = {"idle": idle, **memory(server)}
 
-        threads = [threading.Thread(target=burst, args=item) for item in live.items()]
+        threads = [threading.Thread(target=settle, args=item) for item in live.items()]
         for thread in threads:
             thread.start()
         for thread in threads:
