@@ -25,8 +25,9 @@ from dspark.output_processor import OutputProcessor
 from dspark.outputs import EngineLoad, RequestDelta, SpecStats, TokenLogprobs
 from dspark.page_allocator import PageAllocator
 from dspark.penalties import PenaltyState, PenaltyWindow, apply_penalties, window_needs_adjusting
+from dspark.prompts import check_prompt
 from dspark.sampling import NON_FINITE_TOKEN, choose_tokens
-from dspark.sampling_params import InvalidParameterError, SamplingParams
+from dspark.sampling_params import SamplingParams
 from dspark.scheduler import PrefillChunk, Scheduler
 from dspark.sequence import Sequence, SequenceStatus
 from dspark.spec.accept import rejection_accept_all
@@ -220,25 +221,14 @@ class LLMEngine:
         self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams
     ) -> list[int]:
         """Validate a request's prompt and return its token ids (InvalidParameterError names the field)."""
-        params.validate()
-        vocab = self.model_config.vocab_size
-        _check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
-        if prompt_token_ids is not None:
-            field = "prompt_token_ids"
-            ids = list(prompt_token_ids)
-            _check_token_ids(field, ids, vocab)
-        else:
-            field = "prompt"
-            if not isinstance(prompt, str):
-                raise InvalidParameterError(field, "must be a string")
-            ids = self.tokenizer.encode(prompt) if prompt else []
-        if not ids:
-            raise InvalidParameterError(field, "must not be empty")
-        if len(ids) >= self.limits.max_model_len:
-            raise InvalidParameterError(
-                field, f"{len(ids)} tokens leave no room in the context of {self.limits.max_model_len}"
-            )
-        return ids
+        return check_prompt(
+            prompt,
+            prompt_token_ids,
+            params,
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.limits.max_model_len,
+        )
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a validated request (see `prepare_prompt`)."""
@@ -644,13 +634,6 @@ class LLMEngine:
             )
         self._aborts.clear()
         return deltas
-
-
-def _check_token_ids(field: str, ids: list[int], vocab: int) -> None:
-    """Raise InvalidParameterError naming `field` unless every id is an int in [0, vocab)."""
-    for token_id in ids:
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab:
-            raise InvalidParameterError(field, f"token ids must be integers in [0, {vocab}), got {token_id}")
 
 
 @dataclass

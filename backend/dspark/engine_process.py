@@ -30,7 +30,8 @@ from typing import Any
 from dspark.async_engine import AsyncEngine, DeathCallback, DeltaCallback, EngineDeadError
 from dspark.config import EngineConfig
 from dspark.outputs import EngineLoad, RequestDelta, merge_by_request
-from dspark.sampling_params import InvalidParameterError, SamplingParams
+from dspark.prompts import check_prompt
+from dspark.sampling_params import SamplingParams
 from dspark.tokenizer import Tokenizer
 from dspark.tp_worker import python_executable, spawning_with
 
@@ -49,7 +50,7 @@ class EngineProcess:
         self._on_death = on_death
         self._callbacks: dict[str, DeltaCallback] = {}
         self._lock = threading.Lock()  # the callbacks
-        self._control_lock = threading.Lock()  # one submit's request and reply at a time
+        self._control_lock = threading.Lock()  # one command at a time on the control pipe
         self._error: BaseException | None = None
         self._stopping = threading.Event()
         self._load = EngineLoad(0, 0, 0, 0)
@@ -71,7 +72,9 @@ class EngineProcess:
         if kind != "ready":
             self._kill()
             raise RuntimeError(f"the engine process failed to start:\n{detail}")
-        self.tokenizer = Tokenizer.from_dir(config.model_path)  # the adapter's own, for decoding prompts
+        self._vocab_size, self._max_model_len = detail
+        # The adapter's own: it tokenizes and checks prompts here (see `submit`) and decodes them.
+        self.tokenizer = Tokenizer.from_dir(config.model_path)
         self._reader = threading.Thread(target=self._read_events, name="dspark-engine-events", daemon=True)
 
     def start(self) -> None:
@@ -97,30 +100,28 @@ class EngineProcess:
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
     ) -> list[int]:
-        """Validate and queue one request in the engine process; its prompt token ids.
+        """Validate and tokenize one request here, queue it in the engine process; its prompt token ids.
 
         Raises InvalidParameterError (naming the field) for a bad request, EngineDeadError when the
-        engine is not running.
+        engine is not running. No reply is awaited: a submission waiting on the engine process's
+        control thread (which shares that process's GIL with the step loop) held up every request
+        behind it. A request the engine still refuses at admission ends with a failed delta.
         """
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self._error!r}")
+        ids = check_prompt(
+            prompt, prompt_token_ids, params, self.tokenizer, self._vocab_size, self._max_model_len
+        )
         with self._lock:  # before the engine can answer: its first delta may come at once
             self._callbacks[request_id] = on_delta
         try:
             with self._control_lock:
-                self._control.send(("submit", request_id, params, prompt, prompt_token_ids))
-                reply = self._control.recv()
+                self._control.send(("submit", request_id, params, ids))
         except (OSError, EOFError):
-            reply = ("dead", "the engine process is gone")
-        if reply[0] == "ok":
-            return reply[1]
-        with self._lock:
-            self._callbacks.pop(request_id, None)
-        if reply[0] == "invalid":
-            raise InvalidParameterError(reply[1], reply[2])
-        if reply[0] == "error":
-            raise RuntimeError(reply[1])
-        raise EngineDeadError(f"engine is not running: {reply[1]}")
+            with self._lock:
+                self._callbacks.pop(request_id, None)
+            raise EngineDeadError("engine is not running: the engine process is gone") from None
+        return ids
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; it ends with reason 'abort' at the engine's next step."""
@@ -216,10 +217,10 @@ def engine_main(config: EngineConfig, control: Connection, events: Connection) -
         events.send(("failed", traceback.format_exc()))
         return
     engine.start()
-    events.send(("ready", None))
+    events.send(("ready", (engine.engine.model_config.vocab_size, engine.engine.limits.max_model_len)))
     sender = threading.Thread(target=_send_events, args=(outbox, events, engine.load), daemon=True)
     sender.start()
-    _serve_control(engine, control, outbox.put)
+    _serve_control(engine, control, outbox.put, outbox.put_now)
     engine.shutdown()
     outbox.put_now(None)
     sender.join()
@@ -257,7 +258,12 @@ class _Outbox:
         return items
 
 
-def _serve_control(engine: AsyncEngine, control: Connection, on_delta: Callable[[Any], None]) -> None:
+def _serve_control(
+    engine: AsyncEngine,
+    control: Connection,
+    on_delta: Callable[[Any], None],
+    on_failed: Callable[[Any], None],
+) -> None:
     """Answer the adapter's commands until it asks to shut down or goes away."""
     while True:
         try:
@@ -266,19 +272,11 @@ def _serve_control(engine: AsyncEngine, control: Connection, on_delta: Callable[
             return
         kind = message[0]
         if kind == "submit":
-            _, request_id, params, prompt, prompt_token_ids = message
+            _, request_id, params, ids = message
             try:
-                ids = engine.submit(
-                    request_id, params, on_delta, prompt=prompt, prompt_token_ids=prompt_token_ids
-                )
-                reply: tuple = ("ok", ids)
-            except InvalidParameterError as exc:
-                reply = ("invalid", exc.field, str(exc).removeprefix(f"{exc.field}: "))
-            except EngineDeadError as exc:
-                reply = ("dead", str(exc))
-            except Exception as exc:  # a request's own failure must not end the engine process
-                reply = ("error", f"{type(exc).__name__}: {exc}")
-            control.send(reply)
+                engine.submit(request_id, params, on_delta, prompt_token_ids=ids)
+            except Exception as exc:  # checked in the adapter's process already; fails this one alone
+                on_failed(RequestDelta.failed(request_id, f"{type(exc).__name__}: {exc}"))
         elif kind == "abort":
             engine.abort(message[1])
         elif kind == "shutdown":
