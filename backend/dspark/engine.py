@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,7 @@ from dspark.step_timer import StepTimer
 from dspark.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+MEMORY_READ_INTERVAL_S = 0.5  # how stale the load's GPU memory figures may be
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,8 @@ class LLMEngine:
         self.limits = ResolvedLimits(device, dtype, block_size, min(limit, capacity))
         # Per-phase step timing, off unless a benchmark or profiler turns it on.
         self.timer = StepTimer(device)
+        self._memory = (0, 0)  # GPU memory allocated and reserved, bytes, as last read (see `load`)
+        self._memory_read_at = -MEMORY_READ_INTERVAL_S
         self.allocator = PageAllocator(config.num_kv_pages, page_size)
         self.scheduler = Scheduler(
             self.allocator,
@@ -265,16 +269,22 @@ class LLMEngine:
         return bool(self._seqs or self._pending or self._aborts)
 
     def load(self) -> EngineLoad:
-        """Occupancy snapshot (the device memory figures read the allocator's counters: no sync)."""
+        """Occupancy snapshot (the device memory figures read the allocator's counters, no sync, at most
+        every MEMORY_READ_INTERVAL_S)."""
         device = self.limits.device
-        on_gpu = device.type == "cuda"
+        now = time.monotonic()
+        if device.type == "cuda" and now - self._memory_read_at >= MEMORY_READ_INTERVAL_S:
+            # torch builds its allocator's whole statistics dict in Python for each figure: ~0.1 ms
+            # of the GIL, too much for every step (the engine process reports its load with each).
+            self._memory = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
+            self._memory_read_at = now
         return EngineLoad(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_pages_used=self.allocator.num_used,
             kv_pages_total=self.allocator.num_pages,
-            gpu_memory_allocated_bytes=torch.cuda.memory_allocated(device) if on_gpu else 0,
-            gpu_memory_reserved_bytes=torch.cuda.memory_reserved(device) if on_gpu else 0,
+            gpu_memory_allocated_bytes=self._memory[0],
+            gpu_memory_reserved_bytes=self._memory[1],
         )
 
     def close(self) -> None:
