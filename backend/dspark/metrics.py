@@ -1,10 +1,11 @@
 """Serving metrics, published as Prometheus families through Triton's metrics port.
 
-The Triton adapter reports every request event here from its response thread (one thread, so no
-locking) and calls `flush()` between sends. `Metrics` records nothing (metrics disabled);
-`TritonMetrics` writes to `triton_python_backend_utils.MetricFamily`, passed in so that this module
-imports without Triton. Each metric update is a round trip to the server process (tens of µs), so
-counters and gauges are summed here and written once per flush; histograms are observed as events come.
+The Triton adapter reports request events here from its send threads and calls `flush()` from its poll
+thread every 0.1 s. `Metrics` records nothing (metrics disabled); `TritonMetrics` writes to
+`triton_python_backend_utils.MetricFamily`, passed in so that this module imports without Triton. Each
+metric update is a round trip to the server process (tens of µs), and two at once crashed the backend
+stub: counters and gauges are summed here and histogram observations queued, and `flush()` writes them
+all from one thread, so no send waits on a metric.
 
 Beside the `dspark_` families, the `vllm:` families Triton's vLLM backend exports (src/utils/metrics.py
 there: same names, labels `model` and `version`, same buckets) and vLLM's speculative-decoding counters
@@ -164,26 +165,33 @@ class TritonMetrics(Metrics):
         self._verified_at: list[int] = []
         self._pending: dict[Any, float] = {}  # counter -> increment not yet published
         self._gauges: dict[Any, float] = {}  # gauge -> value not yet published
-        # The adapter reports from several threads (its send threads and its poll thread), and the
-        # Python backend's metric calls must not run concurrently (its stub process crashed when two
-        # threads observed at once): one lock around the sums above and every call to the server.
+        self._observations: list[tuple[Any, float]] = []  # (histogram, value) not yet published
+        # The adapter reports from several threads (its send threads and its poll thread): `_lock`
+        # guards the state above. The Python backend's metric calls must not run concurrently (its
+        # stub crashed when two threads observed at once), and each is a round trip to the server:
+        # they wait for `flush` (the poll thread), under `_publish`, and only a new label's metric is
+        # made at once (under both locks, always taken in that order).
         self._lock = threading.RLock()
+        self._publish = threading.Lock()
 
     def request_finished(self, finish_reason: str) -> None:
         with self._lock:
             if finish_reason not in self._by_reason:
-                self._by_reason[finish_reason] = self._requests.Metric(
-                    labels={**self._labels, "finish_reason": finish_reason}
-                )
+                with self._publish:
+                    self._by_reason[finish_reason] = self._requests.Metric(
+                        labels={**self._labels, "finish_reason": finish_reason}
+                    )
             self._add(self._by_reason[finish_reason], 1)
 
     def request_completed(self, prompt_tokens: int, generation_tokens: int, e2e_latency: float) -> None:
         vllm = self._vllm
         with self._lock:
-            vllm.e2e.observe(e2e_latency)
-            vllm.request_prompt.observe(prompt_tokens)
-            vllm.request_generation.observe(generation_tokens)
-            vllm.n.observe(1)
+            self._observations += [
+                (vllm.e2e, e2e_latency),
+                (vllm.request_prompt, prompt_tokens),
+                (vllm.request_generation, generation_tokens),
+                (vllm.n, 1),
+            ]
 
     def prompt_tokens(self, count: int) -> None:
         with self._lock:
@@ -197,14 +205,12 @@ class TritonMetrics(Metrics):
             self._add(self._generated, count)
             self._add(self._vllm.generation, count)
             if since_arrival is not None:
-                self._ttft.observe(since_arrival)
-                self._vllm.ttft.observe(since_arrival)
+                self._observations += [(self._ttft, since_arrival), (self._vllm.ttft, since_arrival)]
             elif since_last is not None:
                 # One observation per update, not per token: each observe is a round trip to the server
                 # process, and an update carries every token the engine committed since the last one.
                 per_token = since_last / count
-                self._itl.observe(per_token)
-                self._vllm.tpot.observe(per_token)
+                self._observations += [(self._itl, per_token), (self._vllm.tpot, per_token)]
 
     def speculation(self, before: dict | None, after: dict) -> None:
         with self._lock:
@@ -249,12 +255,16 @@ class TritonMetrics(Metrics):
 
     def flush(self) -> None:
         with self._lock:
-            for counter, amount in self._pending.items():
+            pending, self._pending = self._pending, {}
+            gauges, self._gauges = self._gauges, {}
+            observations, self._observations = self._observations, []
+        with self._publish:
+            for counter, amount in pending.items():
                 counter.increment(amount)
-            for gauge, value in self._gauges.items():
+            for gauge, value in gauges.items():
                 gauge.set(value)
-            self._pending.clear()
-            self._gauges.clear()
+            for histogram, value in observations:
+                histogram.observe(value)
 
     def _add(self, counter: Any, amount: float) -> None:
         self._pending[counter] = self._pending.get(counter, 0) + amount
@@ -262,7 +272,8 @@ class TritonMetrics(Metrics):
     def _position(self, position: int) -> Any:
         if position not in self._positions:
             labels = {**self._labels, "position": str(position)}
-            self._positions[position] = self._position_rate.Metric(labels=labels)
+            with self._publish:
+                self._positions[position] = self._position_rate.Metric(labels=labels)
         return self._positions[position]
 
     def _new(self, kind: Any, name: str, description: str) -> Any:
@@ -344,7 +355,8 @@ class _VllmFamilies:
         """The accepted-tokens counter of draft position `position` (0: the first draft)."""
         if position not in self._positions:
             labels = {**self._owner._labels, "position": str(position)}
-            self._positions[position] = self._per_position.Metric(labels=labels)
+            with self._owner._publish:
+                self._positions[position] = self._per_position.Metric(labels=labels)
         return self._positions[position]
 
 
