@@ -3,6 +3,7 @@ and every character once, in order, the rest as of the last delta, and logprobs 
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import random
 
@@ -62,3 +63,14 @@ def test_merged_logprobs_cross_a_pipe_whole_though_the_earlier_delta_was_never_p
     received = pickle.loads(pickle.dumps(merge_by_request([first, second])))[0]
     assert received.new_token_ids == [3, 4, 5]
     assert received.logprobs.last(3) == entries
+
+
+def test_deltas_pickle_positionally_with_every_field():
+    for value in (
+        delta("a", [1, 2], finished=True, error="e", cumulative_logprob=-1.5),
+        SpecStats(1, 2, 3, 4, 5, [6, 7], [8, 9]),
+    ):
+        names = [f.name for f in dataclasses.fields(value)]
+        assert len(value.__reduce__()[1]) == len(names)  # a new field must be added to __reduce__ too
+        copy = pickle.loads(pickle.dumps(value))
+        assert [getattr(copy, n) for n in names] == [getattr(value, n) for n in names]

@@ -14,6 +14,7 @@ import pytest
 from dspark import EngineConfig, InvalidParameterError, SamplingParams
 from dspark.async_engine import AsyncEngine, EngineDeadError
 from dspark.engine_process import EngineProcess
+from dspark.outputs import RequestDelta
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -126,3 +127,20 @@ def test_a_killed_engine_process_fails_every_request_and_reports_once(tiny_targe
         assert not engine.healthy
     finally:
         engine.shutdown()
+
+
+def test_an_engine_process_whose_events_cannot_be_sent_exits():
+    """A delta that cannot cross the pipe (here: unpicklable) ends the engine process, so the adapter
+    sees the pipe close and fails its requests instead of waiting for them forever."""
+    from multiprocessing import Pipe
+
+    from dspark.engine_process import SENDER_FAILED_STATUS, _Outbox, _send_events_or_exit
+
+    ours, theirs = Pipe(duplex=False)
+    outbox = _Outbox()
+    bad = RequestDelta.failed("r", "x")
+    bad.error = lambda: None  # no pickle for a lambda
+    outbox.put_now(bad)
+    statuses: list[int] = []
+    _send_events_or_exit(outbox, theirs, lambda: None, exit_process=statuses.append)
+    assert statuses == [SENDER_FAILED_STATUS]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import threading
 import traceback
 from collections.abc import Callable
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # past the engine's own shutdown, before its process is killed
 LOAD_INTERVAL_S = 0.1  # how often an idle engine process reports a changed occupancy
+SENDER_FAILED_STATUS = 70  # the engine process's exit status when its events could not be sent
 
 
 class EngineProcess:
@@ -218,7 +220,7 @@ def engine_main(config: EngineConfig, control: Connection, events: Connection) -
         return
     engine.start()
     events.send(("ready", (engine.engine.model_config.vocab_size, engine.engine.limits.max_model_len)))
-    sender = threading.Thread(target=_send_events, args=(outbox, events, engine.load), daemon=True)
+    sender = threading.Thread(target=_send_events_or_exit, args=(outbox, events, engine.load), daemon=True)
     sender.start()
     _serve_control(engine, control, outbox.put, outbox.put_now)
     engine.shutdown()
@@ -281,6 +283,22 @@ def _serve_control(
             engine.abort(message[1])
         elif kind == "shutdown":
             return
+
+
+def _send_events_or_exit(
+    outbox: _Outbox,
+    events: Connection,
+    load: Callable[[], EngineLoad],
+    exit_process: Callable[[int], None] = os._exit,
+) -> None:
+    """`_send_events`, ending this process if it raises: an engine whose deltas can no longer reach the
+    adapter must not live on (its requests would never end); the adapter sees the events pipe close and
+    fails every request it was waiting on."""
+    try:
+        _send_events(outbox, events, load)
+    except BaseException:
+        logger.error("dspark engine process: sending events failed; exiting\n%s", traceback.format_exc())
+        exit_process(SENDER_FAILED_STATUS)
 
 
 def _send_events(outbox: _Outbox, events: Connection, load: Callable[[], EngineLoad]) -> None:

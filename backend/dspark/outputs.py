@@ -57,6 +57,22 @@ class SpecStats:
             for k, count in enumerate(theirs):
                 mine[k] += count
 
+    def __reduce__(self) -> tuple:
+        # Positional, not a dataclass's __dict__: a delta batch crosses the engine process's pipe every
+        # step, and this halves its pickling on both sides (tests/test_delta_merging.py checks the fields).
+        return (
+            SpecStats,
+            (
+                self.drafted_tokens,
+                self.verified_tokens,
+                self.accepted_tokens,
+                self.steps,
+                self.drafting_steps,
+                self.accepted_per_position,
+                self.verified_per_position,
+            ),
+        )
+
     @property
     def mean_committed_per_step(self) -> float:
         """tau: tokens committed per decode step, the bonus included."""
@@ -188,6 +204,25 @@ class RequestDelta:
     error: str | None = None
     logprobs: LogprobsPrefix | None = None
     cumulative_logprob: float | None = None
+
+    def __reduce__(self) -> tuple:
+        # Positional, as SpecStats's (see there).
+        return (
+            RequestDelta,
+            (
+                self.request_id,
+                self.new_token_ids,
+                self.new_text,
+                self.finished,
+                self.finish_reason,
+                self.num_prompt_tokens,
+                self.num_output_tokens,
+                self.spec_stats,
+                self.error,
+                self.logprobs,
+                self.cumulative_logprob,
+            ),
+        )
 
     @property
     def new_logprobs(self) -> list[TokenLogprobs] | None:
