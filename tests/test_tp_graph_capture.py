@@ -14,8 +14,7 @@ import functools
 import json
 import logging
 import random
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_tensor_parallel import one_thread
 
 from dspark import LLM, EngineConfig, SamplingParams, cuda_graphs, tp_worker
 from dspark.cuda_graphs import CudaGraphs, all_tiers, step_tiers
@@ -130,17 +130,6 @@ def hooked_worker_main(hooks: Hooks, spec: tp_worker.WorkerSpec, conn: Connectio
 
 
 # Running ------------------------------------------------------------------------------------------------
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """One intra-op thread, as each rank has: on 2 shared cores more threads only spin."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def generate(config: EngineConfig) -> list[list[int]]:
