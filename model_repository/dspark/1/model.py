@@ -89,6 +89,11 @@ class _Live:
     last_pending_at: float | None = None
     scheduled: bool = False
     closed: bool = False
+    # Held while its final response is sent and while its sender is asked whether the client went
+    # away: once the final response is out, Triton frees the request's response factory, and asking
+    # `is_cancelled()` then crashed tritonserver (a use after free in ResponseFactoryIsCancelled).
+    final_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    final_sent: bool = False
 
 
 @dataclass
@@ -329,8 +334,12 @@ class TritonPythonModel:
                 settled = self._settle(live)
         self._account(live, delta, first_at, last_at)
         response = self._response(live, delta)
-        if response is not None:
-            self._send_now(live.sender, response, final=delta.finished)
+        if response is not None and delta.finished:
+            with live.final_lock:
+                self._send_now(live.sender, response, final=True)
+                live.final_sent = True
+        elif response is not None:
+            self._send_now(live.sender, response, final=False)
         for cancel in settled:  # after the response it waited on
             self._send_now(cancel.sender, _cancelled(), final=True)
 
@@ -456,12 +465,16 @@ class TritonPythonModel:
             live_now = (live_now[start:] + live_now[:start])[:CANCEL_POLL_BUDGET]
             self._cancel_poll_at = start + CANCEL_POLL_BUDGET
         for live in live_now:
-            if not live.cancelled and not live.closed and live.sender.is_cancelled():
-                live.cancelled = True
-                # The vLLM backend's wording, which its clients' tests and log scrapers look for.
-                self._logger.log_info(f"[vllm] Cancelling the request (dspark: {live.triton_id!r} cancelled)")
-                self._engine.abort(live.engine_id)
-                self._logger.log_info("[vllm] Successfully cancelled the request")
+            if live.cancelled or live.closed:
+                continue
+            with live.final_lock:
+                if live.final_sent or not live.sender.is_cancelled():
+                    continue
+            live.cancelled = True
+            # The vLLM backend's wording, which its clients' tests and log scrapers look for.
+            self._logger.log_info(f"[vllm] Cancelling the request (dspark: {live.triton_id!r} cancelled)")
+            self._engine.abort(live.engine_id)
+            self._logger.log_info("[vllm] Successfully cancelled the request")
 
     def _exit_after_engine_death(self) -> None:
         """End what is still open, then end this process: `dspark serve` sees it and restarts the server."""
