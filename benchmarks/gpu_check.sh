@@ -58,6 +58,11 @@ if compgen -G ".carry/*.whl.part-*" >/dev/null || compgen -G ".carry/*.whl" >/de
   python3 -c "import numpy, importlib.util as u, tritonclient.grpc; assert u.find_spec('pytriton'); print('serving wheels: numpy', numpy.__version__)"
 fi
 
+# The serving stages need tritonserver (the nvidia-pytriton wheel) and its gRPC client here.
+serving_wheels_installed() {
+  python3 -c "import importlib.util as u, tritonclient.grpc; assert u.find_spec('pytriton')" 2>/dev/null
+}
+
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 if [[ ! -f models/SmolLM2-135M-Instruct/config.json ]]; then
   cp /tmp/carry/"$GGUF_NAME".part-* .carry/ 2>/dev/null || true
@@ -130,7 +135,7 @@ fi
 echo "=== serving on the GPU (tritonserver + the serving integration tests)"
 if [[ "${SERVING_S:-300}" == 0 ]]; then
   echo "skipped (SERVING_S=0)"
-elif ! python3 -c "import importlib.util as u, tritonclient.grpc; assert u.find_spec('pytriton')" 2>/dev/null; then
+elif ! serving_wheels_installed; then
   echo "skipped: no nvidia-pytriton / tritonclient here (carry the wheels)"
 else
   started=$SECONDS
@@ -161,7 +166,7 @@ fi
 echo "=== benchmarks/stress.py (CUDA-graph stress and regression run through tritonserver)"
 if [[ "${STRESS_S:-0}" == 0 ]]; then
   echo "skipped (STRESS_S=0)"
-elif ! python3 -c "import importlib.util as u, tritonclient.grpc; assert u.find_spec('pytriton')" 2>/dev/null; then
+elif ! serving_wheels_installed; then
   echo "skipped: no nvidia-pytriton / tritonclient here (carry the wheels)"
 else
   # shellcheck disable=SC2086  # STRESS_ARGS is a list of arguments

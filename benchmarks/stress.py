@@ -1093,6 +1093,14 @@ class Run:
             {"phase": phase, "server": server, "check": name, "passed": passed, "detail": detail}
         )
 
+    def skipped(self, phase: str, option: str, asked: bool) -> dict[str, Any]:
+        """The result of a phase that did not run: turned off by its option (0), or asked for on a
+        machine with no CUDA device, which leaves the run incomplete (never passed)."""
+        why = "no CUDA device" if asked else f"disabled ({option} 0)"
+        if asked:
+            self.incomplete.append(f"{phase}: {why}")
+        return {"status": "skipped", "detail": why}
+
     def execute(self) -> int:
         """Run every phase; the exit status."""
         knobs = self.knobs
@@ -1142,10 +1150,7 @@ class Run:
             background["capture"] = threading.Thread(target=captures, daemon=True)
             background["capture"].start()
         else:
-            why = "disabled (--capture-runs 0)" if knobs.capture_runs <= 0 else "no CUDA device"
-            capture_result.update(status="skipped", detail=why)
-            if knobs.capture_runs > 0:
-                self.incomplete.append(f"capture: {why}")
+            capture_result.update(self.skipped("capture", "--capture-runs", knobs.capture_runs > 0))
 
         for owner in owners.values():
             owner.ready.wait()
@@ -1191,10 +1196,7 @@ class Run:
             )
             background["sanitizer"].start()
         else:
-            why = "disabled (--sanitizer-s 0)" if knobs.sanitizer_s <= 0 else "no CUDA device"
-            sanitizer_results.update(status="skipped", detail=why)
-            if knobs.sanitizer_s > 0:
-                self.incomplete.append(f"sanitizer: {why}")
+            sanitizer_results.update(self.skipped("sanitizer", "--sanitizer-s", knobs.sanitizer_s > 0))
         replay = self.replay(live, vocab, replay_s)
 
         # Checks after the phase.

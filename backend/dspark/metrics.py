@@ -171,7 +171,7 @@ class TritonMetrics(Metrics):
         # stub crashed when two threads observed at once), and each is a round trip to the server:
         # they wait for `flush` (the poll thread), under `_publish`, and only a new label's metric is
         # made at once (under both locks, always taken in that order).
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._publish = threading.Lock()
 
     def request_finished(self, finish_reason: str) -> None:
@@ -246,12 +246,13 @@ class TritonMetrics(Metrics):
                 self._gauges[self._position(k + 1)] = self._accepted_at[k] / verified
 
     def load(self, load: EngineLoad) -> None:
-        self._gauges[self._kv_used] = load.kv_pages_used
-        self._gauges[self._kv_total] = load.kv_pages_total
-        self._gauges[self._running] = load.num_running
-        self._gauges[self._waiting] = load.num_waiting
-        self._gauges[self._gpu_allocated] = load.gpu_memory_allocated_bytes
-        self._gauges[self._gpu_reserved] = load.gpu_memory_reserved_bytes
+        with self._lock:
+            self._gauges[self._kv_used] = load.kv_pages_used
+            self._gauges[self._kv_total] = load.kv_pages_total
+            self._gauges[self._running] = load.num_running
+            self._gauges[self._waiting] = load.num_waiting
+            self._gauges[self._gpu_allocated] = load.gpu_memory_allocated_bytes
+            self._gauges[self._gpu_reserved] = load.gpu_memory_reserved_bytes
 
     def flush(self) -> None:
         with self._lock:

@@ -1,9 +1,9 @@
 """Triton Python backend adapter for the DSpark engine: it translates, and nothing more.
 
 `execute()` turns each request into an `AsyncEngine.submit` and returns at once. The engine calls
-back with `RequestDelta`s, which are merged into the request's pending update (a dict write under a
+back with `RequestDelta`s, which are appended to the request's pending deltas (a list append under a
 lock: the engine's side never waits on a response). Send threads (each request always on the same
-one) turn a request's pending update into one response and `send()` it: while a send waits on its
+one) merge a request's pending deltas into one response and `send()` it: while a send waits on its
 round trip to the server process, the engine's next tokens merge into the following one, so a stream
 gets fewer, fuller responses under load instead of falling behind, and one request's responses stay
 in order. A request's first response goes ahead of the rest (time to first token). A poll thread asks
@@ -83,7 +83,8 @@ class _Live:
     cancelled: bool = False  # the client went away; the engine was told to abort
     # Guarded by the model's lock: the engine's deltas not yet sent (merged into one at send time);
     # when the first and the last of their tokens arrived; whether a send thread holds it in its
-    # queue; and whether its final response is decided (nothing may be sent for it after that).
+    # queue; and whether its final response is decided (nothing may be sent for it after that; it is
+    # set with the request's removal from the model's live requests, so those are never closed).
     pending: list[RequestDelta] = field(default_factory=list)
     first_pending_at: float | None = None
     last_pending_at: float | None = None
@@ -255,11 +256,7 @@ class TritonPythonModel:
         if not target:
             raise InvalidParameterError("cancel_request_id", "must be the id of a request in flight")
         with self._lock:
-            matches = [
-                live
-                for live in self._live.values()
-                if target in (CANCEL_ALL, live.triton_id) and not live.closed
-            ]
+            matches = [live for live in self._live.values() if target in (CANCEL_ALL, live.triton_id)]
             if matches and not self._engine.healthy:  # a dead engine ends nothing: answer at once
                 self._queue_reply(_Reply(sender, _cancelled(), None))
                 return
@@ -489,7 +486,7 @@ class TritonPythonModel:
         ends: list[tuple[Any, Any]] = []
         with self._lock:
             for live in list(self._live.values()):
-                if live.closed or (live.pending and live.pending[-1].finished):
+                if live.pending and live.pending[-1].finished:
                     continue
                 live.closed = True
                 live.pending = []
