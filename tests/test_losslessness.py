@@ -12,7 +12,7 @@ from penalty_reference import penalized_row
 from proposers import OracleProposer, TrapProposer
 from tiny_models import tiny_engine_config
 
-from dspark import LLM, SamplingParams
+from dspark import LLM, EngineConfig, SamplingParams
 from dspark.models.dense import dense_logits
 from dspark.models.loader import load_target_model
 from dspark.spec import planner as planner_module
@@ -28,6 +28,13 @@ def _decaying_sps(tmp_path) -> str:
     points = [{"tokens": t, "steps_per_second": 100.0 / (1 + 0.08 * t)} for t in (1, 2, 4, 8, 16, 32, 64)]
     path.write_text(json.dumps({"version": 1, "points": points}))
     return str(path)
+
+
+def _planned_config(target_dir, draft_dir, mode: str, policy: str, tmp_path) -> EngineConfig:
+    """The tiny engine in a speculation mode and planner policy, planning with `_decaying_sps`."""
+    return tiny_engine_config(
+        target_dir, draft_dir, spec_mode=mode, planner_policy=policy, sps_table=_decaying_sps(tmp_path)
+    )
 
 
 def _prompts(count: int, rng: random.Random) -> list[list[int]]:
@@ -66,9 +73,7 @@ def test_greedy_output_unchanged_by_speculation_for_every_acceptance_pattern(
 
     proposer = OracleProposer(truth, 8, BLOCK, corrupt, confidence)
     llm = LLM(
-        tiny_engine_config(
-            tiny_target_dir, spec_mode=mode, planner_policy=policy, sps_table=_decaying_sps(tmp_path)
-        ),
+        _planned_config(tiny_target_dir, None, mode, policy, tmp_path),
         proposer=proposer,
     )
     outs = llm.generate(params=SamplingParams(max_tokens=24, ignore_eos=True), prompt_token_ids=prompts)
@@ -87,15 +92,7 @@ def test_greedy_output_unchanged_with_the_real_drafter(
     tiny_target_dir, tiny_drafter_dir, greedy_truth, mode, policy, tmp_path
 ) -> None:
     prompts, expected = greedy_truth
-    llm = LLM(
-        tiny_engine_config(
-            tiny_target_dir,
-            tiny_drafter_dir,
-            spec_mode=mode,
-            planner_policy=policy,
-            sps_table=_decaying_sps(tmp_path),
-        )
-    )
+    llm = LLM(_planned_config(tiny_target_dir, tiny_drafter_dir, mode, policy, tmp_path))
     outs = llm.generate(params=SamplingParams(max_tokens=24, ignore_eos=True), prompt_token_ids=prompts)
     assert [o.token_ids for o in outs] == expected
     assert sum(o.spec_stats.drafted_tokens for o in outs) > 0
@@ -169,9 +166,7 @@ def test_penalized_greedy_output_unchanged_by_speculation_for_every_acceptance_p
 
     proposer = OracleProposer(truth, 8, BLOCK, corrupt, lambda seq, k: rng.uniform(0.3, 1.0))
     llm = LLM(
-        tiny_engine_config(
-            tiny_target_dir, spec_mode=mode, planner_policy=policy, sps_table=_decaying_sps(tmp_path)
-        ),
+        _planned_config(tiny_target_dir, None, mode, policy, tmp_path),
         proposer=proposer,
     )
     outs = llm.generate(params=params, prompt_token_ids=prompts)
@@ -185,15 +180,7 @@ def test_penalized_greedy_output_unchanged_with_the_real_drafter(
     tiny_target_dir, tiny_drafter_dir, penalized_truth, mode, policy, tmp_path
 ) -> None:
     prompts, params, expected = penalized_truth
-    llm = LLM(
-        tiny_engine_config(
-            tiny_target_dir,
-            tiny_drafter_dir,
-            spec_mode=mode,
-            planner_policy=policy,
-            sps_table=_decaying_sps(tmp_path),
-        )
-    )
+    llm = LLM(_planned_config(tiny_target_dir, tiny_drafter_dir, mode, policy, tmp_path))
     outs = llm.generate(params=params, prompt_token_ids=prompts)
     assert [o.token_ids for o in outs] == expected
     assert sum(o.spec_stats.accepted_tokens for o in outs) > 0
