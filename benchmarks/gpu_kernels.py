@@ -39,7 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _import_root() -> None:
-    """Make `dspark.kernels` importable from a plain checkout (the GPU image has no editable install)."""
+    """Make `dspark.kernels` importable from a plain checkout (the GPU image has no editable install),
+    and the kernel tests' parity checks (tests/kernel_parity.py, test support) beside it."""
+    sys.path.insert(0, str(ROOT / "tests"))
     try:
         import dspark.kernels  # noqa: F401
     except ImportError:
@@ -1118,10 +1120,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.compile_only:
         os.environ.pop("TRITON_INTERPRET", None)
     _import_root()
+    import kernel_parity as parity
     import torch
     import triton
 
-    from dspark.kernels import parity, reference
+    from dspark.kernels import reference
     from dspark.kernels.runtime import load_kernels
 
     kernels = load_kernels(interpret=args.tiny)

@@ -28,11 +28,10 @@ def smollm2_dir() -> Path:
 def gen() -> torch.Generator:
     """A generator on the kernel tests' device with a fresh random seed, printed so that a failure can
     be replayed (kernel tests only: it loads the kernels)."""
+    import kernel_parity
     from kernel_setup import DEVICE
 
-    from dspark.kernels import parity
-
-    generator, seed = parity.generator(DEVICE)
+    generator, seed = kernel_parity.generator(DEVICE)
     print(f"seed={seed}")
     return generator
 

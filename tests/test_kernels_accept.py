@@ -7,11 +7,12 @@ On a machine without CUDA the kernels run in Triton's interpreter (see test_kern
 
 from __future__ import annotations
 
+import kernel_parity as parity
 import pytest
 import torch
 from kernel_setup import DEVICE, KERNELS, gpu_only
 
-from dspark.kernels import parity, reference
+from dspark.kernels import reference
 from dspark.sampling import filtered_probs, filtered_probs_of_requests
 from dspark.sampling_params import SamplingParams
 from dspark.spec.accept import rejection_accept_all

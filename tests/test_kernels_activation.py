@@ -6,11 +6,12 @@ On a machine without CUDA the kernel runs in Triton's interpreter (see test_kern
 
 from __future__ import annotations
 
+import kernel_parity as parity
 import pytest
 import torch
 from kernel_setup import DEVICE, KERNELS, gpu_only
 
-from dspark.kernels import ops, parity, reference
+from dspark.kernels import ops, reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -7,11 +7,12 @@ before Triton is imported); the realistic shapes run only on a GPU.
 
 from __future__ import annotations
 
+import kernel_parity as parity
 import pytest
 import torch
 from kernel_setup import DEVICE, KERNELS, gpu_only
 
-from dspark.kernels import ops, parity, reference
+from dspark.kernels import ops, reference
 
 
 def case(q_lens, prefixes, heads=(8, 2), head_dim=16, page_size=16, causal=True, dtype=torch.float32, *, gen):

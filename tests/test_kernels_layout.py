@@ -10,12 +10,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import kernel_parity as parity
 import pytest
 import torch
 from kernel_setup import DEVICE, KERNELS, gpu_only
 
 from dspark.attention_batch import AttentionBatch, build_page_table
-from dspark.kernels import ops, parity, reference
+from dspark.kernels import ops, reference
 
 
 @pytest.mark.parametrize("padding", [0, 5])

@@ -6,11 +6,12 @@ On a machine without CUDA the kernels run in Triton's interpreter (see test_kern
 
 from __future__ import annotations
 
+import kernel_parity as parity
 import pytest
 import torch
 from kernel_setup import DEVICE, KERNELS, gpu_only
 
-from dspark.kernels import parity, reference
+from dspark.kernels import reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -31,8 +31,3 @@ class PagedKVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer: [num_pages, page_size, num_kv_heads, head_dim] each."""
         return self.k[index], self.v[index]
-
-    @property
-    def bytes_per_page(self) -> int:
-        """Bytes one page takes over all layers, keys and values."""
-        return 2 * self.k[:, 0].numel() * self.k.element_size()

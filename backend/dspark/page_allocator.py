@@ -16,11 +16,6 @@ class PageAllocator:
         self._free: deque[int] = deque(range(num_pages))
 
     @property
-    def num_free(self) -> int:
-        """Pages nobody holds."""
-        return len(self._free)
-
-    @property
     def num_used(self) -> int:
         """Pages held by sequences."""
         return self.num_pages - len(self._free)

@@ -62,11 +62,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    @property
-    def num_unfinished(self) -> int:
-        """Requests waiting or running."""
-        return len(self.waiting) + len(self.running)
-
     def add(self, seq: Sequence) -> None:
         """Queue a new request."""
         self.waiting.append(seq)

@@ -1,4 +1,4 @@
-"""Verify-length planner: how many drafted tokens each request verifies this step (DESIGN.md §4.2).
+"""Verify-length planner: how many drafted tokens each request verifies this step, by the rule below.
 
 Verifying ``ℓ_r`` drafts of request ``r`` costs ``1 + ℓ_r`` target tokens (anchor included) and is
 expected to commit ``1 + Σ_{j≤ℓ_r} a_{r,j}`` tokens, where ``a_{r,j} = c_{r,1}·…·c_{r,j}`` is the

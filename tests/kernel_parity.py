@@ -1,7 +1,8 @@
-"""Parity cases and checks, shared by the kernel tests (small shapes, CPU interpreter) and the GPU
-benchmark (realistic shapes): each `make_*` draws a fresh random case, each `check_*` runs the kernel
-on poisoned outputs and compares it with its torch reference twin, raising AssertionError on a
-mismatch and returning the error it measured.
+"""Parity cases and checks (test support, not part of the runtime), shared by the kernel tests (small
+shapes, CPU interpreter) and the GPU benchmark `benchmarks/gpu_kernels.py` (realistic shapes): each
+`make_*` draws a fresh random case, each `check_*` runs the kernel on poisoned outputs and compares it
+with its torch reference twin, raising AssertionError on a mismatch and returning the error it
+measured.
 
 Random inputs are never zeros; outputs are poisoned (NaN, or a sentinel for integers) before the call
 so that an unwritten element fails the check; page tables hold valid but wrong page ids past each
