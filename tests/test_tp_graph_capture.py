@@ -6,7 +6,9 @@ fails makes every rank run eagerly; configured tiers that are not powers of two 
 steps as they should. Greedy tokens equal the eager engine's throughout.
 
 Rank 1 is a spawned process: the test replaces `tp_worker.worker_main` (the spawned target) with
-`hooked_worker_main`, which installs the same hooks in that process and reports what the rank did."""
+`hooked_worker_main`, which installs the same hooks in that process and reports what the rank did; the
+driver hands it `emulated_shard` as its shard loader (`WorkerSpec.load_shard`, the patched
+`ModelRunner.create`)."""
 
 from __future__ import annotations
 
@@ -71,23 +73,27 @@ class Hooks:
     fail_at_tokens: int = 0
 
 
+# The real shard loader, as this module is imported (in the test's process and in a spawned rank's,
+# before any hook is installed).
+LOAD_SHARD = ModelRunner.create
+
+
+def emulated_shard(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel = SINGLE
+) -> ModelRunner:
+    """`ModelRunner.create`, then emulated graphs (CPU). A module-level function: the driver passes
+    `ModelRunner.create` to its ranks (`WorkerGroup.spawn`'s load_shard), so the hooked one must pickle."""
+    runner = LOAD_SHARD(config, device, dtype, tp)
+    runner.use_graphs(CudaGraphs.from_config(runner.model, runner.cache, device, config, emulate=True))
+    return runner
+
+
 def install(hooks: Hooks, rank: int, patch: Callable[[object, str, object], None]) -> dict[str, Any]:
     """Install `hooks` for `rank` with `patch` (setattr or monkeypatch.setattr); returns the record that
     the hooks fill: the keys the rank captured, its capture log ([tokens, requests, ok] each) and the
     (tokens, requests) tiers it replayed."""
     seen: dict[str, Any] = {"captured": None, "log": [], "replayed": []}
-    create, capture_graphs, run = ModelRunner.create.__func__, ModelRunner.capture_graphs, CudaGraphs.run
-
-    def emulated_create(
-        cls: type[ModelRunner],
-        config: EngineConfig,
-        device: torch.device,
-        dtype: torch.dtype,
-        tp: TensorParallel = SINGLE,
-    ) -> ModelRunner:
-        runner = create(cls, config, device, dtype, tp)
-        runner.use_graphs(CudaGraphs.from_config(runner.model, runner.cache, device, config, emulate=True))
-        return runner
+    capture_graphs, run = ModelRunner.capture_graphs, CudaGraphs.run
 
     def recorded_capture(runner: ModelRunner, capture_layers: tuple[int, ...]) -> Any:
         graphs = runner.graphs
@@ -103,7 +109,7 @@ def install(hooks: Hooks, rank: int, patch: Callable[[object, str, object], None
             seen["replayed"].append(tier)
         return out
 
-    patch(ModelRunner, "create", classmethod(emulated_create))
+    patch(ModelRunner, "create", staticmethod(emulated_shard))
     patch(ModelRunner, "capture_graphs", recorded_capture)
     patch(CudaGraphs, "run", recorded_run)
     if rank == hooks.rank and hooks.drop_tiers:

@@ -273,7 +273,7 @@ class TensorParallelRunner:
         threads = max(1, threads_before // size)
         if devices[0].type == "cuda":
             threads = min(threads, GPU_RANK_THREADS)
-        workers = WorkerGroup.spawn(config, devices, dtype, store.port, threads)
+        workers = WorkerGroup.spawn(config, devices, dtype, store.port, threads, ModelRunner.create)
         torch.set_num_threads(threads)
         try:
             local = ModelRunner.create(config, devices[0], dtype, tp=TensorParallel(0, size))

@@ -27,20 +27,17 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from dspark.config import EngineConfig
 from dspark.distributed import TensorParallel, abort_group, join_group, leave_group, rendezvous_store
-
-if TYPE_CHECKING:
-    from dspark.model_runner import ModelRunner, TargetStep
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +52,23 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died, hung or failed; the group is gone and the engine cannot go on."""
 
 
+class ShardRunner(Protocol):
+    """What a rank executes: its target shard's runner (`model_runner.ModelRunner`)."""
+
+    device: torch.device
+
+    def capture_graphs(self, capture_layers: tuple[int, ...]) -> object: ...
+
+    def forward(self, step: Any) -> Any: ...
+
+    def release_graphs(self) -> None: ...
+
+
+# Loads a rank's shard: (config, device, dtype, tp) -> its runner. The driver passes
+# `ModelRunner.create`, so that this module, which model_runner imports, imports no runner.
+LoadShard = Callable[[EngineConfig, torch.device, torch.dtype, TensorParallel], ShardRunner]
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """Everything a spawned rank needs (pickled into the new process)."""
@@ -66,6 +80,7 @@ class WorkerSpec:
     dtype: torch.dtype
     store_port: int
     num_threads: int
+    load_shard: LoadShard
 
 
 # The worker process --------------------------------------------------------------------------------
@@ -91,18 +106,15 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         os._exit(1)
 
 
-def _load_shard(spec: WorkerSpec) -> ModelRunner:
-    # Imported here: model_runner imports this module for the driver side.
-    from dspark.model_runner import ModelRunner
-
+def _load_shard(spec: WorkerSpec) -> ShardRunner:
     torch.set_num_threads(spec.num_threads)
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return ModelRunner.create(spec.config, device, spec.dtype, tp=TensorParallel(spec.rank, spec.size))
+    return spec.load_shard(spec.config, device, spec.dtype, TensorParallel(spec.rank, spec.size))
 
 
-def _execute_steps(runner: ModelRunner, conn: Connection) -> None:
+def _execute_steps(runner: ShardRunner, conn: Connection) -> None:
     """Run every step (and graph capture) the driver sends, exactly as rank 0 runs it, until `shutdown`."""
     while True:
         message = pickle.loads(conn.recv_bytes())
@@ -199,15 +211,17 @@ class WorkerGroup:
         dtype: torch.dtype,
         store_port: int,
         threads: int,
+        load_shard: LoadShard,
     ) -> WorkerGroup:
         """Start one process per rank 1..len(devices)-1 (each with `threads` intra-op threads); they
-        load their shards in the background."""
+        load their shards (`load_shard`) in the background."""
         size = len(devices)
         context = mp.get_context("spawn")
         processes, conns = [], []
         with spawning_with(context, python_executable()):
             for rank in range(1, size):
-                spec = WorkerSpec(config, rank, size, str(devices[rank]), dtype, store_port, threads)
+                device = str(devices[rank])
+                spec = WorkerSpec(config, rank, size, device, dtype, store_port, threads, load_shard)
                 ours, theirs = context.Pipe(duplex=True)
                 process = context.Process(
                     target=worker_main, args=(spec, theirs), name=f"dspark-tp-rank{rank}", daemon=True
@@ -251,7 +265,7 @@ class WorkerGroup:
         self._watchdog = threading.Thread(target=self._watch, name="dspark-tp-watchdog", daemon=True)
         self._watchdog.start()
 
-    def send(self, message: tuple[str, TargetStep] | tuple[str, tuple[int, ...]]) -> None:
+    def send(self, message: tuple[str, Any]) -> None:
         """Hand every rank one ("step", TargetStep) or ("capture", capture_layers) message; the driver
         then runs its own share."""
         self.check()
