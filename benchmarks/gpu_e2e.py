@@ -151,8 +151,8 @@ class ForcedAcceptance:
     def propose(self, seqs) -> DraftProposal:
         """The real drafter's block, with the forced confidences."""
         proposal = self.inner.propose(seqs)
-        gamma = self.block_size
-        proposal.confidences[:] = torch.tensor([0.95 if k < self.accept else 0.05 for k in range(gamma)])
+        block_size = self.block_size
+        proposal.confidences[:] = torch.tensor([0.95 if k < self.accept else 0.05 for k in range(block_size)])
         proposal.lengths = None  # the random drafter's own early stop would cap the forced blocks
         return proposal
 

@@ -68,7 +68,7 @@ class Shapes:
     hidden: int
     vocab: int
     page_size: int
-    gamma: int
+    block_size: int
     decode_batches: tuple[int, ...]
     verify_batches: tuple[int, ...]
     long_prefix: int
@@ -259,8 +259,8 @@ def greedy_torch(drafts, targets, cu, lens):
     """Vectorized eager greedy accept (no host sync): padded windows, cumprod of matches, gathered bonus."""
     import torch
 
-    gamma = drafts.shape[1]
-    j = torch.arange(gamma, device=drafts.device)
+    block_size = drafts.shape[1]
+    j = torch.arange(block_size, device=drafts.device)
     index = (cu[:-1, None].long() + j[None, :]).clamp_max(targets.shape[0] - 1)
     match = (drafts == targets[index]) & (j[None, :] < lens[:, None])
     accepted = match.long().cumprod(1).sum(1)
@@ -271,16 +271,16 @@ def rejection_torch(draft_tokens, draft_probs, target_probs, cu, lens, uniforms,
     """Vectorized eager rejection sampling (no host sync), the same math as the kernel."""
     import torch
 
-    num_requests, gamma = draft_tokens.shape
-    j = torch.arange(gamma, device=draft_tokens.device)
+    num_requests, block_size = draft_tokens.shape
+    j = torch.arange(block_size, device=draft_tokens.device)
     rows = (cu[:-1, None].long() + j[None, :]).clamp_max(target_probs.shape[0] - 1)
     p = target_probs[rows, draft_tokens]
     q = draft_probs.gather(2, draft_tokens[..., None])[..., 0]
     in_window = j[None, :] < lens[:, None]
     reject = in_window & ~(uniforms.double() * q.double() < p.double())
-    n = torch.where(reject, j[None, :], gamma).min(1).values.minimum(lens)
+    n = torch.where(reject, j[None, :], block_size).min(1).values.minimum(lens)
     t_row = target_probs[cu[:-1].long() + n]
-    d_row = draft_probs[torch.arange(num_requests, device=n.device), n.clamp_max(gamma - 1)]
+    d_row = draft_probs[torch.arange(num_requests, device=n.device), n.clamp_max(block_size - 1)]
     residual = (t_row - d_row).clamp_min(0)
     use = (n < lens) & (residual.amax(1) > 0)
     row = torch.where(use[:, None], residual, t_row)
@@ -332,11 +332,11 @@ def run_attention(runner: Runner, kernels, parity, reference, shapes: Shapes, de
         )
     for batch in shapes.verify_batches:
         runner.parity(
-            f"attention verify b={batch} ragged windows 1..{shapes.gamma + 1}",
+            f"attention verify b={batch} ragged windows 1..{shapes.block_size + 1}",
             lambda b=batch: parity.check_attention(
                 kernels,
                 make(
-                    torch.randint(1, shapes.gamma + 2, (b,), generator=gen, device=device).tolist(),
+                    torch.randint(1, shapes.block_size + 2, (b,), generator=gen, device=device).tolist(),
                     rand_prefixes(b, shapes.long_prefix),
                 ),
             ),
@@ -344,13 +344,13 @@ def run_attention(runner: Runner, kernels, parity, reference, shapes: Shapes, de
     runner.parity(
         "attention verify forced 4 splits",
         lambda: parity.check_attention(
-            kernels, make([shapes.gamma + 1] * 4, rand_prefixes(4, shapes.long_prefix)), num_splits=4
+            kernels, make([shapes.block_size + 1] * 4, rand_prefixes(4, shapes.long_prefix)), num_splits=4
         ),
     )
     runner.parity(
         "attention draft block (non-causal)",
         lambda: parity.check_attention(
-            kernels, make([shapes.gamma] * 16, rand_prefixes(16, shapes.verify_prefix), causal=False)
+            kernels, make([shapes.block_size] * 16, rand_prefixes(16, shapes.verify_prefix), causal=False)
         ),
     )
     runner.parity(
@@ -358,7 +358,7 @@ def run_attention(runner: Runner, kernels, parity, reference, shapes: Shapes, de
         lambda: parity.check_attention(
             kernels,
             make(
-                [shapes.prefill, shapes.prefill // 4, 1, shapes.gamma + 1],
+                [shapes.prefill, shapes.prefill // 4, 1, shapes.block_size + 1],
                 [0, 1000 % shapes.long_prefix, 37, 500 % shapes.long_prefix],
             ),
         ),
@@ -393,15 +393,15 @@ def run_attention(runner: Runner, kernels, parity, reference, shapes: Shapes, de
         timed(f"attention decode b={batch} prefix={shapes.long_prefix}", 1, batch, shapes.long_prefix)
     for batch in shapes.verify_batches:
         timed(
-            f"attention verify w={shapes.gamma + 1} b={batch} prefix={shapes.verify_prefix}",
-            shapes.gamma + 1,
+            f"attention verify w={shapes.block_size + 1} b={batch} prefix={shapes.verify_prefix}",
+            shapes.block_size + 1,
             batch,
             shapes.verify_prefix,
         )
     block_batch = min(64, max(shapes.verify_batches))
     timed(
-        f"attention draft block w={shapes.gamma} b={block_batch} prefix={shapes.verify_prefix}",
-        shapes.gamma,
+        f"attention draft block w={shapes.block_size} b={block_batch} prefix={shapes.verify_prefix}",
+        shapes.block_size,
         block_batch,
         shapes.verify_prefix,
         causal=False,
@@ -519,17 +519,17 @@ def run_activation(runner: Runner, kernels, parity, reference, shapes: Shapes, d
 def run_accept(runner: Runner, kernels, parity, reference, shapes: Shapes, device, gen) -> None:
     import torch
 
-    gamma, vocab = shapes.gamma, shapes.vocab
+    block_size, vocab = shapes.block_size, shapes.vocab
     big = max(shapes.plan_batches)
-    lens_list = torch.randint(0, gamma + 1, (big,), generator=gen, device=device).tolist()
+    lens_list = torch.randint(0, block_size + 1, (big,), generator=gen, device=device).tolist()
     runner.parity(
         f"greedy_accept R={big} (+caps)",
-        lambda: parity.check_greedy_accept(kernels, lens_list, gamma, 4, True, device, gen),
+        lambda: parity.check_greedy_accept(kernels, lens_list, block_size, 4, True, device, gen),
     )
     runner.parity(
         f"rejection_accept R={shapes.reject_batch} V={vocab}",
         lambda: parity.check_rejection_accept(
-            kernels, lens_list[: shapes.reject_batch], gamma, vocab, device, gen
+            kernels, lens_list[: shapes.reject_batch], block_size, vocab, device, gen
         ),
     )
     for rows in shapes.race_rows:
@@ -547,19 +547,19 @@ def run_accept(runner: Runner, kernels, parity, reference, shapes: Shapes, devic
             runner.parity(
                 f"plan_verify_lens R={batch} ties={ties}",
                 lambda b=batch, t=ties: parity.check_plan_verify_lens(
-                    kernels, b, gamma, points, device, gen, ties=t
+                    kernels, b, block_size, points, device, gen, ties=t
                 ),
             )
 
     def given_budgets() -> float:
         for budget in (-1, 0, 17, 10**6):
-            parity.check_plan_verify_lens(kernels, big, gamma, points, device, gen, budget=budget)
+            parity.check_plan_verify_lens(kernels, big, block_size, points, device, gen, budget=budget)
         return 0.0
 
     runner.parity("plan_verify_lens given budgets", given_budgets)
 
     lens, cu = parity.ragged_windows(lens_list, device)
-    drafts = torch.randint(0, 4, (big, gamma), generator=gen, device=device)
+    drafts = torch.randint(0, 4, (big, block_size), generator=gen, device=device)
     targets = torch.randint(0, 4, (int(cu[-1]),), generator=gen, device=device)
     runner.time(
         f"greedy_accept R={big}",
@@ -571,10 +571,10 @@ def run_accept(runner: Runner, kernels, parity, reference, shapes: Shapes, devic
     )
     n = shapes.reject_batch
     r_lens, r_cu = parity.ragged_windows(lens_list[:n], device)
-    draft_probs = parity.make_distributions(n * gamma, vocab, device, gen).view(n, gamma, vocab)
-    draft_tokens = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=gen).view(n, gamma)
+    draft_probs = parity.make_distributions(n * block_size, vocab, device, gen).view(n, block_size, vocab)
+    draft_tokens = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=gen).view(n, block_size)
     target_probs = parity.make_distributions(int(r_cu[-1]), vocab, device, gen)
-    uniforms = torch.rand((n, gamma), generator=gen, device=device)
+    uniforms = torch.rand((n, block_size), generator=gen, device=device)
     exps = torch.empty((n, vocab), device=device).exponential_(generator=gen)
     args = (draft_tokens, draft_probs, target_probs, r_cu, r_lens, uniforms, exps)
     runner.time(
@@ -599,8 +599,8 @@ def run_accept(runner: Runner, kernels, parity, reference, shapes: Shapes, devic
     xs = torch.tensor([p[0] for p in points], dtype=torch.float64, device=device)
     ys = torch.tensor([p[1] for p in points], dtype=torch.float64, device=device)
     for batch in shapes.plan_batches:
-        surv = parity.make_survivals(batch, gamma, device, gen)
-        caps = torch.full((batch,), gamma, device=device)
+        surv = parity.make_survivals(batch, block_size, device, gen)
+        caps = torch.full((batch,), block_size, device=device)
         runner.time(
             f"plan_verify_lens R={batch}",
             lambda s=surv, c=caps: kernels.planner.plan_verify_lens(s, c, xs, ys),
@@ -616,33 +616,33 @@ def run_markov(runner: Runner, kernels, parity, reference, shapes: Shapes, devic
     it replaced: per position a W1 gather, a bf16 linear, casts, an add and an argmax."""
     import torch
 
-    rank, gamma = 32, shapes.gamma
+    rank, block_size = 32, shapes.block_size
     for batch in shapes.plan_batches:
         runner.parity(
             f"markov_decode R={batch}",
             lambda b=batch: parity.check_markov_decode(
-                kernels, b, gamma, shapes.vocab, rank, torch.bfloat16, device, gen
+                kernels, b, block_size, shapes.vocab, rank, torch.bfloat16, device, gen
             ),
         )
-        base = torch.randn(batch, gamma, shapes.vocab, generator=gen, device=device).to(torch.bfloat16)
+        base = torch.randn(batch, block_size, shapes.vocab, generator=gen, device=device).to(torch.bfloat16)
         anchors = torch.randint(0, shapes.vocab, (batch,), generator=gen, device=device)
         w1 = torch.randn(shapes.vocab, rank, generator=gen, device=device).to(torch.bfloat16)
         w2 = torch.randn(shapes.vocab, rank, generator=gen, device=device).to(torch.bfloat16)
 
         def torch_loop(base=base, anchors=anchors, w1=w1, w2=w2):
             previous, drafts = anchors, []
-            for k in range(gamma):
+            for k in range(block_size):
                 correction = torch.nn.functional.linear(w1[previous], w2).float()
                 previous = (base[:, k].float() + correction).argmax(dim=-1)
                 drafts.append(previous)
             return torch.stack(drafts, dim=1)
 
         runner.time(
-            f"markov_decode R={batch} gamma={gamma}",
+            f"markov_decode R={batch} block_size={block_size}",
             lambda b=base, a=anchors, x=w1, y=w2: kernels.markov.markov_decode(b, a, x, y),
             torch_loop,
-            base.numel() * 2 + w2.numel() * 2 * gamma,
-            2 * batch * gamma * shapes.vocab * rank,
+            base.numel() * 2 + w2.numel() * 2 * block_size,
+            2 * batch * block_size * shapes.vocab * rank,
             "eager torch loop (gather, bf16 linear, casts, add, argmax a position)",
         )
 
@@ -652,14 +652,14 @@ def run_layout(runner: Runner, kernels, parity, reference, shapes: Shapes, devic
 
     big = max(shapes.plan_batches)
     starts = torch.randint(0, shapes.long_prefix, (big,), generator=gen, device=device)
-    lens = torch.randint(1, shapes.gamma + 2, (big,), generator=gen, device=device)
+    lens = torch.randint(1, shapes.block_size + 2, (big,), generator=gen, device=device)
     runner.parity(
         f"layout R={big} (+padding)",
         lambda: parity.check_layout(
-            kernels, starts.tolist(), lens.tolist(), shapes.page_size, 100, shapes.gamma, device, gen
+            kernels, starts.tolist(), lens.tolist(), shapes.page_size, 100, shapes.block_size, device, gen
         ),
     )
-    max_pages = (shapes.long_prefix + shapes.gamma + 1) // shapes.page_size + 2
+    max_pages = (shapes.long_prefix + shapes.block_size + 1) // shapes.page_size + 2
     table = torch.randint(0, 10**5, (big, max_pages), generator=gen, device=device, dtype=torch.int32)
     num_tokens = int(lens.sum())
     runner.time(
@@ -671,7 +671,7 @@ def run_layout(runner: Runner, kernels, parity, reference, shapes: Shapes, devic
         "eager torch twin (repeat_interleave)",
     )
     anchors = torch.randint(0, shapes.vocab, (big,), generator=gen, device=device)
-    drafts = torch.randint(0, shapes.vocab, (big, shapes.gamma), generator=gen, device=device)
+    drafts = torch.randint(0, shapes.vocab, (big, shapes.block_size), generator=gen, device=device)
     cu = torch.zeros(big + 1, dtype=torch.int32, device=device)
     cu[1:] = torch.cumsum(lens, 0)
     runner.time(

@@ -31,7 +31,7 @@ def _greedy_accept_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_G: tl.constexpr,
 ):
-    """Grid (cdiv(R, BLOCK_R),); draft [R, gamma]; target [num_window_tokens] packed by cu [R + 1];
+    """Grid (cdiv(R, BLOCK_R),); draft [R, block_size]; target [num_window_tokens] packed by cu [R + 1];
     lens, caps [R]; accepted, bonus [R] int64."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     j = tl.arange(0, BLOCK_G)
@@ -60,12 +60,12 @@ def greedy_accept(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance over ragged windows (the reference's greedy_accept).
 
-    draft_tokens: [R, gamma]; target_tokens: [num_window_tokens] target argmax per window position,
+    draft_tokens: [R, block_size]; target_tokens: [num_window_tokens] target argmax per window position,
     packed by cu_windows [R + 1] (window r: 1 + verify_lens[r] positions); commit_caps: [R] optional
     most drafts to commit. Returns (num_accepted [R] int64, bonus [R] int64): the bonus is the target's
     token right after the (capped) accepted prefix.
     """
-    num_requests, gamma = draft_tokens.shape
+    num_requests, block_size = draft_tokens.shape
     device = draft_tokens.device
     accepted, bonus = (
         out
@@ -91,7 +91,7 @@ def greedy_accept(
         draft_tokens.stride(0),
         HAS_CAPS=commit_caps is not None,
         BLOCK_R=block_r,
-        BLOCK_G=next_pow2(gamma),
+        BLOCK_G=next_pow2(block_size),
     )
     return accepted, bonus
 
@@ -217,12 +217,12 @@ def rejection_accept(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless speculative sampling over ragged windows (the reference's rejection_accept).
 
-    draft_tokens: [R, gamma]; draft_probs: [R, gamma, vocab] fp32 the drafter's filtered distributions;
-    target_probs: [num_window_tokens, vocab] fp32 the target's filtered distributions, packed by
-    cu_windows [R + 1] (window r: 1 + verify_lens[r] rows); uniforms: [R, gamma] U(0, 1);
-    exponentials: [R, vocab] Exp(1). Returns (num_accepted [R] int64, next_token [R] int64).
+    draft_tokens: [R, block_size]; draft_probs: [R, block_size, vocab] fp32 the drafter's filtered
+    distributions; target_probs: [num_window_tokens, vocab] fp32 the target's filtered distributions,
+    packed by cu_windows [R + 1] (window r: 1 + verify_lens[r] rows); uniforms: [R, block_size]
+    U(0, 1); exponentials: [R, vocab] Exp(1). Returns (num_accepted [R] int64, next_token [R] int64).
     """
-    num_requests, gamma = draft_tokens.shape
+    num_requests, block_size = draft_tokens.shape
     vocab = target_probs.shape[1]
     device = target_probs.device
     accepted, next_token = (
@@ -270,7 +270,7 @@ def rejection_accept(
         target_probs.stride(0),
         uniforms.stride(0),
         exponentials.stride(0),
-        BLOCK_G=next_pow2(gamma),
+        BLOCK_G=next_pow2(block_size),
         BLOCK=BLOCK_V,
     )
     _rejection_reduce_kernel[(num_requests,)](

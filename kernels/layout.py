@@ -151,7 +151,7 @@ def pack_verify_tokens(
 ) -> torch.Tensor:
     """Packed verify-window tokens (the reference's pack_verify_tokens).
 
-    anchors: [R]; drafts: [R, gamma]; cu_seqlens: [R + 1] (window r has 1 + verify_len[r] tokens).
+    anchors: [R]; drafts: [R, block_size]; cu_seqlens: [R + 1] (window r has 1 + verify_len[r] tokens).
     Returns token ids [num_tokens] int64 (padding rows 0; with keep_past_end, `out`'s rows from
     cu_seqlens[R] on are left as they are: no host sync, so a CUDA graph can pack a step's verify
     windows in front of its prompt chunks).

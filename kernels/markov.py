@@ -1,4 +1,4 @@
-"""The greedy Markov decode of a draft block: gamma drafts per request in gamma + 1 launches.
+"""The greedy Markov decode of a draft block: block_size drafts per request in block_size + 1 launches.
 
 Draft k of request r is argmax_v (U[r, k, v] + W2[v] · W1[x_{k-1}]), where U is the block's base
 logits, x_{-1} the anchor and W1, W2 [vocab, rank] the drafter's low-rank Markov head. The torch
@@ -149,14 +149,16 @@ def markov_decode(
 ) -> torch.Tensor:
     """Greedy Markov decode of every request's block (the reference's markov_decode).
 
-    base_logits: [R, gamma, vocab] (unit vocabulary stride, any float dtype); anchors: [R]; w1, w2:
-    [vocab, rank] (the correction is rounded to w2's dtype). Returns drafts [R, gamma] int64.
+    base_logits: [R, block_size, vocab] (unit vocabulary stride, any float dtype); anchors: [R]; w1, w2:
+    [vocab, rank] (the correction is rounded to w2's dtype). Returns drafts [R, block_size] int64.
     """
-    num_requests, gamma, vocab = base_logits.shape
+    num_requests, block_size, vocab = base_logits.shape
     rank = w1.shape[1]
     device = base_logits.device
-    tokens = out if out is not None else torch.empty(num_requests, gamma, dtype=torch.int64, device=device)
-    if num_requests == 0 or gamma == 0:
+    tokens = (
+        out if out is not None else torch.empty(num_requests, block_size, dtype=torch.int64, device=device)
+    )
+    if num_requests == 0 or block_size == 0:
         return tokens
     if base_logits.stride(-1) != 1:
         raise ValueError("markov_decode: base_logits must have a unit vocabulary stride")
@@ -177,7 +179,7 @@ def markov_decode(
     ]
     grid = (num_tiles, triton.cdiv(num_requests, BLOCK_R))
     block_t = next_pow2(num_tiles)
-    for k in range(gamma):
+    for k in range(block_size):
         (in_val, in_idx), (out_val, out_idx) = parts[(k + 1) % 2], parts[k % 2]
         _markov_step_kernel[grid](
             base_logits,
@@ -206,14 +208,14 @@ def markov_decode(
             SUB_TILES=SUB_TILES,
             BLOCK_T=block_t,
         )
-    last_val, last_idx = parts[(gamma - 1) % 2]
+    last_val, last_idx = parts[(block_size - 1) % 2]
     _markov_last_kernel[(triton.cdiv(num_requests, BLOCK_R),)](
         last_val,
         last_idx,
         tokens,
         num_requests,
         num_tiles,
-        gamma - 1,
+        block_size - 1,
         tokens.stride(0),
         BLOCK_R=BLOCK_R,
         BLOCK_T=block_t,

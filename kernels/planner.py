@@ -3,7 +3,7 @@
 Drafts (r, j) with j < max_lens[r] are ranked by survival descending, ties by position j then request
 r (flat index j * R + r ascending), exactly as dspark.spec.planner ranks them. Instead of a sort, each
 draft's rank is the number of admissible drafts ranked before it, and the cumulative survival at that
-rank is the sum over that same set, computed pairwise (N = R * gamma is at most a few thousand). The
+rank is the sum over that same set, computed pairwise (N = R * block_size is at most a few thousand). The
 sums over "ranked before e" and "ranked up to e'" are the same masked reduction when e' precedes e
 directly, so the objective at every budget is computed once, consistently, in fp64.
 
@@ -56,17 +56,17 @@ def _rank_kernel(
     obj_ptr,
     prev_ptr,
     num_requests,
-    gamma,
+    block_size,
     num_points,
     stride_s,
     BLOCK_E: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """Grid (cdiv(R * gamma, BLOCK_E),); survivals [R, gamma]; max_lens [R]; xs, ys [num_points] fp64.
-    For flat draft e = j * R + r: rank[e] (-1 if inadmissible), obj[e] the objective at budget
-    rank + 1 and prev[e] at budget rank, fp64."""
-    total = num_requests * gamma
+    """Grid (cdiv(R * block_size, BLOCK_E),); survivals [R, block_size]; max_lens [R]; xs, ys
+    [num_points] fp64. For flat draft e = j * R + r: rank[e] (-1 if inadmissible), obj[e] the
+    objective at budget rank + 1 and prev[e] at budget rank, fp64."""
+    total = num_requests * block_size
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < total
     r_e = e % num_requests
@@ -107,7 +107,7 @@ def _split_kernel(
     sync_ptr,
     argmax_ptr,
     num_requests,
-    gamma,
+    block_size,
     HAS_BUDGET: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -115,7 +115,7 @@ def _split_kernel(
 ):
     """Grid (1,). Budgets from the ranked objective, then verify lens [R]: each request's drafts ranked
     below the budget (sync, or the given budget clamped to the admissible count if >= 0)."""
-    total = num_requests * gamma
+    total = num_requests * block_size
     big = total + 1
     admitted = 0
     sync = big
@@ -150,7 +150,7 @@ def _split_kernel(
     j = tl.arange(0, BLOCK_G)
     for r0 in range(0, num_requests, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        ok = (r[:, None] < num_requests) & (j[None, :] < gamma)
+        ok = (r[:, None] < num_requests) & (j[None, :] < block_size)
         rank = tl.load(rank_ptr + j[None, :] * num_requests + r[:, None], mask=ok, other=-1)
         count = tl.sum(((rank >= 0) & (rank < budget)).to(tl.int64), 1)
         tl.store(lens_ptr + r, count, mask=r < num_requests)
@@ -166,12 +166,12 @@ def plan_verify_lens(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify lengths without a host sync (the reference's plan_verify_lens).
 
-    survivals: [R, gamma] float, non-increasing along gamma; max_lens: [R] int; sps_tokens,
+    survivals: [R, block_size] float, non-increasing along block_size; max_lens: [R] int; sps_tokens,
     sps_values: [num_points] fp64 (SpsTable points); budget: optional [1] int64 draft budget (the
     lagged policy's; negative means "plan as sync"). Returns (verify_lens [R] int64, sync_budget [1]
     int64, argmax_budget [1] int64). Inputs are not validated (planner._check_inputs does that).
     """
-    num_requests, gamma = survivals.shape
+    num_requests, block_size = survivals.shape
     device = survivals.device
     lens, sync, argmax = (
         out
@@ -182,13 +182,13 @@ def plan_verify_lens(
             torch.empty(1, dtype=torch.int64, device=device),
         )
     )
-    if num_requests == 0 or gamma == 0:
+    if num_requests == 0 or block_size == 0:
         lens.zero_()
         sync.zero_()
         argmax.zero_()
         return lens, sync, argmax
     survivals = survivals if survivals.stride(-1) == 1 else survivals.contiguous()
-    total = num_requests * gamma
+    total = num_requests * block_size
     rank = torch.empty(total, dtype=torch.int32, device=device)
     obj = torch.empty(total, dtype=torch.float64, device=device)
     prev = torch.empty(total, dtype=torch.float64, device=device)
@@ -202,7 +202,7 @@ def plan_verify_lens(
         obj,
         prev,
         num_requests,
-        gamma,
+        block_size,
         num_points,
         survivals.stride(0),
         BLOCK_E=BLOCK_E,
@@ -218,11 +218,11 @@ def plan_verify_lens(
         sync,
         argmax,
         num_requests,
-        gamma,
+        block_size,
         HAS_BUDGET=budget is not None,
         BLOCK=1024,
-        BLOCK_R=max(16, 1024 // next_pow2(gamma)),
-        BLOCK_G=next_pow2(gamma),
+        BLOCK_R=max(16, 1024 // next_pow2(block_size)),
+        BLOCK_G=next_pow2(block_size),
         num_warps=8,
     )
     return lens, sync, argmax

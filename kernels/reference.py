@@ -219,13 +219,13 @@ def greedy_accept(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance over ragged verify windows.
 
-    draft_tokens: [R, gamma]; target_tokens: [num_window_tokens] the target's argmax at each window
+    draft_tokens: [R, block_size]; target_tokens: [num_window_tokens] the target's argmax at each window
     position, windows packed by cu_windows [R + 1] (window r has 1 + verify_lens[r] positions);
     commit_caps: optional [R] most drafts each request may commit (cap-accept).
     Returns (num_accepted [R], bonus [R]): drafts accepted while they equal the target's choice (at most
     the cap), and the target's token after the last accepted draft.
     """
-    num_requests, gamma = draft_tokens.shape
+    num_requests, block_size = draft_tokens.shape
     device = draft_tokens.device
     if num_requests == 0:
         empty = torch.zeros(0, dtype=torch.long, device=device)
@@ -233,7 +233,7 @@ def greedy_accept(
     # All windows at once (no per-request loop): position k of window r is target_tokens[cu[r] + k].
     starts = cu_windows[:-1].long()
     lens = verify_lens.long()
-    k = torch.arange(gamma, device=device)
+    k = torch.arange(block_size, device=device)
     inside = k[None, :] < lens[:, None]
     index = (starts[:, None] + k[None, :]).clamp(max=max(target_tokens.shape[0] - 1, 0))
     matches = (draft_tokens == target_tokens[index]) & inside
@@ -262,9 +262,9 @@ def rejection_accept(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless speculative sampling over ragged windows, random numbers passed in.
 
-    draft_tokens: [R, gamma]; draft_probs: [R, gamma, vocab] the drafter's (filtered) distributions;
+    draft_tokens: [R, block_size]; draft_probs: [R, block_size, vocab] the drafter's (filtered) distributions;
     target_probs: [num_window_tokens, vocab] the target's, packed by cu_windows [R + 1] (window r has
-    1 + verify_lens[r] rows); uniforms: [R, gamma] U(0, 1); exponentials: [R, vocab] Exp(1).
+    1 + verify_lens[r] rows); uniforms: [R, block_size] U(0, 1); exponentials: [R, vocab] Exp(1).
     Draft i is kept while u_i * p_d(d_i) < p_t(d_i) (exactly, in fp64); the first rejected position
     draws argmax(max(0, p_t - p_d) / E) (unnormalized: argmax is scale-free), or from p_t when the
     residual is all zero; if every draft passes, the bonus is argmax(p_t / E) at the last row.
@@ -314,18 +314,18 @@ def plan_verify_lens(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The planner's budgets and top-K split (dspark.spec.planner's algorithm, no validation).
 
-    survivals: [R, gamma] non-increasing along gamma; max_lens: [R]; sps_tokens, sps_values:
+    survivals: [R, block_size] non-increasing along block_size; max_lens: [R]; sps_tokens, sps_values:
     [num_points] fp64; budget: optional [1] draft budget (negative: plan as sync). Drafts rank by
     survival descending, ties position then request ascending. Returns (verify_lens [R] int64,
     sync_budget [1] int64: leading admissions that each strictly improve (R + sum a) * SPS(B),
     argmax_budget [1] int64: that objective's first maximum over budgets 0..N).
     """
-    num_requests, gamma = survivals.shape
+    num_requests, block_size = survivals.shape
     device = survivals.device
-    admissible = torch.arange(gamma, device=device)[None, :] < max_lens.to(device)[:, None]
+    admissible = torch.arange(block_size, device=device)[None, :] < max_lens.to(device)[:, None]
     mask = admissible.t().reshape(-1)
     values = survivals.t().reshape(-1)[mask].to(torch.float64)
-    requests = torch.arange(num_requests, device=device).repeat(gamma)[mask]
+    requests = torch.arange(num_requests, device=device).repeat(block_size)[mask]
     order = torch.sort(values, descending=True, stable=True).indices
     ranked, ranked_requests = values[order], requests[order]
     zero = torch.zeros(1, dtype=torch.float64, device=device)
@@ -380,7 +380,7 @@ def pack_verify_tokens(
 ) -> torch.Tensor:
     """Verify-window tokens packed by cu_seqlens [R + 1]: window r = [anchors[r], drafts[r, :len - 1]].
 
-    anchors: [R]; drafts: [R, gamma]. Returns [num_tokens] int64 (padding rows 0). With `out`
+    anchors: [R]; drafts: [R, block_size]. Returns [num_tokens] int64 (padding rows 0). With `out`
     [num_tokens], the windows' rows are written into it and rows from cu_seqlens[R] on keep what
     they hold (the tokens of windows packed after the verify windows, e.g. prompt chunks).
     """
@@ -404,13 +404,13 @@ def markov_decode(
     """Greedy Markov decode of a draft block: draft k = argmax_v (U[r, k, v] + W2[v] · W1[x_{k-1}]),
     x_{-1} the anchor, the correction summed in fp32 and rounded to w2's dtype (ties to the lowest v).
 
-    base_logits: [R, gamma, vocab]; anchors: [R]; w1, w2: [vocab, rank]. Returns [R, gamma] int64.
+    base_logits: [R, block_size, vocab]; anchors: [R]; w1, w2: [vocab, rank]. Returns [R, block_size] int64.
     """
-    num_requests, gamma, _ = base_logits.shape
+    num_requests, block_size, _ = base_logits.shape
     previous = anchors.to(torch.int64)
     w2_t = w2.float().t()
     drafts = []
-    for k in range(gamma):
+    for k in range(block_size):
         correction = (w1[previous].float() @ w2_t).to(w2.dtype).float()
         previous = (base_logits[:, k].float() + correction).argmax(dim=-1)
         drafts.append(previous)

@@ -346,7 +346,7 @@ def _assert_equal(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...],
 def check_greedy_accept(
     kernels: SimpleNamespace,
     verify_lens: list[int],
-    gamma: int,
+    block_size: int,
     vocab: int,
     caps: bool,
     device: torch.device,
@@ -356,7 +356,7 @@ def check_greedy_accept(
     drafts often match. Returns 0."""
     lens, cu = ragged_windows(verify_lens, device)
     num_requests = len(verify_lens)
-    drafts = torch.randint(0, vocab, (num_requests, gamma), generator=gen, device=device)
+    drafts = torch.randint(0, vocab, (num_requests, block_size), generator=gen, device=device)
     targets = torch.randint(0, vocab, (int(cu[-1]),), generator=gen, device=device)
     # Make long matching prefixes likely: copy each window's targets into its drafts, then break some.
     for r in range(num_requests):
@@ -365,7 +365,9 @@ def check_greedy_accept(
         cut = int(torch.randint(0, n + 2, (1,), generator=gen, device=device))
         if cut < n:
             drafts[r, cut] = (targets[s + cut] + 1) % vocab
-    commit_caps = torch.randint(0, gamma + 1, (num_requests,), generator=gen, device=device) if caps else None
+    commit_caps = (
+        torch.randint(0, block_size + 1, (num_requests,), generator=gen, device=device) if caps else None
+    )
     out = tuple(poisoned((num_requests,), torch.int64, device) for _ in range(2))
     got = kernels.accept.greedy_accept(drafts, targets, cu, lens, commit_caps, out=out)
     want = reference.greedy_accept(drafts, targets, cu, lens, commit_caps)
@@ -385,7 +387,7 @@ def make_distributions(
 def check_rejection_accept(
     kernels: SimpleNamespace,
     verify_lens: list[int],
-    gamma: int,
+    block_size: int,
     vocab: int,
     device: torch.device,
     gen: torch.Generator,
@@ -398,10 +400,12 @@ def check_rejection_accept(
     Returns 0."""
     lens, cu = ragged_windows(verify_lens, device)
     num_requests = len(verify_lens)
-    draft_probs = make_distributions(num_requests * gamma, vocab, device, gen).view(
-        num_requests, gamma, vocab
+    draft_probs = make_distributions(num_requests * block_size, vocab, device, gen).view(
+        num_requests, block_size, vocab
     )
-    draft_tokens = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=gen).view(num_requests, gamma)
+    draft_tokens = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=gen).view(
+        num_requests, block_size
+    )
     target_probs = make_distributions(int(cu[-1]), vocab, device, gen)
     for r in range(num_requests):
         s, n = int(cu[r]), verify_lens[r]
@@ -409,7 +413,7 @@ def check_rejection_accept(
         target_probs[s : s + n] = mix * draft_probs[r, :n] + (1 - mix) * target_probs[s : s + n]
         if r == 0:
             target_probs[s : s + n] = draft_probs[r, :n]
-    uniforms = torch.rand((num_requests, gamma), generator=gen, device=device)
+    uniforms = torch.rand((num_requests, block_size), generator=gen, device=device)
     exponentials = torch.empty((num_requests, vocab), device=device).exponential_(generator=gen)
     out = tuple(poisoned((num_requests,), torch.int64, device) for _ in range(2))
     args = (draft_tokens, draft_probs, target_probs, cu, lens, uniforms, exponentials)
@@ -444,22 +448,22 @@ def check_exponential_race(
 
 
 def make_survivals(
-    num_requests: int, gamma: int, device: torch.device, gen: torch.Generator, ties: bool = False
+    num_requests: int, block_size: int, device: torch.device, gen: torch.Generator, ties: bool = False
 ) -> torch.Tensor:
-    """[R, gamma] fp32 survivals a_j = c_1 ... c_j; with ties, confidences come from a few values so that
+    """[R, block_size] fp32 survivals a_j = c_1 ... c_j; with ties, confidences come from a few values so that
     equal survivals across requests and positions exercise the tie order."""
     if ties:
         levels = torch.tensor([1.0, 0.5, 0.25], device=device)
-        conf = levels[torch.randint(0, 3, (num_requests, gamma), generator=gen, device=device)]
+        conf = levels[torch.randint(0, 3, (num_requests, block_size), generator=gen, device=device)]
     else:
-        conf = torch.rand((num_requests, gamma), generator=gen, device=device) * 0.6 + 0.4
+        conf = torch.rand((num_requests, block_size), generator=gen, device=device) * 0.6 + 0.4
     return torch.cumprod(conf, dim=1)
 
 
 def check_plan_verify_lens(
     kernels: SimpleNamespace,
     num_requests: int,
-    gamma: int,
+    block_size: int,
     points: list[tuple[int, float]],
     device: torch.device,
     gen: torch.Generator,
@@ -467,8 +471,8 @@ def check_plan_verify_lens(
     ties: bool = False,
 ) -> float:
     """Device planner (lens, sync budget, argmax budget) vs reference twin, exactly. Returns 0."""
-    survivals = make_survivals(num_requests, gamma, device, gen, ties)
-    max_lens = torch.randint(0, gamma + 1, (num_requests,), generator=gen, device=device)
+    survivals = make_survivals(num_requests, block_size, device, gen, ties)
+    max_lens = torch.randint(0, block_size + 1, (num_requests,), generator=gen, device=device)
     xs = torch.tensor([p[0] for p in points], dtype=torch.float64, device=device)
     ys = torch.tensor([p[1] for p in points], dtype=torch.float64, device=device)
     budget_t = None if budget is None else torch.tensor([budget], dtype=torch.int64, device=device)
@@ -492,7 +496,7 @@ def check_layout(
     window_lens: list[int],
     page_size: int,
     padding: int,
-    gamma: int,
+    block_size: int,
     device: torch.device,
     gen: torch.Generator,
 ) -> float:
@@ -519,7 +523,7 @@ def check_layout(
     _, _, cu, _ = want
     anchors = torch.randint(1, 1000, (num_requests,), generator=gen, device=device)
     drafts = torch.randint(
-        1, 1000, (num_requests, max(gamma, max(window_lens, default=1))), generator=gen, device=device
+        1, 1000, (num_requests, max(block_size, max(window_lens, default=1))), generator=gen, device=device
     )
     tokens = kernels.layout.pack_verify_tokens(
         anchors, drafts, cu, num_tokens, out=poisoned((num_tokens,), torch.int64, device)
@@ -542,7 +546,7 @@ def check_layout(
 def check_markov_decode(
     kernels: SimpleNamespace,
     num_requests: int,
-    gamma: int,
+    block_size: int,
     vocab: int,
     rank: int,
     dtype: torch.dtype,
@@ -553,21 +557,23 @@ def check_markov_decode(
     """markov_decode vs reference, exactly (random logits: no ties within the sums' rounding). With
     `strided`, the base logits are a view of a wider tensor (the kernel reads them through strides).
     Returns 0."""
-    shape = (num_requests, gamma, vocab)
-    wide = torch.randn(num_requests, gamma + 2 if strided else gamma, vocab, generator=gen, device=device)
-    base = (wide[:, 1 : gamma + 1] if strided else wide).to(dtype)
+    shape = (num_requests, block_size, vocab)
+    wide = torch.randn(
+        num_requests, block_size + 2 if strided else block_size, vocab, generator=gen, device=device
+    )
+    base = (wide[:, 1 : block_size + 1] if strided else wide).to(dtype)
     assert base.shape == shape
-    # Anchors as the proposer passes them: the first column of a [R, gamma] block (a strided view).
-    block = torch.randint(0, vocab, (num_requests, max(gamma, 1)), generator=gen, device=device)
+    # Anchors as the proposer passes them: the first column of a [R, block_size] block (a strided view).
+    block = torch.randint(0, vocab, (num_requests, max(block_size, 1)), generator=gen, device=device)
     anchors = block[:, 0]
     # Weights that move the argmax: the Markov correction is as large as the base logits.
     w1 = (torch.randn(vocab, rank, generator=gen, device=device) / rank**0.25).to(dtype)
     w2 = (torch.randn(vocab, rank, generator=gen, device=device) / rank**0.25).to(dtype)
-    out = poisoned((num_requests, gamma), torch.int64, device)
+    out = poisoned((num_requests, block_size), torch.int64, device)
     got = kernels.markov.markov_decode(base, anchors, w1, w2, out=out)
     want = reference.markov_decode(base, anchors, w1, w2)
     _assert_equal((got,), (want,), "markov_decode")
-    if num_requests * gamma >= 4:  # the correction must matter, or the test would not see it
+    if num_requests * block_size >= 4:  # the correction must matter, or the test would not see it
         assert not torch.equal(want.cpu(), base.float().argmax(dim=-1).cpu()), "no draft changed"
     return 0.0
 

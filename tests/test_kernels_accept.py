@@ -51,7 +51,7 @@ def test_batched_sampling_acceptance_does_not_depend_on_the_batch(cpu_gen, devic
     """The engine judges every sampling request of a step in one call (spec.accept): each request's
     result, and what it draws from its generator, are the same as if it were judged alone. On a GPU
     the generators live there, as the engine's do, and draw there."""
-    vocab, gamma = 50, 5
+    vocab, block_size = 50, 5
     params = [
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
         SamplingParams(temperature=1.0),
@@ -65,8 +65,8 @@ def test_batched_sampling_acceptance_does_not_depend_on_the_batch(cpu_gen, devic
     for _ in range(10):
         requests = []
         for p in params:
-            verified = int(torch.randint(0, gamma + 1, (1,), generator=cpu_gen))
-            draft_logits = torch.randn(gamma, vocab, generator=cpu_gen) * 2
+            verified = int(torch.randint(0, block_size + 1, (1,), generator=cpu_gen))
+            draft_logits = torch.randn(block_size, vocab, generator=cpu_gen) * 2
             draft_probs = filtered_probs(draft_logits, p)
             drafts = torch.multinomial(draft_probs, 1, generator=cpu_gen)[:, 0]
             # The target is near the drafter, so that acceptances, rejections and bonus draws happen.
@@ -85,7 +85,7 @@ def test_batched_sampling_acceptance_does_not_depend_on_the_batch(cpu_gen, devic
                 [r[2] for r in batch],
                 [r[3] for r in batch],
                 generators,
-                gamma,
+                block_size,
             )
             return list(zip(*result, strict=True)), [g.get_state() for g in generators]
 
@@ -95,9 +95,9 @@ def test_batched_sampling_acceptance_does_not_depend_on_the_batch(cpu_gen, devic
             assert alone == [together[i]]
             assert torch.equal(state, states[i])
             outcomes.add("rejected" if together[i][0] < len(request[0]) else "bonus")
-        # A fixed amount a step: gamma uniforms, then one exponential per vocabulary entry.
+        # A fixed amount a step: block_size uniforms, then one exponential per vocabulary entry.
         expected = torch.Generator(device=device).manual_seed(requests[0][4])
-        torch.rand(gamma, generator=expected, device=device)
+        torch.rand(block_size, generator=expected, device=device)
         torch.empty(vocab, device=device).exponential_(generator=expected)
         assert torch.equal(expected.get_state(), states[0])
     assert outcomes == {"rejected", "bonus"}

@@ -26,9 +26,9 @@ def _window(first_row, num_rows, params, prompt, output, draft_row, stop_ids):
 @pytest.mark.parametrize("seed", range(6))
 def test_every_verify_row_is_penalized_as_vllm_with_the_drafts_before_it_as_history(seed) -> None:
     rng = random.Random(seed)
-    gamma = 4
+    block_size = 4
     num_windows = 5
-    drafts = torch.randint(0, VOCAB, (num_windows, gamma))
+    drafts = torch.randint(0, VOCAB, (num_windows, block_size))
     windows, expected_rows = [], {}
     logits = torch.randn(40, VOCAB) * 3
     row = 1  # row 0 belongs to no window: it must stay as it is
@@ -43,7 +43,7 @@ def test_every_verify_row_is_penalized_as_vllm_with_the_drafts_before_it_as_hist
         )
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 6))]
         output = [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 6))]
-        num_rows = rng.randrange(1, gamma + 2)
+        num_rows = rng.randrange(1, block_size + 2)
         draft_row = w if num_rows > 1 else -1
         stop_ids = sorted({EOS, *params.stop_token_ids})
         windows.append(_window(row, num_rows, params, prompt, output, draft_row, stop_ids))

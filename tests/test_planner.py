@@ -41,13 +41,13 @@ def fresh_seed() -> int:
     return random.SystemRandom().randrange(2**32)
 
 
-def random_survivals(gen: torch.Generator, r: int, gamma: int, dyadic: bool) -> torch.Tensor:
-    """Survivals [R, gamma] as cumulative products of confidences; dyadic ones make ties common."""
+def random_survivals(gen: torch.Generator, r: int, block_size: int, dyadic: bool) -> torch.Tensor:
+    """Survivals [R, block_size] as cumulative products of confidences; dyadic ones make ties common."""
     if dyadic:
         choices = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=torch.float64)
-        conf = choices[torch.randint(len(choices), (r, gamma), generator=gen)]
+        conf = choices[torch.randint(len(choices), (r, block_size), generator=gen)]
     else:
-        conf = torch.rand(r, gamma, generator=gen, dtype=torch.float64)
+        conf = torch.rand(r, block_size, generator=gen, dtype=torch.float64)
     return torch.cumprod(conf, dim=1).to(torch.float32)  # dyadic products are exact in float32 too
 
 
@@ -125,10 +125,10 @@ def test_sync_plan_gives_contiguous_prefixes() -> None:
     gen = torch.Generator().manual_seed(seed)
     for trial in range(150):
         r_count = int(torch.randint(1, 9, (1,), generator=gen))
-        gamma = int(torch.randint(1, 8, (1,), generator=gen))
-        survivals = random_survivals(gen, r_count, gamma, dyadic=trial % 2 == 0)
-        max_lens = torch.randint(0, gamma + 1, (r_count,), generator=gen)
-        sps = random_table(gen, r_count * (gamma + 1))
+        block_size = int(torch.randint(1, 8, (1,), generator=gen))
+        survivals = random_survivals(gen, r_count, block_size, dyadic=trial % 2 == 0)
+        max_lens = torch.randint(0, block_size + 1, (r_count,), generator=gen)
+        sps = random_table(gen, r_count * (block_size + 1))
         # A flat table is the documented "verify everything" fast path, even past zero survivals.
         expected = (
             max_lens.tolist()
@@ -276,10 +276,10 @@ def test_lagged_budget_equals_exhaustive_argmax() -> None:
     gen = torch.Generator().manual_seed(seed)
     for trial in range(200):
         r_count = int(torch.randint(1, 4, (1,), generator=gen))
-        gamma = int(torch.randint(1, 4, (1,), generator=gen))
-        survivals = random_survivals(gen, r_count, gamma, dyadic=trial % 2 == 0).to(torch.float64)
-        max_lens = torch.randint(0, gamma + 1, (r_count,), generator=gen)
-        table = random_table(gen, r_count * (gamma + 1))
+        block_size = int(torch.randint(1, 4, (1,), generator=gen))
+        survivals = random_survivals(gen, r_count, block_size, dyadic=trial % 2 == 0).to(torch.float64)
+        max_lens = torch.randint(0, block_size + 1, (r_count,), generator=gen)
+        table = random_table(gen, r_count * (block_size + 1))
         expected = exhaustive_budget(survivals, max_lens, table)
         assert global_argmax_budget(survivals, max_lens, table) == expected, f"seed={seed} trial={trial}"
         if table.is_flat:
@@ -287,8 +287,8 @@ def test_lagged_budget_equals_exhaustive_argmax() -> None:
         # The lagged planner spends exactly that budget on the following step (room for all of it).
         planner = VerifyPlanner("lagged", table, lag=1)
         planner.plan(survivals, max_lens)
-        nxt = torch.full((r_count, gamma), 0.5, dtype=torch.float64)
-        got = planner.plan(nxt, torch.full((r_count,), gamma))
+        nxt = torch.full((r_count, block_size), 0.5, dtype=torch.float64)
+        got = planner.plan(nxt, torch.full((r_count,), block_size))
         assert int(got.sum()) == expected, f"seed={seed} trial={trial}"
 
 

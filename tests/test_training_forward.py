@@ -68,17 +68,17 @@ def _inference_block(drafter, model, features: torch.Tensor, anchor: int) -> tup
 def test_training_block_forward_equals_the_inference_block_pass(tiny_target_dir, tiny_drafter_dir) -> None:
     model = load_target_model(tiny_target_dir)
     drafter = load_drafter(tiny_drafter_dir, torch.float32, "cpu")
-    gamma, mask_id = drafter.config.block_size, drafter.config.mask_token_id
+    block_size, mask_id = drafter.config.block_size, drafter.config.mask_token_id
     tokens = torch.tensor([SEQUENCE])
     _, features = target_pass(model, tokens, drafter.config.target_layer_ids)
     trained = block_hidden(drafter, model.embed_tokens.weight, features, tokens, torch.tensor([ANCHORS]))
     for j, anchor in enumerate(ANCHORS):
         proposer, seq = _inference_block(drafter, model, features[0], anchor)
-        block = torch.tensor([SEQUENCE[anchor]] + [mask_id] * (gamma - 1))
-        batch = AttentionBatch.build([seq.pages], [anchor], [gamma], PAGE, False, torch.device("cpu"))
+        block = torch.tensor([SEQUENCE[anchor]] + [mask_id] * (block_size - 1))
+        batch = AttentionBatch.build([seq.pages], [anchor], [block_size], PAGE, False, torch.device("cpu"))
         heads = drafter.block_pass(
             F.embedding(block, model.embed_tokens.weight),
-            torch.arange(anchor, anchor + gamma),
+            torch.arange(anchor, anchor + block_size),
             batch,
             proposer.cache,
             model.lm_head.weight,

@@ -108,7 +108,7 @@ run() {
   fi
   local init=()
   [[ -z "$INIT_DRAFT" ]] || init=(--init-draft "$INIT_DRAFT")
-  stage "train the drafter (gamma 7, 1 layer, Markov rank 32; time budget ${minutes} min, 0: steps only;" \
+  stage "train the drafter (block size 7, 1 layer, Markov rank 32; time budget ${minutes} min, 0: steps only;" \
     "start: ${INIT_DRAFT:-a fresh drafter})"
   dspark train-draft --data "$WORK/distill_train.jsonl" --out "$WORK/drafter" --work-dir "$WORK/train" \
     --block-size 7 --num-layers 1 --markov-rank 32 --num-target-features 3 --seed 0 --lr "$LR" \

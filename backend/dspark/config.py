@@ -47,8 +47,8 @@ class EngineConfig:
     planner_policy: str = "sync"
     # Steps between the confidences that fix K and their use, for the lagged policy (>= 1).
     planner_lag: int = 1
-    # Positions a draft block drafts, and the most drafts a request verifies per step (gamma): at most
-    # the drafter's trained block_size, 0 takes it. A shorter block drafts and verifies less (for a
+    # The block size: positions a draft block drafts, and the most drafts a request verifies per step; at
+    # most the drafter's trained block_size, 0 takes it. A shorter block drafts and verifies less (for a
     # small target whose drafts rarely survive past the first few).
     block_size: int = 0
     # compact only: a request stops drafting once the survival of its next draft (the product of the

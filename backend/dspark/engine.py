@@ -86,10 +86,12 @@ class _VerifyPlan:
         if self.proposal is None:
             self.drafted = [0] * len(self.verify_lens)
             return
-        gamma = self.block_size
+        block_size = self.block_size
         lengths = self.proposal.lengths
         self.drafted = (
-            [gamma] * len(self.verify_lens) if lengths is None else [min(gamma, n) for n in lengths.tolist()]
+            [block_size] * len(self.verify_lens)
+            if lengths is None
+            else [min(block_size, n) for n in lengths.tolist()]
         )
 
 
@@ -143,9 +145,12 @@ class LLMEngine:
                 raise ValueError(f"block_size: the drafter drafts at most {self.proposer.block_size}")
         # Positions a decoding request may touch past its cache: its verify window, and the proposer's
         # block (a proposer given from outside may draft more positions than the engine verifies).
-        window = max(block_size + 1, self.proposer.block_size if self.proposer is not None else 0)
-        capacity = config.num_kv_pages * page_size - window
-        limit = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings - window)
+        window_positions = max(block_size + 1, self.proposer.block_size if self.proposer is not None else 0)
+        capacity = config.num_kv_pages * page_size - window_positions
+        limit = min(
+            config.max_model_len or cfg.max_position_embeddings,
+            cfg.max_position_embeddings - window_positions,
+        )
         if capacity < 2:
             raise ValueError("num_kv_pages: the KV cache cannot hold even one request")
         self.limits = ResolvedLimits(device, dtype, block_size, min(limit, capacity))
@@ -158,7 +163,7 @@ class LLMEngine:
             self.allocator,
             config.max_num_seqs,
             config.max_num_batched_tokens,
-            window,
+            window_positions,
             self.limits.max_model_len,
         )
         self._capture_graphs()
@@ -341,28 +346,28 @@ class LLMEngine:
         gated = self.gate is not None and not seeded
         if plain or (gated and not self.gate.should_speculate(len(decode))):
             return _VerifyPlan(None, [0] * len(decode), [0] * len(decode))
-        gamma = self.limits.block_size
+        block_size = self.limits.block_size
         mode = self.config.spec_mode
         if mode == "static" and self._drafts_in_step():
             # Verify lengths do not depend on the drafts: the runner drafts inside the target step
             # (a block with sampling requests drafts apart there, `InStepDraft.draft_into`).
             assert isinstance(self.proposer, DSparkProposer)
-            return _VerifyPlan(None, caps, caps, gamma, in_step=InStepDraft(self.proposer, decode))
+            return _VerifyPlan(None, caps, caps, block_size, in_step=InStepDraft(self.proposer, decode))
         proposal = self.proposer.propose(decode)
         self.timer.lap("draft")
         if mode == "static":
-            return _VerifyPlan(proposal, caps, caps, gamma)
+            return _VerifyPlan(proposal, caps, caps, block_size)
         if proposal.lengths is not None:
             # Positions a request did not draft (it stopped early) are never verified.
             caps = [min(cap, int(n)) for cap, n in zip(caps, proposal.lengths.tolist(), strict=True)]
         if self.planner.verifies_all:
-            return _VerifyPlan(proposal, caps, caps, gamma)
+            return _VerifyPlan(proposal, caps, caps, block_size)
         cap_tensor = torch.tensor(caps, dtype=torch.long)
-        survivals = torch.cumprod(proposal.confidences[:, :gamma], dim=1)
+        survivals = torch.cumprod(proposal.confidences[:, :block_size], dim=1)
         planned = self.planner.plan(survivals, cap_tensor).tolist()
         if mode == "cap-accept":
-            return _VerifyPlan(proposal, caps, planned, gamma)
-        return _VerifyPlan(proposal, planned, planned, gamma)
+            return _VerifyPlan(proposal, caps, planned, block_size)
+        return _VerifyPlan(proposal, planned, planned, block_size)
 
     def _max_verify(self, seq: Sequence) -> int:
         """Most drafts this request may verify: block size, its own cap, tokens and context left."""

@@ -78,9 +78,11 @@ class SamplingParams:
     """How one request is decoded.
 
     `temperature` below GREEDY_BELOW_TEMPERATURE (0 included) means greedy. `top_p` keeps at least
-    the most likely token. `num_draft_tokens` caps this request's verify window (None: the engine's
-    block size; 0: speculation off for this request). `skip_special_tokens` leaves special tokens
-    (EOS, chat markers) out of the text, as vLLM does by default; the token ids keep them.
+    the most likely token. `num_draft_tokens` caps how many drafts this request verifies per step, a
+    per-request limit on its verify window and not the draft block size, which the engine's
+    `block_size` alone sets (None: up to the block size; 0: speculation off for this request).
+    `skip_special_tokens` leaves special tokens (EOS, chat markers) out of the text, as vLLM does by
+    default; the token ids keep them.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS

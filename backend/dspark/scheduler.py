@@ -42,7 +42,8 @@ class Scheduler:
     request (freeing its pages; it is recomputed later) when pages run out.
 
     `window_positions` is how many cache positions past `num_cached` a decode step may write: the
-    draft block (gamma) and the verify window (1 + gamma), so gamma + 1 with speculation, 1 without.
+    draft block (block_size) and the verify window (1 + block_size), so block_size + 1 with
+    speculation, 1 without.
     """
 
     def __init__(

@@ -22,8 +22,8 @@ from dspark.attention_batch import AttentionBatch
 from dspark.cuda_graphs import Captured, StaticLayout, new_pool, next_pow2, pow2_upto
 from dspark.kernels import ops
 
-# (block ids [R * gamma], positions [R * gamma], layout) -> (drafts [R, gamma], confidences [R, gamma],
-# drafted lengths [R]), device work only.
+# (block ids [R * block_size], positions [R * block_size], layout) -> (drafts [R, block_size],
+# confidences [R, block_size], drafted lengths [R]), device work only.
 GreedyBlockFn = Callable[
     [torch.Tensor, torch.Tensor, AttentionBatch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 ]
@@ -36,14 +36,14 @@ class DraftGraphs:
         self,
         block_fn: GreedyBlockFn,
         layout: StaticLayout,
-        gamma: int,
+        block_size: int,
         device: torch.device,
         emulate: bool = False,
     ) -> None:
         """emulate: no CUDA graphs, each replay runs `block_fn` eagerly from the static inputs."""
         self.block_fn = block_fn
         self.layout = layout
-        self.gamma = gamma
+        self.block_size = block_size
         self.device = device
         self.emulate = emulate
         self.max_requests = layout.kv_lens.shape[0]
@@ -66,7 +66,12 @@ class DraftGraphs:
         self._mask_token_id = mask_token_id
         rows = min(self.max_requests, target.page_table.shape[0])
         self._in_step_layout = StaticLayout(
-            rows * self.gamma, rows, target.max_pages, target.page_size, self.device, target.page_table[:rows]
+            rows * self.block_size,
+            rows,
+            target.max_pages,
+            target.page_size,
+            self.device,
+            target.page_table[:rows],
         )
         self.captured_in_step.clear()
         # The dropped blocks may have been the last graphs of the pool (see `new_pool`).
@@ -92,7 +97,7 @@ class DraftGraphs:
         requests = next_pow2(count)
         if requests > self.max_requests or not self.layout.holds(pages):
             return None
-        self.layout.fill(block_ids, pages, starts, [self.gamma] * count)
+        self.layout.fill(block_ids, pages, starts, [self.block_size] * count)
         return self._replay(self.captured, self._capture, requests, count)
 
     @staticmethod
@@ -121,7 +126,7 @@ class DraftGraphs:
                     self.captured_in_step[requests] = self._capture_in_step(requests)
 
     def _capture(self, requests: int) -> Captured:
-        layout, tokens = self.layout, requests * self.gamma
+        layout, tokens = self.layout, requests * self.block_size
         batch = layout.batch(tokens, requests, causal=False)
         block_ids, positions = layout.token_ids[:tokens], layout.positions[:tokens]
 
@@ -132,13 +137,13 @@ class DraftGraphs:
         return Captured.capture(block, self.device, self.pool, self.emulate)
 
     def _capture_in_step(self, requests: int) -> Captured:
-        target, layout, gamma = self.target, self._in_step_layout, self.gamma
+        target, layout, block_size = self.target, self._in_step_layout, self.block_size
         assert target is not None and layout is not None
-        tokens = requests * gamma
+        tokens = requests * block_size
         batch = layout.batch(tokens, requests, causal=False)
         block_ids, positions = layout.token_ids[:tokens], layout.positions[:tokens]
         # The verify windows' rows of the step's packed token ids (they come first).
-        verify_rows = min(requests * (gamma + 1), target.token_ids.shape[0])
+        verify_rows = min(requests * (block_size + 1), target.token_ids.shape[0])
         cu = self._verify_cu[: requests + 1]
 
         def block() -> tuple[torch.Tensor | None, ...]:
@@ -147,8 +152,8 @@ class DraftGraphs:
             cu[1:] = torch.cumsum(target.window_lens[:requests] * flags, 0)
             anchors = target.token_ids[cu[:-1].long().clamp(max=target.token_ids.shape[0] - 1)]
             layout.window_starts[:requests] = target.window_starts[:requests]
-            layout.window_lens[:requests] = flags * gamma
-            ids = block_ids.view(requests, gamma)
+            layout.window_lens[:requests] = flags * block_size
+            ids = block_ids.view(requests, block_size)
             ids[:, 0] = anchors
             ids[:, 1:] = self._mask_token_id
             layout.compute(tokens, requests)

@@ -21,7 +21,7 @@ from dspark.spec.draft_config import DraftConfig
 class BlockHeads:
     """What the Markov/confidence decode needs from one block pass.
 
-    hidden: [R, gamma, hidden] final normed drafter states; lm_head: the shared [vocab, hidden] head.
+    hidden: [R, block_size, hidden] final normed drafter states; lm_head: the shared [vocab, hidden] head.
     By default the base logits of a position are computed when the decode reaches it (`logits_at`):
     a request that stops drafting early never pays for the vocabulary projection of the positions it
     skips. `project_all` projects every position in one GEMM instead, reading the LM head (the
@@ -31,7 +31,7 @@ class BlockHeads:
 
     hidden: torch.Tensor
     lm_head: torch.Tensor
-    # [R, gamma, vocab] in the head's dtype once `project_all` ran; None: project position by position.
+    # [R, block_size, vocab] in the head's dtype once `project_all` ran; None: project position by position.
     projected: torch.Tensor | None = None
 
     def project_all(self) -> None:
@@ -46,7 +46,7 @@ class BlockHeads:
 
     @property
     def base_logits(self) -> torch.Tensor:
-        """U for every position: [R, gamma, vocab] fp32."""
+        """U for every position: [R, block_size, vocab] fp32."""
         return F.linear(self.hidden, self.lm_head).float()
 
 
@@ -119,19 +119,19 @@ class Drafter(nn.Module):
         batch: AttentionBatch,
         cache: PagedKVCache,
         lm_head: torch.Tensor,
-        block_len: int = 0,
+        block_size: int = 0,
     ) -> BlockHeads:
         """One non-causal pass over every request's block [anchor, mask, ..., mask].
 
-        block_embeddings: [R * gamma, hidden]; positions: [R * gamma]; the batch's windows are the
-        blocks, seeing all injected context before them and the whole block. block_len: gamma, the
+        block_embeddings: [R * block_size, hidden]; positions: [R * block_size]; the batch's windows
+        are the blocks, seeing all injected context before them and the whole block. block_size: the
         positions of a block (0: the trained block size; fewer drafts a shorter block).
         """
         x, residual = block_embeddings.to(self.fc.weight.dtype), None
         for index, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, batch, cache.layer(index), self.cos_sin)
         hidden, _ = self.norm(x, residual)
-        return BlockHeads(hidden.view(-1, block_len or self.config.block_size, hidden.shape[-1]), lm_head)
+        return BlockHeads(hidden.view(-1, block_size or self.config.block_size, hidden.shape[-1]), lm_head)
 
     def markov_features(self, previous_tokens: torch.Tensor) -> torch.Tensor | None:
         """W1[x_{k-1}]: [R, rank] low-rank embedding of the previously chosen tokens (None when r = 0)."""

@@ -15,7 +15,7 @@ is just "admit the first K ranked drafts" and the verify lengths are per-request
   confidences would make the verify length depend on later drafts' confidences, which is not lossless).
 - ``lagged``: K is the global argmax budget computed from the survivals of ``lag`` steps earlier.
 
-Shapes: ``survivals`` float ``[R, gamma]``, ``max_lens`` int64 ``[R]``, plans int64 ``[R]``.
+Shapes: ``survivals`` float ``[R, block_size]``, ``max_lens`` int64 ``[R]``, plans int64 ``[R]``.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def _check_inputs(survivals: torch.Tensor, max_lens: torch.Tensor) -> torch.Tens
     """Validate shapes and values; return ``max_lens`` as int64 on the survivals' device."""
     if survivals.dim() != 2 or not survivals.is_floating_point():
         raise ValueError(
-            f"survivals: must be a float [R, gamma] tensor, got {survivals.dtype} {survivals.shape}"
+            f"survivals: must be a float [R, block_size] tensor, got {survivals.dtype} {survivals.shape}"
         )
-    num_requests, gamma = survivals.shape
+    num_requests, block_size = survivals.shape
     if max_lens.shape != (num_requests,) or max_lens.is_floating_point() or max_lens.dtype == torch.bool:
         raise ValueError(
             f"max_lens: must be an integer [{num_requests}] tensor, got {max_lens.dtype} {max_lens.shape}"
@@ -44,19 +44,19 @@ def _check_inputs(survivals: torch.Tensor, max_lens: torch.Tensor) -> torch.Tens
     if num_requests == 0:
         return max_lens
     # Only admissible entries are checked: rows past a request's cap may be padding.
-    pos = torch.arange(gamma, device=survivals.device)
+    pos = torch.arange(block_size, device=survivals.device)
     admissible = pos[None, :] < max_lens[:, None]
     next_admissible = admissible[:, 1:]
-    bad_range = (max_lens < 0) | (max_lens > gamma)
+    bad_range = (max_lens < 0) | (max_lens > block_size)
     bad_value = admissible & ~(torch.isfinite(survivals) & (survivals >= 0))
     increasing = next_admissible & (survivals[:, 1:] > survivals[:, :-1])
     # One host sync for the common (valid) case; the specific message is worked out only on failure.
     if bool(bad_range.any() | bad_value.any() | increasing.any()):
         if bool(bad_range.any()):
-            raise ValueError(f"max_lens: every entry must be in [0, {gamma}], got {max_lens.tolist()}")
+            raise ValueError(f"max_lens: every entry must be in [0, {block_size}], got {max_lens.tolist()}")
         if bool(bad_value.any()):
             raise ValueError("survivals: admissible entries must be finite and >= 0")
-        raise ValueError("survivals: must be non-increasing along gamma (a_j = c_1·…·c_j)")
+        raise ValueError("survivals: must be non-increasing along each row (a_j = c_1·…·c_j)")
     return max_lens
 
 
@@ -113,7 +113,7 @@ class VerifyPlanner:
         return self._verify_all
 
     def plan(self, survivals: torch.Tensor, max_lens: torch.Tensor) -> torch.Tensor:
-        """Verify lengths int64 ``[R]`` (0..max_lens[r]) from survivals ``[R, gamma]`` and caps ``[R]``,
+        """Verify lengths int64 ``[R]`` (0..max_lens[r]) from survivals ``[R, block_size]`` and caps ``[R]``,
         on the survivals' device (the planner kernel there on CUDA: ``ops.plan_verify_lens``)."""
         max_lens = _check_inputs(survivals, max_lens)
         if self._verify_all:

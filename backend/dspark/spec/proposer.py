@@ -25,10 +25,10 @@ from dspark.spec.drafter import BlockHeads, Drafter
 class DraftProposal:
     """One block of drafts per request.
 
-    tokens: [R, gamma] int64, on the drafter's device for greedy blocks (nothing waits to read them
+    tokens: [R, block_size] int64, on the drafter's device for greedy blocks (nothing waits to read them
     back before the target step; device acceptance reads them there) or on the host; confidences:
-    [R, gamma] fp32 on the drafter's device (c_k, the chance draft k survives given the earlier ones
-    did; the planner reads them there); probs[r]: [gamma, vocab] the distributions request r's drafts
+    [R, block_size] fp32 on the drafter's device (c_k, the chance draft k survives given the earlier ones
+    did; the planner reads them there); probs[r]: [block_size, vocab] the distributions request r's drafts
     were sampled from, on the drafter's device (None for greedy requests, whose drafts are argmax
     choices).
     """
@@ -71,19 +71,19 @@ class DSparkProposer:
         num_pages: int,
         page_size: int,
         stop_survival: float = 0.0,
-        draft_len: int = 0,
+        block_size: int = 0,
     ) -> None:
-        """draft_len: positions a block drafts (0: the drafter's trained block size; fewer draft a
+        """block_size: positions a block drafts (0: the drafter's trained block size; fewer draft a
         shorter block, which costs less and changes which drafts come out, never the output)."""
         cfg = drafter.config
-        if not 0 <= draft_len <= cfg.block_size:
+        if not 0 <= block_size <= cfg.block_size:
             raise ValueError(f"block_size: the drafter drafts at most {cfg.block_size}")
         device = drafter.fc.weight.device
         self.drafter = drafter
         # The target's full embedding and LM head [vocab, hidden]: shared, never copied.
         self.embedding = embedding
         self.lm_head = lm_head
-        self.block_size = draft_len or cfg.block_size
+        self.block_size = block_size or cfg.block_size
         self.target_layer_ids = list(cfg.target_layer_ids)
         self.page_size = page_size
         self.cache = PagedKVCache(
@@ -110,12 +110,12 @@ class DSparkProposer:
     def use_graphs(self, max_requests: int, max_pages: int, emulate: bool = False) -> None:
         """Replay greedy blocks of up to `max_requests` requests (each with at most `max_pages` pages)
         from CUDA graphs, one per power-of-two request count (emulate: eagerly from the static inputs)."""
-        gamma = self.block_size
+        block_size = self.block_size
         requests = next_pow2(max_requests)
         self.graphs = DraftGraphs(
             self._greedy_block,
-            StaticLayout(requests * gamma, requests, max_pages, self.page_size, self.device),
-            gamma,
+            StaticLayout(requests * block_size, requests, max_pages, self.page_size, self.device),
+            block_size,
             self.device,
             emulate,
         )
@@ -155,9 +155,9 @@ class DSparkProposer:
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence]) -> DraftProposal:
         """Block pass, then left-to-right Markov decode with confidences."""
-        gamma = self.block_size
+        block_size = self.block_size
         num_requests = len(seqs)
-        block = torch.full((num_requests, gamma), self.drafter.config.mask_token_id, dtype=torch.long)
+        block = torch.full((num_requests, block_size), self.drafter.config.mask_token_id, dtype=torch.long)
         block[:, 0] = torch.tensor([s.anchor for s in seqs])
         starts = [s.num_cached for s in seqs]
         pages = [s.pages for s in seqs]
@@ -178,12 +178,14 @@ class DSparkProposer:
     def _eager_block_inputs(
         self, block: torch.Tensor, pages: list[list[int]], starts: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
-        """What a block pass outside a graph takes: block ids and positions [R * gamma] on the device,
-        and every request's block laid out (gamma positions from its first uncached one, seeing the
+        """What a block pass outside a graph takes: block ids and positions [R * block_size] on the device,
+        and every request's block laid out (block_size positions from its first uncached one, seeing the
         whole block). A replayed block lays itself out on the device instead."""
-        gamma = self.block_size
-        positions = (torch.tensor(starts)[:, None] + torch.arange(gamma)[None, :]).flatten()
-        batch = AttentionBatch.build(pages, starts, [gamma] * len(starts), self.page_size, False, self.device)
+        block_size = self.block_size
+        positions = (torch.tensor(starts)[:, None] + torch.arange(block_size)[None, :]).flatten()
+        batch = AttentionBatch.build(
+            pages, starts, [block_size] * len(starts), self.page_size, False, self.device
+        )
         return to_device(block.flatten(), self.device), to_device(positions, self.device), batch
 
     def _block_heads(
@@ -203,7 +205,8 @@ class DSparkProposer:
         self, block_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A greedy block for every request, device work only (what a draft graph captures): drafts
-        [R, gamma] int64, confidences [R, gamma] fp32 and drafted lengths [R] int64, on the device."""
+        [R, block_size] int64, confidences [R, block_size] fp32 and drafted lengths [R] int64, on the
+        device."""
         heads = self._block_heads(block_ids, positions, batch)
         anchors = block_ids.view(-1, self.block_size)[:, 0]
         if self._on_gpu:
@@ -217,8 +220,8 @@ class DSparkProposer:
         """The greedy Markov decode as a GPU runs it, in few kernels: the drafts first
         (`ops.markov_decode`: the block's base logits projected in one GEMM, then one launch a
         position), then the confidences and the early stop for every position at once (they never
-        change a draft, and a block's confidences depend on its own drafts only). Drafts [R, gamma],
-        confidences [R, gamma] (zero past each request's stop), drafted lengths [R]."""
+        change a draft, and a block's confidences depend on its own drafts only). Drafts [R, block_size],
+        confidences [R, block_size] (zero past each request's stop), drafted lengths [R]."""
         assert heads.projected is not None, "a GPU block pass projects every position (_block_heads)"
         w1, w2 = self.drafter.markov_w1, self.drafter.markov_w2
         tokens = ops.markov_decode(
@@ -239,10 +242,10 @@ class DSparkProposer:
         """The Markov decode of a block with sampling requests in it: they draw their drafts with their
         own generators (on the engine's device), one request at a time, so this path runs eagerly.
         Their draft distributions stay on the device, where acceptance reads them."""
-        gamma, vocab = self.block_size, heads.lm_head.shape[0]
+        block_size, vocab = self.block_size, heads.lm_head.shape[0]
         sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
         probs: list[torch.Tensor | None] = [
-            None if s.params.greedy else torch.zeros(gamma, vocab, device=self.device) for s in seqs
+            None if s.params.greedy else torch.zeros(block_size, vocab, device=self.device) for s in seqs
         ]
 
         def choose(k: int, logits: torch.Tensor, stop: _EarlyStop) -> torch.Tensor:
@@ -268,16 +271,16 @@ class DSparkProposer:
         anchors: torch.Tensor,
         choose: Callable[[int, torch.Tensor, _EarlyStop], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, _EarlyStop]:
-        """Left-to-right Markov decode of every request's block from its anchor [R]: drafts [R, gamma]
-        and confidences [R, gamma] on the device (filled there and moved to the host once: a copy per
-        position would make the host wait gamma times a step), and the early stop's state. `choose`
+        """Left-to-right Markov decode of every request's block from its anchor [R]: drafts [R, block_size]
+        and confidences [R, block_size] on the device (filled there and moved to the host once: a copy per
+        position would make the host wait block_size times a step), and the early stop's state. `choose`
         (position, corrected logits [R, vocab], stop) picks each position's drafts; None: argmax."""
-        num_requests, gamma = anchors.shape[0], self.block_size
-        tokens = torch.zeros(num_requests, gamma, dtype=torch.long, device=self.device)
-        confidences = torch.zeros(num_requests, gamma, dtype=torch.float32, device=self.device)
+        num_requests, block_size = anchors.shape[0], self.block_size
+        tokens = torch.zeros(num_requests, block_size, dtype=torch.long, device=self.device)
+        confidences = torch.zeros(num_requests, block_size, dtype=torch.float32, device=self.device)
         previous = anchors
-        stop = _EarlyStop(self.stop_survival, num_requests, gamma, self.device)
-        for k in range(gamma):
+        stop = _EarlyStop(self.stop_survival, num_requests, block_size, self.device)
+        for k in range(block_size):
             markov = self.drafter.markov_features(previous)
             confidence = stop.update(self.drafter.confidence_at(heads.hidden[:, k], markov, k), k)
             # On the CPU, leave the loop once every request has stopped (saves the vocabulary
@@ -292,15 +295,16 @@ class DSparkProposer:
 
 
 def stop_all_at_once(confidences: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_EarlyStop` over a whole block at once: (drafted lengths [R] int64, the confidences [R, gamma]
+    """`_EarlyStop` over a whole block at once: (drafted lengths [R] int64, the confidences [R, block_size]
     zeroed from each request's stop on). A request stops before the first draft k whose survival (the
     product of c_1..c_k) falls below `threshold` (0: never). Device tensors only, no host sync."""
-    num_requests, gamma = confidences.shape
+    num_requests, block_size = confidences.shape
     if threshold <= 0.0:
-        return torch.full((num_requests,), gamma, dtype=torch.long, device=confidences.device), confidences
+        whole = torch.full((num_requests,), block_size, dtype=torch.long, device=confidences.device)
+        return whole, confidences
     below = torch.cumprod(confidences, dim=1) < threshold
-    lengths = torch.where(below.any(dim=1), below.int().argmax(dim=1), gamma).long()
-    kept = torch.arange(gamma, device=confidences.device)[None, :] < lengths[:, None]
+    lengths = torch.where(below.any(dim=1), below.int().argmax(dim=1), block_size).long()
+    kept = torch.arange(block_size, device=confidences.device)[None, :] < lengths[:, None]
     return lengths, torch.where(kept, confidences, 0.0)
 
 
@@ -312,23 +316,23 @@ class _EarlyStop:
     so verifying the drafts made stays lossless; the vocabulary projections of skipped positions are
     saved on the CPU. Device tensors only, no host sync: safe inside a CUDA graph."""
 
-    def __init__(self, threshold: float, num_requests: int, gamma: int, device: torch.device) -> None:
+    def __init__(self, threshold: float, num_requests: int, block_size: int, device: torch.device) -> None:
         self.enabled = threshold > 0.0
         self.threshold = threshold
-        self.gamma = gamma
+        self.block_size = block_size
         self.survival = torch.ones(num_requests, device=device)
-        # Drafted positions per request (gamma: still drafting).
-        self.lengths = torch.full((num_requests,), gamma, dtype=torch.long, device=device)
+        # Drafted positions per request (block_size: still drafting).
+        self.lengths = torch.full((num_requests,), block_size, dtype=torch.long, device=device)
 
     def update(self, confidence: torch.Tensor, k: int) -> torch.Tensor:
         """Take c_k; return it with stopped requests' entries zeroed (no draft there: never verified)."""
         if not self.enabled:
             return confidence
         self.survival = self.survival * confidence
-        stop_here = (self.survival < self.threshold) & (self.lengths == self.gamma)
+        stop_here = (self.survival < self.threshold) & (self.lengths == self.block_size)
         self.lengths = torch.where(stop_here, k, self.lengths)
         return torch.where(self.lengths > k, confidence, 0.0)
 
     def all_stopped(self) -> bool:
         """Whether no request drafts any more (a host sync: CPU only)."""
-        return self.enabled and not bool((self.lengths == self.gamma).any())
+        return self.enabled and not bool((self.lengths == self.block_size).any())

@@ -31,7 +31,8 @@ _EPS = 1e-6
 
 @dataclass
 class CalibrationData:
-    """Per held-out block: raw confidence logits [N, gamma] and measured survival [N, gamma] in [0, 1]."""
+    """Per held-out block: raw confidence logits [N, block_size] and measured survival [N, block_size]
+    in [0, 1]."""
 
     logits: torch.Tensor
     survival: torch.Tensor
@@ -56,15 +57,17 @@ def collect_calibration_data(
     if mode not in SURVIVAL_MODES:
         raise ValueError(f"mode: must be one of {', '.join(SURVIVAL_MODES)}, got {mode!r}")
     cfg = drafter.config
-    gamma = cfg.block_size
+    block_size = cfg.block_size
     device = drafter.fc.weight.device
-    sampler = AnchorSampler(records, batch_size, anchors_per_sequence, max_length, seed, min_following=gamma)
+    sampler = AnchorSampler(
+        records, batch_size, anchors_per_sequence, max_length, seed, min_following=block_size
+    )
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     all_logits, all_survival = [], []
     for picks, batch in sampler.one_pass():
         batch = batch.to(device)
         with amp:
-            features, targets = block_targets(target, batch, gamma, list(cfg.target_layer_ids))
+            features, targets = block_targets(target, batch, block_size, list(cfg.target_layer_ids))
             hidden = block_hidden(
                 drafter, target.embed_tokens.weight, features, batch.token_ids, batch.anchors
             ).flatten(0, 1)
@@ -87,7 +90,7 @@ def collect_calibration_data(
 
 
 def predicted_survival(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
-    """a_k = Π_{j≤k} sigmoid(logit_j / T_j): [N, gamma]."""
+    """a_k = Π_{j≤k} sigmoid(logit_j / T_j): [N, block_size]."""
     temps = torch.tensor(temperatures, dtype=logits.dtype)
     return torch.sigmoid(logits / temps).cumprod(dim=-1)
 

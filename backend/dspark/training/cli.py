@@ -240,8 +240,8 @@ def train_draft(argv: list[str]) -> int:
     records = read_records(args.data)
     print(
         f"train: {len(records)} sequences, drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M "
-        f"parameters, {args.num_layers} layer(s), Markov rank {args.markov_rank}, gamma {args.block_size}, "
-        f"on {device}",
+        f"parameters, {args.num_layers} layer(s), Markov rank {args.markov_rank}, "
+        f"block size {args.block_size}, on {device}",
         file=sys.stderr,
         flush=True,
     )

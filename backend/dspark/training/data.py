@@ -175,7 +175,7 @@ class TrainBatch:
     """Sequences and the anchors drafted from them.
 
     token_ids: [B, T] right-padded; lengths: [B]; anchors: [B, A] anchor positions (a block covers
-    anchor .. anchor + gamma - 1); anchor_valid: [B, A] False for filler anchors of short sequences.
+    anchor .. anchor + block_size - 1); anchor_valid: [B, A] False for filler anchors of short sequences.
     """
 
     token_ids: torch.Tensor

@@ -2,7 +2,7 @@
 
 It computes what `Drafter.inject_context` + `Drafter.block_pass` compute at inference, for every anchor
 of a batch in one pass. Block j of a sequence is [anchor_j, mask, ..., mask] at positions
-anchor_j .. anchor_j + gamma - 1; its queries see the whole of block j (non-causal) and the context
+anchor_j .. anchor_j + block_size - 1; its queries see the whole of block j (non-causal) and the context
 positions < anchor_j, whose keys/values come from the target's features. Blocks of one sequence are
 packed side by side and kept apart by the attention mask.
 """
@@ -21,23 +21,24 @@ from dspark.training.dense import attend, layer_forward
 def block_inputs(
     drafter: Drafter, token_ids: torch.Tensor, anchors: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block tokens and positions: token_ids [B, T], anchors [B, A] -> ([B, A * gamma], [B, A * gamma])."""
-    gamma = drafter.config.block_size
-    block = torch.full((*anchors.shape, gamma), drafter.config.mask_token_id, device=anchors.device)
+    """Block tokens and positions: token_ids [B, T], anchors [B, A] -> ([B, A * block_size],
+    [B, A * block_size])."""
+    block_size = drafter.config.block_size
+    block = torch.full((*anchors.shape, block_size), drafter.config.mask_token_id, device=anchors.device)
     block[..., 0] = token_ids.gather(1, anchors)
-    positions = anchors[..., None] + torch.arange(gamma, device=anchors.device)
+    positions = anchors[..., None] + torch.arange(block_size, device=anchors.device)
     return block.flatten(1), positions.flatten(1)
 
 
-def block_mask(anchors: torch.Tensor, gamma: int, context_len: int) -> torch.Tensor:
-    """Which keys each block query sees: [B, 1, A * gamma, context_len + A * gamma] bool.
+def block_mask(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
+    """Which keys each block query sees: [B, 1, A * block_size, context_len + A * block_size] bool.
 
     Keys are the context positions 0 .. context_len - 1 followed by the packed blocks.
     """
     b, a = anchors.shape
-    query_anchor = anchors.repeat_interleave(gamma, dim=1)
+    query_anchor = anchors.repeat_interleave(block_size, dim=1)
     context = torch.arange(context_len, device=anchors.device)[None, None, :] < query_anchor[:, :, None]
-    block_id = torch.arange(a, device=anchors.device).repeat_interleave(gamma)
+    block_id = torch.arange(a, device=anchors.device).repeat_interleave(block_size)
     same_block = (block_id[:, None] == block_id[None, :]).expand(b, -1, -1)
     return torch.cat([context, same_block], dim=-1)[:, None]
 
@@ -70,7 +71,7 @@ def block_hidden(
     token_ids: torch.Tensor,
     anchors: torch.Tensor,
 ) -> torch.Tensor:
-    """Final normed drafter states of every block: [B, A, gamma, hidden].
+    """Final normed drafter states of every block: [B, A, block_size, hidden].
 
     embedding: the target's [vocab, hidden]; features: [B, T, len(target_layer_ids) * hidden] target
     features of every position; token_ids: [B, T]; anchors: [B, A].

@@ -31,9 +31,9 @@ class LossWeights:
 
 @dataclass
 class BlockTargets:
-    """What the drafter is trained against, per block position: all [N, gamma] except target_logits.
+    """What the drafter is trained against, per block position: all [N, block_size] except target_logits.
 
-    previous: x_{k-1} (true tokens); labels: the true next tokens; target_logits: [N, gamma, vocab] the
+    previous: x_{k-1} (true tokens); labels: the true next tokens; target_logits: [N, block_size, vocab] the
     target's logits for the same next tokens; valid: positions that have a next token.
     """
 
@@ -45,7 +45,7 @@ class BlockTargets:
 
 @dataclass
 class LossParts:
-    """The total loss and its parts (weighted means over valid positions); survival: [gamma] the share of
+    """The total loss and its parts (weighted means over valid positions); survival: [block_size] the share of
     whole blocks whose argmax drafts 1..k all equal the target's argmax (teacher forced), so that
     1 + survival.sum() estimates the greedy tokens committed per step."""
 
@@ -56,15 +56,15 @@ class LossParts:
     survival: torch.Tensor
 
 
-def position_weights(gamma: int, decay: float, device: torch.device) -> torch.Tensor:
-    """exp(−k / decay) for k = 0 .. gamma − 1: [gamma]."""
-    return torch.exp(-torch.arange(gamma, device=device, dtype=torch.float32) / decay)
+def position_weights(block_size: int, decay: float, device: torch.device) -> torch.Tensor:
+    """exp(−k / decay) for k = 0 .. block_size − 1: [block_size]."""
+    return torch.exp(-torch.arange(block_size, device=device, dtype=torch.float32) / decay)
 
 
 def dspark_loss(
     drafter: Drafter, hidden: torch.Tensor, lm_head: torch.Tensor, targets: BlockTargets, weights: LossWeights
 ) -> LossParts:
-    """The DSpark loss of blocks whose final drafter states are hidden [N, gamma, hidden]."""
+    """The DSpark loss of blocks whose final drafter states are hidden [N, block_size, hidden]."""
     markov = drafter.markov_features(targets.previous)
     logits = drafter.corrected_logits(F.linear(hidden, lm_head.to(hidden.dtype)).float(), markov)
     log_pd = torch.log_softmax(logits, dim=-1)

@@ -114,13 +114,15 @@ def init_from_target(drafter: Drafter, target: CausalLM) -> None:
 
 
 def block_targets(
-    target: CausalLM, batch: TrainBatch, gamma: int, capture_layers: list[int]
+    target: CausalLM, batch: TrainBatch, block_size: int, capture_layers: list[int]
 ) -> tuple[torch.Tensor, BlockTargets]:
     """Target features of every position [B, T, F] and, per block slot, the training targets."""
     with torch.no_grad():
         hidden, features = target_pass(target, batch.token_ids, capture_layers)
         b, t = batch.token_ids.shape
-        slots = batch.anchors[..., None] + torch.arange(gamma, device=batch.anchors.device)  # [B, A, gamma]
+        slots = batch.anchors[..., None] + torch.arange(
+            block_size, device=batch.anchors.device
+        )  # [B, A, block_size]
         valid = (slots + 1 < batch.lengths[:, None, None]) & batch.anchor_valid[..., None]
         slots = slots.clamp(max=t - 2).flatten(1)
         previous = batch.token_ids.gather(1, slots)
@@ -129,7 +131,10 @@ def block_targets(
         target_logits = target.compute_logits(at_slots.flatten(0, 1))
     n = b * batch.anchors.shape[1]
     return features, BlockTargets(
-        previous.view(n, gamma), labels.view(n, gamma), target_logits.view(n, gamma, -1), valid.view(n, gamma)
+        previous.view(n, block_size),
+        labels.view(n, block_size),
+        target_logits.view(n, block_size, -1),
+        valid.view(n, block_size),
     )
 
 
