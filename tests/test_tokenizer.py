@@ -105,7 +105,7 @@ def rng() -> random.Random:
 
 
 def _random_split(ids: list[int], rng: random.Random) -> list[list[int]]:
-    """Cut `ids` into consecutive chunks of 1..8 tokens (a DSpark step commits up to γ+1)."""
+    """Cut `ids` into consecutive chunks of 1..8 tokens (a DSpark step commits up to block_size + 1)."""
     chunks, i = [], 0
     while i < len(ids):
         n = rng.randint(1, 8)
