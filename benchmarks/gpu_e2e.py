@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -41,7 +42,7 @@ import tp_gpu  # noqa: E402
 
 from dspark import LLM, EngineConfig  # noqa: E402
 from dspark.model_runner import ModelRunner  # noqa: E402
-from dspark.spec.proposer import DraftProposal  # noqa: E402
+from dspark.spec.drafts import Drafts  # noqa: E402
 
 
 def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 2 << 30) -> float:
@@ -148,13 +149,13 @@ class ForcedAcceptance:
         self.block_size = inner.block_size
         self.target_layer_ids = inner.target_layer_ids
 
-    def propose(self, seqs) -> DraftProposal:
+    def propose(self, seqs) -> Drafts:
         """The real drafter's block, with the forced confidences."""
         proposal = self.inner.propose(seqs)
         block_size = self.block_size
         proposal.confidences[:] = torch.tensor([0.95 if k < self.accept else 0.05 for k in range(block_size)])
-        proposal.lengths = None  # the random drafter's own early stop would cap the forced blocks
-        return proposal
+        # Without lengths: the random drafter's own early stop would cap the forced blocks.
+        return dataclasses.replace(proposal, lengths=None)
 
     def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """The real drafter keeps its context as usual."""

@@ -5,7 +5,7 @@
 Wraps the engine's step pieces (scheduling, the layout fill, graph replays, host-to-device copies,
 drafting, acceptance, emission, ...) with wall-clock timers, adding no device synchronisation, and
 prints for each one its inclusive microseconds per step, calls per step and microseconds per call,
-next to the wall time per step. Pieces nest (a replay is inside CudaGraphs.run, inside the runner);
+next to the wall time per step. Pieces nest (a replay is inside CudaGraphs.replay, inside the runner);
 one that waits for the device (greedy acceptance's copy to the host) includes the wait. Then one
 target graph replay and two small operations are timed alone. What this is for: a step of a small
 model at a large batch is bound by the host, and these are the host's costs.
@@ -29,8 +29,12 @@ import dspark.kernels.ops as ops
 import dspark.model_runner as model_runner
 import dspark.models.llama as llama
 import dspark.scheduler as scheduler
+import dspark.spec.accept as accept
 import dspark.spec.draft_graphs as draft_graphs
+import dspark.spec.drafts as drafts
 import dspark.spec.proposer as proposer
+import dspark.spec.step_draft as step_draft
+import dspark.step as step
 from dspark import LLM, SamplingParams
 
 NANOSECONDS: dict[str, float] = collections.defaultdict(float)
@@ -41,18 +45,21 @@ CALLS: collections.Counter[str] = collections.Counter()
 TIMED = [
     (cuda_graphs.Captured, ["replay"]),
     (cuda_graphs.StaticLayout, ["fill"]),
-    (cuda_graphs.CudaGraphs, ["run"]),
+    (cuda_graphs.CudaGraphs, ["fill", "replay"]),
     (draft_graphs.DraftGraphs, ["run", "run_in_step"]),
     (proposer.DSparkProposer, ["propose", "propose_in_step"]),
     (model_runner.ModelRunner, ["run", "forward"]),
-    (engine.LLMEngine, ["step", "_plan_verification", "_build_windows", "_accept", "_greedy_accept"]),
-    (engine.LLMEngine, ["_emit"]),
-    (engine._Windows, ["to_step"]),
+    (engine.LLMEngine, ["step", "_draft", "_adjust_logits", "_commit", "_emit"]),
+    (engine, ["pack_step", "accept", "to_device"]),
+    (step, ["greedy_accept_all"]),
+    (step._Windows, ["to_step"]),
     (scheduler.Scheduler, ["schedule"]),
     (llama.CausalLM, ["compute_logits"]),
-    (cuda_graphs, ["copy_to_device", "build_page_table", "write_verify_tokens"]),
-    (engine, ["to_device"]),
+    (cuda_graphs, ["copy_to_device", "build_page_table"]),
+    (drafts, ["write_verify_tokens"]),
+    (step_draft, ["write_verify_tokens"]),
     (model_runner, ["to_device"]),
+    (accept, ["to_device"]),
     (ops, ["greedy_accept", "pack_verify_tokens"]),
 ]
 

@@ -8,7 +8,7 @@ import torch
 
 from dspark.sampling import sample_rows
 from dspark.sequence import Sequence
-from dspark.spec.proposer import DraftProposal
+from dspark.spec.drafts import Drafts
 
 
 class OracleProposer:
@@ -34,7 +34,7 @@ class OracleProposer:
         self.confidence = confidence
         self.steps: dict[str, int] = {}
 
-    def propose(self, seqs: list[Sequence]) -> DraftProposal:
+    def propose(self, seqs: list[Sequence]) -> Drafts:
         """Draft the truth after each anchor, one position corrupted when asked."""
         tokens = torch.zeros(len(seqs), self.block_size, dtype=torch.long)
         conf = torch.zeros(len(seqs), self.block_size)
@@ -49,7 +49,7 @@ class OracleProposer:
                 block[bad] = (block[bad] + 1) % self.vocab_size
             tokens[r] = torch.tensor(block)
             conf[r] = torch.tensor([self.confidence(seq, k) for k in range(self.block_size)])
-        return DraftProposal(
+        return Drafts(
             tokens,
             conf,
             [None if s.params.greedy else _one_hot(tokens[r], self.vocab_size) for r, s in enumerate(seqs)],
@@ -83,7 +83,7 @@ class TrapProposer:
             self._greedy[key] = int(dense_logits(self.target, context)[-1].argmax())
         return self._greedy[key]
 
-    def propose(self, seqs: list[Sequence]) -> DraftProposal:
+    def propose(self, seqs: list[Sequence]) -> Drafts:
         """Draft each block token from q at its context; confidences from the previous draft."""
         vocab = self.target.config.vocab_size
         tokens = torch.zeros(len(seqs), self.block_size, dtype=torch.long)
@@ -101,7 +101,7 @@ class TrapProposer:
                 tokens[r, k] = token
                 context.append(token)
             probs.append(q)
-        return DraftProposal(tokens, conf, probs)
+        return Drafts(tokens, conf, probs)
 
     def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """No context to keep."""

@@ -16,7 +16,8 @@ import torch
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.cuda_graphs import CudaGraphs
 from dspark.sequence import Sequence
-from dspark.spec.proposer import DraftProposal, DSparkProposer
+from dspark.spec.drafts import Drafts
+from dspark.spec.proposer import DSparkProposer
 from dspark.training.dense import target_pass
 
 PAGE = 4
@@ -32,7 +33,7 @@ class _Recorder:
         self.target_layer_ids = inner.target_layer_ids
         self.blocks: list[tuple[list[int], list[int], torch.Tensor]] = []
 
-    def propose(self, seqs: list[Sequence]) -> DraftProposal:
+    def propose(self, seqs: list[Sequence]) -> Drafts:
         proposal = self.inner.propose(seqs)
         for r, seq in enumerate(seqs):
             # The anchor is the last committed token; positions before it are the draft's context.

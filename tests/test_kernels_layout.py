@@ -142,6 +142,7 @@ def test_a_step_with_device_drafts_packs_them_into_its_host_tokens(gen):
     """TargetStep.with_host_tokens (what tensor-parallel ranks are sent): the verify windows' rows
     after the anchor take the drafts, the prefill chunk after them keeps its own tokens."""
     from dspark.model_runner import TargetStep
+    from dspark.spec.drafts import Drafts
 
     drafts = torch.randint(1, 1000, (2, 3), generator=gen, device=DEVICE).cpu()
     prefill = torch.randint(1, 1000, (4,), generator=gen, device=DEVICE).tolist()
@@ -154,10 +155,10 @@ def test_a_step_with_device_drafts_packs_them_into_its_host_tokens(gen):
         pages=[[0], [1], [2]],
         logit_rows=torch.arange(7),
         capture_layers=(),
-        verify_drafts=drafts.to(DEVICE),
+        drafts=Drafts(drafts.to(DEVICE), torch.ones(2, 3, device=DEVICE), [None, None]),
     )
-    host = step.with_host_tokens()
-    assert host.verify_drafts is None
+    host, made = step.with_host_tokens()
+    assert host.drafts is None and made is None  # the drafts were made before the step
     want = [11, *drafts[0, :2].tolist(), 22, *drafts[1].tolist(), *prefill]
     assert host.token_ids.tolist() == want
     assert step.token_ids.tolist() == tokens.tolist()  # the original step is untouched

@@ -93,7 +93,7 @@ def install(hooks: Hooks, rank: int, patch: Callable[[object, str, object], None
     the hooks fill: the keys the rank captured, its capture log ([tokens, requests, ok] each) and the
     (tokens, requests) tiers it replayed."""
     seen: dict[str, Any] = {"captured": None, "log": [], "replayed": []}
-    capture_graphs, run = ModelRunner.capture_graphs, CudaGraphs.run
+    capture_graphs, replay = ModelRunner.capture_graphs, CudaGraphs.replay
 
     def recorded_capture(runner: ModelRunner, capture_layers: tuple[int, ...]) -> Any:
         graphs = runner.graphs
@@ -102,16 +102,13 @@ def install(hooks: Hooks, rank: int, patch: Callable[[object, str, object], None
         seen["captured"] = sorted(runner.graphs.captured) if runner.graphs is not None else []
         return outcome
 
-    def recorded_run(graphs: CudaGraphs, *args: Any) -> Any:
-        tier = step_tiers(len(args[0]), len(args[3]), graphs.token_tiers, graphs.max_requests)
-        out = run(graphs, *args)
-        if out is not None:
-            seen["replayed"].append(tier)
-        return out
+    def recorded_replay(graphs: CudaGraphs, tiers: tuple[int, int], *args: Any) -> Any:
+        seen["replayed"].append(tiers)  # what `CudaGraphs.fill` chose for the step
+        return replay(graphs, tiers, *args)
 
     patch(ModelRunner, "create", staticmethod(emulated_shard))
     patch(ModelRunner, "capture_graphs", recorded_capture)
-    patch(CudaGraphs, "run", recorded_run)
+    patch(CudaGraphs, "replay", recorded_replay)
     if rank == hooks.rank and hooks.drop_tiers:
         budget = lambda graphs, layers: [t for t in graphs.token_tiers if t not in hooks.drop_tiers]  # noqa: E731
         patch(cuda_graphs, "capture_budget", budget)

@@ -22,7 +22,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -32,7 +32,6 @@ from dspark.host_to_device import copy_to_device
 from dspark.kernels import ops
 from dspark.kv_cache import PagedKVCache
 from dspark.models.llama import CausalLM
-from dspark.verify_tokens import write_verify_tokens
 
 if TYPE_CHECKING:
     from dspark.config import EngineConfig
@@ -41,23 +40,6 @@ logger = logging.getLogger(__name__)
 
 # Takes (features [T, L * hidden], positions [T], slots [T]) of every token of a step (padding: slot -1).
 FeatureSink = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-class StepDrafter(Protocol):
-    """Drafts the verify windows of a target step while the step runs (the first `num_windows`
-    windows; their token ids hold the anchor, then placeholders)."""
-
-    num_windows: int
-
-    def draft_into(self, layout: StaticLayout, token_ids: torch.Tensor, window_lens: list[int]) -> None:
-        """Draft once the step is in `layout`'s buffers, packing the drafts into its token ids
-        (token_ids, window_lens: the step's host token ids and window lengths)."""
-        ...
-
-    def draft(self) -> torch.Tensor:
-        """Draft for a step that runs outside the graphs: the drafts [num_windows, >= longest window
-        - 1], for `write_verify_tokens`."""
-        ...
 
 
 Outputs = TypeVar("Outputs")
@@ -438,28 +420,41 @@ class CudaGraphs:
         window_starts: list[int],
         window_lens: list[int],
         capture_layers: tuple[int, ...],
-        verify_drafts: torch.Tensor | None = None,
-        drafter: StepDrafter | None = None,
     ) -> GraphStepOutput | None:
-        """Replay (capturing first if needed) the forward of this step; None when it does not fit.
-        verify_drafts, drafter: see TargetStep (drafts packed into the static token ids on the
-        device; a drafter drafts once the step's windows are in the static buffers)."""
+        """Replay (capturing first if needed) the forward of this step; None when it does not fit."""
+        tiers = self.fill(token_ids, pages, window_starts, window_lens)
+        return None if tiers is None else self.replay(tiers, len(token_ids), capture_layers)
+
+    def fill(
+        self,
+        token_ids: torch.Tensor,
+        pages: list[list[int]],
+        window_starts: list[int],
+        window_lens: list[int],
+        num_verify: int = 0,
+    ) -> tuple[int, int] | None:
+        """Copy a step into the static inputs (`StaticLayout.fill`: the first `num_verify` windows are
+        flagged as verify windows) and return the (tokens, requests) tier it replays at; None, with
+        nothing copied, when it does not fit. Whatever else the step writes into the static token ids
+        (its verify windows' drafts) goes there between this and `replay`."""
         tiers = step_tiers(len(token_ids), len(window_lens), self.token_tiers, self.max_requests)
         if tiers is None or not self.layout.holds(pages):
             return None
-        tokens, requests = tiers
-        num_verify = drafter.num_windows if drafter is not None else 0
         self.layout.fill(token_ids, pages, window_starts, window_lens, num_verify)
-        if drafter is not None:
-            drafter.draft_into(self.layout, token_ids, window_lens)
-        elif verify_drafts is not None:
-            write_verify_tokens(token_ids, window_lens, verify_drafts, self.layout.token_ids)
+        return tiers
+
+    def replay(
+        self, tiers: tuple[int, int], num_tokens: int, capture_layers: tuple[int, ...]
+    ) -> GraphStepOutput:
+        """Replay (capturing first if needed) the forward of the filled step of `num_tokens` tokens at
+        `tiers` (what `fill` returned)."""
+        tokens, requests = tiers
         captured = self.captured.get((tokens, requests, tuple(capture_layers)))
         if captured is None:
             captured = self.capture(tokens, requests, tuple(capture_layers))
         hidden, features = captured.replay()
         assert hidden is not None
-        n = len(token_ids)
+        n = num_tokens
         features = None if features is None else features[:n]
         return GraphStepOutput(hidden[:n], features, self.layout.slots[:n])
 

@@ -1,8 +1,10 @@
 """LLMEngine: continuous batching with DSpark speculative decoding, one step at a time.
 
-A step: schedule -> draft (one drafter pass for every decoding request) -> plan verify lengths ->
-one target forward over packed verify windows and prefill chunks, whose captured features go straight
-into the draft cache (the runner's feature sink) -> accept -> emit deltas.
+A step is a sequence of values (`dspark.step`; docs/step_pipeline.md): the scheduler's StepSchedule
+-> the Drafts of every decoding request (one drafter pass) -> the VerifyPlan of the configured
+VerifyPolicy -> one target forward over the packed verify windows and prefill chunks (TargetResult;
+its captured features go straight into the draft cache, the runner's feature sink) -> Acceptance ->
+the committed tokens, emitted as deltas.
 """
 
 from __future__ import annotations
@@ -11,33 +13,36 @@ import itertools
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from dspark.config import SPS_PROFILE, EngineConfig
 from dspark.cuda_graphs import max_pages_per_request
 from dspark.host_to_device import to_device
-from dspark.kernels import ops
 from dspark.logprobs import LogprobsFormatter, gather_logprobs
-from dspark.model_runner import ModelRunner, TargetStep, create_runner
+from dspark.model_runner import ModelRunner, create_runner
 from dspark.models.loader import resolve_device, resolve_dtype
 from dspark.output_processor import OutputProcessor
 from dspark.outputs import EngineLoad, RequestDelta, SpecStats, TokenLogprobs
 from dspark.page_allocator import PageAllocator
 from dspark.penalties import PenaltyState, PenaltyWindow, apply_penalties, window_needs_adjusting
 from dspark.prompts import check_prompt
-from dspark.sampling import NON_FINITE_TOKEN, choose_tokens
+from dspark.sampling import NON_FINITE_TOKEN
 from dspark.sampling_params import SamplingParams
-from dspark.scheduler import PrefillChunk, Scheduler
+from dspark.scheduler import Scheduler, StepSchedule
 from dspark.sequence import Sequence, SequenceStatus
-from dspark.spec.accept import rejection_accept_all
 from dspark.spec.draft_checkpoint import load_drafter
+from dspark.spec.drafter import Drafter
+from dspark.spec.drafts import Drafts
 from dspark.spec.gate import SpeculationGate
 from dspark.spec.planner import VerifyPlanner
-from dspark.spec.proposer import DraftProposal, DSparkProposer, Proposer
+from dspark.spec.proposer import DSparkProposer, Proposer
 from dspark.spec.sps_table import SpsTable
-from dspark.spec.step_draft import InStepDraft
+from dspark.spec.step_draft import InStepDrafts
+from dspark.spec.verify_policy import VerifyPlan, verify_policy
+from dspark.step import Acceptance, Committed, accept, pack_step, verified_drafts
 from dspark.step_timer import StepTimer
 from dspark.tokenizer import Tokenizer
 
@@ -53,46 +58,6 @@ class ResolvedLimits:
     dtype: torch.dtype
     block_size: int
     max_model_len: int
-
-
-@dataclass
-class _VerifyPlan:
-    """Per decoding request: drafts verified, and the most of them that may be committed."""
-
-    proposal: DraftProposal | None
-    verify_lens: list[int]
-    commit_caps: list[int]
-    # The engine's block size (it may use fewer of the drafter's positions than it drafts).
-    block_size: int = 0
-    # Per request: how many positions it drafted (for its statistics).
-    drafted: list[int] = field(default_factory=list)
-    # Per request: the drafts it verifies as host ints, brought back by greedy acceptance together
-    # with the committed tokens (until then empty: nothing on the host needs them earlier).
-    drafts: list[list[int]] = field(default_factory=list)
-    # Drafts the runner makes inside the target step (`proposal` is None until `take_in_step_drafts`).
-    in_step: InStepDraft | None = None
-
-    def __post_init__(self) -> None:
-        self.drafts = [[] for _ in self.verify_lens]
-        self._count_drafted()
-
-    def take_in_step_drafts(self) -> None:
-        """After the target step: the proposal its drafter made."""
-        assert self.in_step is not None and self.in_step.proposal is not None, "the step made no drafts"
-        self.proposal = self.in_step.proposal
-        self._count_drafted()
-
-    def _count_drafted(self) -> None:
-        if self.proposal is None:
-            self.drafted = [0] * len(self.verify_lens)
-            return
-        block_size = self.block_size
-        lengths = self.proposal.lengths
-        self.drafted = (
-            [block_size] * len(self.verify_lens)
-            if lengths is None
-            else [min(block_size, n) for n in lengths.tolist()]
-        )
 
 
 class LLMEngine:
@@ -117,19 +82,25 @@ class LLMEngine:
         cfg = self.runner.model_config
         self.model_config = cfg
         page_size = config.kv_page_size
-        if proposer is None and config.speculative:
+        drafter = None
+        if not config.speculative:
+            proposer = None
+        elif proposer is None:
             drafter = load_drafter(config.draft_model_path, dtype=dtype, device=device)
             if drafter.config.vocab_size != cfg.vocab_size:
                 raise ValueError("draft_model: vocabulary size differs from the target's")
-            embedding, lm_head = self.runner.vocab_weights()
-            stop = config.draft_stop_survival if config.spec_mode == "compact" else 0.0
-            proposer = DSparkProposer(
-                drafter, embedding, lm_head, config.num_kv_pages, page_size, stop, config.block_size
-            )
-            if device.type == "cuda" and config.cuda_graph_max_tokens > 0:
-                max_pages = max_pages_per_request(cfg.max_position_embeddings, page_size, config.num_kv_pages)
-                proposer.use_graphs(config.max_num_seqs, max_pages)
-        self.proposer = proposer if config.speculative else None
+        # The block size: the configured one, at most what the drafter drafts (0 takes all of it).
+        block_size = 0
+        if proposer is not None or drafter is not None:
+            most = proposer.block_size if proposer is not None else drafter.config.block_size
+            if config.block_size > most:
+                raise ValueError(f"block_size: the drafter drafts at most {most}")
+            block_size = config.block_size or most
+        # How steps verify (one policy per spec_mode, chosen once; the engine asks it, never the mode).
+        self.policy = verify_policy(config, block_size)
+        if drafter is not None:
+            proposer = self._dspark_proposer(config, drafter, block_size, device)
+        self.proposer = proposer
         if self.proposer is not None:
             # Every window row is injected, rejected drafts' rows too: a position's draft KV is read only
             # once the position is committed, and the step that commits it injects its true features.
@@ -138,11 +109,6 @@ class LLMEngine:
         self.gate = SpeculationGate() if self.proposer is not None and config.adaptive_speculation else None
         # Target layers whose outputs the drafter takes (none without speculation).
         self._capture_layers = tuple(self.proposer.target_layer_ids) if self.proposer is not None else ()
-        block_size = 0
-        if self.proposer is not None:
-            block_size = config.block_size or self.proposer.block_size
-            if block_size > self.proposer.block_size:
-                raise ValueError(f"block_size: the drafter drafts at most {self.proposer.block_size}")
         # Positions a decoding request may touch past its cache: its verify window, and the proposer's
         # block (a proposer given from outside may draft more positions than the engine verifies).
         window_positions = max(block_size + 1, self.proposer.block_size if self.proposer is not None else 0)
@@ -180,6 +146,24 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
 
+    def _dspark_proposer(
+        self, config: EngineConfig, drafter: Drafter, block_size: int, device: torch.device
+    ) -> DSparkProposer:
+        """The DSpark drafter as this engine drafts with it: the target's vocabulary weights, the
+        policy's early stop, and on CUDA its greedy blocks in graphs."""
+        embedding, lm_head = self.runner.vocab_weights()
+        page_size = config.kv_page_size
+        stop = self.policy.draft_stop_survival
+        proposer = DSparkProposer(
+            drafter, embedding, lm_head, config.num_kv_pages, page_size, stop, block_size
+        )
+        if device.type == "cuda" and config.cuda_graph_max_tokens > 0:
+            max_positions = self.model_config.max_position_embeddings
+            proposer.use_graphs(
+                config.max_num_seqs, max_pages_per_request(max_positions, page_size, config.num_kv_pages)
+            )
+        return proposer
+
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         """Capture the CUDA graphs of every step and draft size now: a capture on first use would stall
@@ -190,11 +174,12 @@ class LLMEngine:
             self.proposer.capture_graphs()
 
     def _drafts_in_step(self) -> bool:
-        """Whether a static step's greedy drafts can be made inside the target step, from the target
-        graphs' layout (`InStepDraft`): a single-process runner with graphs and a drafter with them."""
+        """Whether a step's greedy drafts can be made inside the target step, from the target graphs'
+        layout (`InStepDrafts`): a policy whose verify lengths do not depend on the drafts, a
+        single-process runner with graphs and a drafter with them."""
         runner, proposer = self.runner, self.proposer
         return (
-            self.config.spec_mode == "static"
+            self.policy.drafts_in_step
             and isinstance(runner, ModelRunner)
             and runner.graphs is not None
             and isinstance(proposer, DSparkProposer)
@@ -205,7 +190,7 @@ class LLMEngine:
         """The planner's steps/s table: flat, loaded from a file, or measured now on this runner."""
         if config.sps_table != SPS_PROFILE:
             return SpsTable.load(config.sps_table) if config.sps_table else SpsTable.flat()
-        if config.spec_mode not in ("compact", "cap-accept"):
+        if not self.policy.uses_planner:
             return SpsTable.flat()  # no planner reads it
         from dspark.spec.profile import profile_runner, startup_max_tokens
 
@@ -300,7 +285,8 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestDelta]:
-        """Run one scheduling iteration and return every request's delta."""
+        """Run one step and return every request's delta: schedule -> drafts -> verify plan -> target
+        step -> acceptance -> commit, each stage a new value (`dspark.step`)."""
         timer = self.timer
         timer.start()
         if self.gate is not None:
@@ -310,64 +296,50 @@ class LLMEngine:
         schedule = self.scheduler.schedule()
         if schedule.empty:
             return deltas
-        decode = schedule.decode
         timer.lap("schedule")
-        plan = self._plan_verification(decode)
+        caps = [self._max_verify(seq) for seq in schedule.decode]
+        drafts = self._draft(schedule.decode, caps)
+        timer.lap("draft")
+        plan = VerifyPlan.plain(len(caps)) if drafts is None else self.policy.plan(drafts, caps, self.planner)
         timer.lap("plan")
-        windows = self._build_windows(decode, plan, schedule.prefill)
-        step = windows.to_step(self._capture_layers)
+        packed = pack_step(schedule, plan, self._capture_layers)
         timer.lap("layout")
-        result = self.runner.run(step)
-        if plan.in_step is not None:
-            plan.take_in_step_drafts()
+        result = self.runner.run(packed.step)
         timer.lap("target")
-        assert result.logits is not None and result.argmax is not None
+        verified = verified_drafts(plan, result)
         raw_logits = self._adjust_logits(
-            decode, plan, schedule.prefill, windows, result.logits, result.argmax
+            schedule, plan, verified, packed.logit_offsets, result.logits, result.argmax
         )
-        committed = self._accept(decode, plan, schedule.prefill, result.logits, result.argmax, windows)
+        acceptance = accept(schedule, plan, verified, result, packed.logit_offsets, self.limits.block_size)
         timer.lap("accept")
+        committed = self._commit(schedule, plan, verified, acceptance, packed.logit_offsets)
         logprobs = self._committed_logprobs(committed, raw_logits)
-        for seq, tokens, _ in committed:
-            deltas.append(self._emit(seq, tokens, logprobs.get(seq.request_id)))
+        for c in committed:
+            deltas.append(self._emit(c.seq, list(c.tokens), logprobs.get(c.seq.request_id)))
         if self.gate is not None and not schedule.prefill:
             # Decode-only steps are comparable; a prefill chunk would charge its own cost to the kind.
-            num_tokens = sum(len(tokens) for _, tokens, _ in committed)
-            self.gate.finish_step(len(decode), plan.proposal is not None, num_tokens)
+            num_tokens = sum(len(c.tokens) for c in committed)
+            self.gate.finish_step(len(schedule.decode), plan.drafts is not None, num_tokens)
         timer.finish("emit")
         return deltas
 
-    def _plan_verification(self, decode: list[Sequence]) -> _VerifyPlan:
-        caps = [self._max_verify(seq) for seq in decode]
-        plain = self.proposer is None or not any(caps)
+    def _draft(self, decode: Seq[Sequence], caps: list[int]) -> Drafts | InStepDrafts | None:
+        """The step's drafts: None for a plain step (no drafter, no request may verify a draft, or the
+        gate finds plain steps faster now); drafts the runner makes inside the target step, when the
+        policy's verify lengths do not depend on them and the target graphs allow; else a block drafted
+        now, one drafter pass for every decoding request."""
+        if self.proposer is None or not any(caps):
+            return None
         # A seeded sampling request replays its stream only if its steps draft alike on every run, so a
-        # step with one follows spec_mode rather than the timing-driven gate.
+        # step with one follows the policy rather than the timing-driven gate.
         seeded = any(s.params.seed is not None and not s.params.greedy for s in decode)
-        gated = self.gate is not None and not seeded
-        if plain or (gated and not self.gate.should_speculate(len(decode))):
-            return _VerifyPlan(None, [0] * len(decode), [0] * len(decode))
-        block_size = self.limits.block_size
-        mode = self.config.spec_mode
-        if mode == "static" and self._drafts_in_step():
-            # Verify lengths do not depend on the drafts: the runner drafts inside the target step
-            # (a block with sampling requests drafts apart there, `InStepDraft.draft_into`).
+        if self.gate is not None and not seeded and not self.gate.should_speculate(len(decode)):
+            return None
+        if self._drafts_in_step():
+            # Sampling requests in the block make the runner draft apart (`InStepDrafts.pack`).
             assert isinstance(self.proposer, DSparkProposer)
-            return _VerifyPlan(None, caps, caps, block_size, in_step=InStepDraft(self.proposer, decode))
-        proposal = self.proposer.propose(decode)
-        self.timer.lap("draft")
-        if mode == "static":
-            return _VerifyPlan(proposal, caps, caps, block_size)
-        if proposal.lengths is not None:
-            # Positions a request did not draft (it stopped early) are never verified.
-            caps = [min(cap, int(n)) for cap, n in zip(caps, proposal.lengths.tolist(), strict=True)]
-        if self.planner.verifies_all:
-            return _VerifyPlan(proposal, caps, caps, block_size)
-        cap_tensor = torch.tensor(caps, dtype=torch.long)
-        survivals = torch.cumprod(proposal.confidences[:, :block_size], dim=1)
-        planned = self.planner.plan(survivals, cap_tensor).tolist()
-        if mode == "cap-accept":
-            return _VerifyPlan(proposal, caps, planned, block_size)
-        return _VerifyPlan(proposal, planned, planned, block_size)
+            return InStepDrafts(self.proposer, decode)
+        return self.proposer.propose(decode)
 
     def _max_verify(self, seq: Sequence) -> int:
         """Most drafts this request may verify: block size, its own cap, tokens and context left."""
@@ -380,60 +352,66 @@ class LLMEngine:
         )
         return max(cap, 0)
 
-    def _build_windows(
-        self, decode: list[Sequence], plan: _VerifyPlan, prefill: list[PrefillChunk]
-    ) -> _Windows:
-        windows = _Windows()
-        # Verify windows hold their anchor and placeholders: the drafts are packed in where they are
-        # (TargetStep.verify_drafts), so nothing waits here to read them back.
-        for seq, num_drafts in zip(decode, plan.verify_lens, strict=True):
-            windows.add(seq, [seq.anchor] + [0] * num_drafts, seq.num_cached, logits="all")
-        if plan.proposal is not None:
-            windows.verify_drafts = plan.proposal.tokens
-        windows.drafter = plan.in_step
-        for chunk in prefill:
-            seq = chunk.seq
-            wants_logits = chunk.completes_prefill and seq.num_output_tokens == 0
-            tokens = seq.token_ids[chunk.start : chunk.start + chunk.length]
-            windows.add(seq, tokens, chunk.start, logits="last" if wants_logits else "none")
-        return windows
-
     def _adjust_logits(
         self,
-        decode: list[Sequence],
-        plan: _VerifyPlan,
-        prefill: list[PrefillChunk],
-        windows: _Windows,
-        logits: torch.Tensor,
-        argmax: torch.Tensor,
+        schedule: StepSchedule,
+        plan: VerifyPlan,
+        drafts: Drafts | None,
+        logit_offsets: Seq[int],
+        logits: torch.Tensor | None,
+        argmax: torch.Tensor | None,
     ) -> torch.Tensor:
         """Apply penalties and min_tokens (`dspark.penalties`) to the rows of the requests that have
-        them, in place, refreshing those rows' argmax; return the logits as the target gave them
-        (a copy when rows changed and a request of this step reports logprobs, else `logits`).
+        them, in place (a copy of every row a step would cost more than the rows changed), refreshing
+        those rows' argmax; return the logits as the target gave them (a copy when rows changed and a
+        request of this step reports logprobs, else `logits`).
 
-        logits: [rows, vocab] fp32 and argmax [rows], the step's, on the runner's device."""
+        logits: [rows, vocab] fp32 and argmax [rows], the target step's, on the runner's device."""
+        assert logits is not None and argmax is not None
+        decode = schedule.decode
         adjusted: list[PenaltyWindow] = []
         for r, seq in enumerate(decode):
             if window_needs_adjusting(seq.params, seq.num_output_tokens):
-                draft_row = r if plan.proposal is not None and plan.verify_lens[r] else -1
+                draft_row = r if drafts is not None and plan.verify_lens[r] else -1
                 adjusted.append(
-                    self._penalty_window(seq, windows.logit_offsets[r], 1 + plan.verify_lens[r], draft_row)
+                    self._penalty_window(seq, logit_offsets[r], 1 + plan.verify_lens[r], draft_row)
                 )
-        for i, chunk in enumerate(prefill):
-            seq = chunk.seq
-            first_token = chunk.completes_prefill and seq.num_output_tokens == 0
-            if first_token and window_needs_adjusting(seq.params, 0):
-                adjusted.append(self._penalty_window(seq, windows.logit_offsets[len(decode) + i], 1, -1))
+        for i, chunk in enumerate(schedule.prefill):
+            if chunk.samples_first_token and window_needs_adjusting(chunk.seq.params, 0):
+                adjusted.append(self._penalty_window(chunk.seq, logit_offsets[len(decode) + i], 1, -1))
         if not adjusted:
             return logits
         raw = logits
-        if any(seq.params.logprobs is not None for seq in [*decode, *(c.seq for c in prefill)]):
+        if any(seq.params.logprobs is not None for seq in [*decode, *(c.seq for c in schedule.prefill)]):
             raw = logits.clone()
-        drafts = plan.proposal.tokens if plan.proposal is not None else None
-        rows = apply_penalties(logits, adjusted, drafts)
+        rows = apply_penalties(logits, adjusted, drafts.tokens if drafts is not None else None)
         if rows is not None:
             argmax[rows] = logits[rows].argmax(dim=-1)
         return raw
+
+    def _commit(
+        self,
+        schedule: StepSchedule,
+        plan: VerifyPlan,
+        drafts: Drafts | None,
+        acceptance: Acceptance,
+        logit_offsets: Seq[int],
+    ) -> list[Committed]:
+        """Advance every scheduled request past what the step committed (the target KV of those
+        positions is written and the drafter's context injected already: the cache now holds them) and
+        count its speculation; return each request's committed tokens, for emitting."""
+        decode = schedule.decode
+        drafted = drafts.drafted(self.limits.block_size) if drafts is not None else [0] * len(decode)
+        committed = []
+        for r, (seq, window) in enumerate(zip(decode, acceptance.windows, strict=True)):
+            seq.spec_stats.record_step(drafted[r], plan.verify_lens[r], window.accepted)
+            seq.num_cached += window.accepted + 1
+            committed.append(Committed(seq, window.tokens, logit_offsets[r]))
+        for i, (chunk, token) in enumerate(zip(schedule.prefill, acceptance.first_tokens, strict=True)):
+            chunk.seq.num_cached += chunk.length
+            if token is not None:
+                committed.append(Committed(chunk.seq, (token,), logit_offsets[len(decode) + i]))
+        return committed
 
     def _penalty_window(self, seq: Sequence, first_row: int, num_rows: int, draft_row: int) -> PenaltyWindow:
         """What `apply_penalties` needs of one request's rows."""
@@ -448,14 +426,14 @@ class LLMEngine:
         )
 
     def _committed_logprobs(
-        self, committed: list[tuple[Sequence, list[int], int]], logits: torch.Tensor
+        self, committed: list[Committed], logits: torch.Tensor
     ) -> dict[str, tuple[list[TokenLogprobs], list[float]]]:
         """Per request that asks for logprobs: each committed token's entry and chosen log probability,
         from the target's raw logits [rows, vocab] (`dspark.logprobs`); one copy to the host a step."""
         wanted = [
-            (seq, tokens, row)
-            for seq, tokens, row in committed
-            if seq.params.logprobs is not None and tokens and tokens[-1] != NON_FINITE_TOKEN
+            (c.seq, c.tokens, c.logit_row)
+            for c in committed
+            if c.seq.params.logprobs is not None and c.tokens and c.tokens[-1] != NON_FINITE_TOKEN
         ]
         if not wanted:
             return {}
@@ -479,96 +457,6 @@ class LLMEngine:
             out[seq.request_id] = (entries, chosen[k : k + len(tokens)])
             k += len(tokens)
         return out
-
-    def _accept(
-        self,
-        decode: list[Sequence],
-        plan: _VerifyPlan,
-        prefill: list[PrefillChunk],
-        logits: torch.Tensor,
-        argmax: torch.Tensor,
-        windows: _Windows,
-    ) -> list[tuple[Sequence, list[int], int]]:
-        """Decide committed tokens; return them per sequence, with the logit row of the first.
-
-        logits, argmax: the step's logit rows and their argmax, on the runner's device (greedy
-        requests need only the argmax; sampling requests are judged there too)."""
-        committed: list[tuple[Sequence, list[int], int]] = []
-        greedy = self._greedy_accept(plan, argmax)
-        sampled = self._sampled_accept(decode, plan, logits, windows)
-        for r, seq in enumerate(decode):
-            accepted, next_token = (greedy.accepted[r], greedy.bonus[r]) if seq.params.greedy else sampled[r]
-            seq.spec_stats.record_step(plan.drafted[r], plan.verify_lens[r], accepted)
-            seq.num_cached += accepted + 1
-            committed.append((seq, [*plan.drafts[r][:accepted], next_token], windows.logit_offsets[r]))
-        first_prefill_row = windows.logit_offsets[len(decode)] if prefill else 0
-        for i, chunk in enumerate(prefill):
-            seq = chunk.seq
-            seq.num_cached += chunk.length
-            if chunk.completes_prefill and seq.num_output_tokens == 0:
-                offset = windows.logit_offsets[len(decode) + i]
-                if seq.params.greedy:
-                    committed.append((seq, [greedy.rest[offset - first_prefill_row]], offset))
-                else:
-                    row = logits[offset][None]
-                    committed.append((seq, [int(choose_tokens(row, seq.params, seq.generator)[0])], offset))
-        return committed
-
-    def _sampled_accept(
-        self, decode: list[Sequence], plan: _VerifyPlan, logits: torch.Tensor, windows: _Windows
-    ) -> dict[int, tuple[int, int]]:
-        """Rejection sampling of every sampling request's window (up to its commit cap), in one call
-        where the logits are: {decode row: (drafts kept, next token)}. Runs after `_greedy_accept`,
-        which brings the drafts back to the host."""
-        rows = [r for r, seq in enumerate(decode) if not seq.params.greedy]
-        if not rows:
-            return {}
-        drafts = plan.drafts
-        limits = [plan.commit_caps[r] for r in rows]
-        probs = [plan.proposal.probs[r] if plan.proposal is not None else None for r in rows]
-        offsets = [windows.logit_offsets[r] for r in rows]
-        accepted, next_tokens = rejection_accept_all(
-            [drafts[r][:n] for r, n in zip(rows, limits, strict=True)],
-            probs,
-            [logits[o : o + n + 1] for o, n in zip(offsets, limits, strict=True)],
-            [decode[r].params for r in rows],
-            [decode[r].generator for r in rows],
-            self.limits.block_size,
-        )
-        return {r: (a, t) for r, a, t in zip(rows, accepted, next_tokens, strict=True)}
-
-    def _greedy_accept(self, plan: _VerifyPlan, argmax: torch.Tensor) -> _GreedyOutcome:
-        """Greedy acceptance of every verify window where the argmax is (`ops.greedy_accept`: the
-        accept kernel on a GPU), then one copy to the host of what the step commits.
-
-        Verify windows come first in the packed step and every one of their rows has logits, so window
-        r's argmax rows are argmax[cu[r] : cu[r + 1]] with no gather; the rows after them are the
-        prefill chunks' last rows. Sampling requests' results are computed and ignored."""
-        num = len(plan.verify_lens)
-        if num == 0:
-            return _GreedyOutcome([], [], argmax.tolist())
-        device = argmax.device
-        lens = torch.tensor(plan.verify_lens, dtype=torch.long)
-        cu = torch.zeros(num + 1, dtype=torch.long)
-        cu[1:] = torch.cumsum(lens + 1, 0)
-        window_rows = int(cu[-1])
-        # One host-to-device copy of the per-window numbers.
-        meta = to_device(torch.cat([cu, lens, torch.tensor(plan.commit_caps, dtype=torch.long)]), device)
-        cu_d, lens_d, caps_d = meta[: num + 1], meta[num + 1 : 2 * num + 1], meta[2 * num + 1 :]
-        proposal = plan.proposal
-        if proposal is None:
-            drafts = torch.zeros(num, 1, dtype=torch.long, device=device)
-        else:
-            drafts = to_device(proposal.tokens, device)
-        accepted, bonus = ops.greedy_accept(drafts, argmax[:window_rows], cu_d, lens_d, caps_d)
-        # The verified drafts come back in the same copy (the host emits the accepted ones).
-        width = max(plan.verify_lens) if proposal is not None else 0
-        rest = argmax[window_rows:]
-        host = torch.cat([accepted, bonus, drafts[:, :width].flatten(), rest]).tolist()
-        if proposal is not None:
-            flat = host[2 * num : 2 * num + num * width]
-            plan.drafts = [flat[r * width : r * width + n] for r, n in enumerate(plan.verify_lens)]
-        return _GreedyOutcome(host[:num], host[num : 2 * num], host[2 * num + num * width :])
 
     def _emit(
         self,
@@ -649,66 +537,3 @@ class LLMEngine:
             )
         self._aborts.clear()
         return deltas
-
-
-@dataclass
-class _GreedyOutcome:
-    """Greedy acceptance on the host: per verify window the drafts accepted and the token after them,
-    and the argmax of every logit row after the windows (the prefill chunks' last rows)."""
-
-    accepted: list[int]
-    bonus: list[int]
-    rest: list[int]
-
-
-class _Windows:
-    """The packed target batch of one step, built window by window."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.pages: list[list[int]] = []
-        self.starts: list[int] = []
-        self.lens: list[int] = []
-        self.logit_offsets: list[int] = []
-        # Logit rows: every row of the leading windows that want them all (the verify windows), then
-        # the rows listed (kept as a count, not a list, since most steps have nothing else).
-        self.num_leading_rows = 0
-        self.logit_rows: list[int] = []
-        # Drafts of the first windows (verify windows), packed in where they are, or their drafter
-        # (see TargetStep).
-        self.verify_drafts: torch.Tensor | None = None
-        self.drafter: InStepDraft | None = None
-
-    def add(self, seq: Sequence, tokens: list[int], start: int, logits: str) -> None:
-        """Append a window of `tokens` at positions start.. of `seq`; `logits` says which rows' logits
-        to compute: "all" (a verify window), "last" (a prefill chunk that ends the prompt), "none"."""
-        first = len(self.tokens)
-        self.logit_offsets.append(self.num_leading_rows + len(self.logit_rows))
-        self.tokens.extend(tokens)
-        self.pages.append(seq.pages)
-        self.starts.append(start)
-        self.lens.append(len(tokens))
-        if logits == "all" and first == self.num_leading_rows:
-            self.num_leading_rows += len(tokens)
-        elif logits == "all":
-            self.logit_rows.extend(range(first, first + len(tokens)))
-        elif logits == "last":
-            self.logit_rows.append(first + len(tokens) - 1)
-
-    def to_step(self, capture_layers: tuple[int, ...]) -> TargetStep:
-        """The packed batch as the runner (and every TP rank) takes it."""
-        rows = torch.arange(self.num_leading_rows)
-        if self.logit_rows:
-            rows = torch.cat([rows, torch.tensor(self.logit_rows, dtype=torch.long)])
-        return TargetStep(
-            token_ids=torch.tensor(self.tokens, dtype=torch.long),
-            positions=None,  # laid out where the step runs (TargetStep.window_positions when eager)
-            window_starts=self.starts,
-            window_lens=self.lens,
-            pages=self.pages,
-            logit_rows=rows,
-            capture_layers=capture_layers,
-            host_logits=False,
-            verify_drafts=self.verify_drafts,
-            drafter=self.drafter,
-        )

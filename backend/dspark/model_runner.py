@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from dspark.attention_batch import AttentionBatch
 from dspark.config import EngineConfig
-from dspark.cuda_graphs import CaptureOutcome, CudaGraphs, FeatureSink, StepDrafter
+from dspark.cuda_graphs import CaptureOutcome, CudaGraphs, FeatureSink
 from dspark.distributed import (
     SINGLE,
     TensorParallel,
@@ -34,12 +34,12 @@ from dspark.models.hf_config import ModelConfig
 from dspark.models.llama import CausalLM
 from dspark.models.loader import load_target_model
 from dspark.tp_worker import WorkerGroup, collective_timeout_s
-from dspark.verify_tokens import write_verify_tokens
+from dspark.verify_tokens import VerifyDrafts
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TargetStep:
     """One target forward: packed tokens and where each window sits in its request's pages.
 
@@ -59,43 +59,36 @@ class TargetStep:
     # Whether `run` moves the logit rows to the host (benchmarks); the engine leaves them on the
     # device, where it accepts and samples, and only committed tokens cross to the host.
     host_logits: bool = True
-    # Drafts [num verify windows, >= longest window - 1] of the first windows (verify windows, whose
-    # token_ids rows after the anchor are placeholders), on the drafter's device or the host; None:
-    # token_ids are complete.
-    verify_drafts: torch.Tensor | None = None
-    # Or the drafter of those windows, which drafts while the step runs (`cuda_graphs.StepDrafter`:
-    # in the target graphs' layout when the step replays one); None: the drafts are given or there
-    # are none.
-    drafter: StepDrafter | None = None
+    # The drafts of the first windows (verify windows, whose token_ids rows after the anchor are
+    # placeholders): packed in where the step runs, made inside it first if they are still to be made
+    # (`VerifyDrafts`); None: token_ids are complete.
+    drafts: VerifyDrafts | None = None
 
-    def drafts(self) -> torch.Tensor | None:
-        """The verify windows' drafts (`verify_drafts`, or made now by the step's drafter); None: the
-        token ids are complete."""
-        return self.drafter.draft() if self.drafter is not None else self.verify_drafts
-
-    def with_host_tokens(self) -> TargetStep:
-        """This step with every token id on the host (what other ranks are sent): the verify windows'
-        drafts are made if need be, read back and packed in."""
-        drafts = self.drafts()
-        if drafts is None:
-            return self
+    def with_host_tokens(self) -> tuple[TargetStep, object]:
+        """This step with every token id on the host (what other ranks are sent), the verify windows'
+        drafts made if need be and packed in; and the drafts made doing so (None if none were)."""
+        if self.drafts is None:
+            return self, None
         token_ids = self.token_ids.clone()
-        write_verify_tokens(self.token_ids, self.window_lens, drafts.cpu(), token_ids)
-        return replace(self, token_ids=token_ids, verify_drafts=None, drafter=None)
+        made = self.drafts.pack(self.token_ids, self.window_lens, token_ids, in_layout=False)
+        return replace(self, token_ids=token_ids, drafts=None), made
 
 
-@dataclass
+@dataclass(frozen=True)
 class TargetResult:
     """What the driver gets back: logits [num_logit_rows, vocab] fp32 (on the host after `run` when
     the step asks for host logits, else on the device), their argmax [num_logit_rows] int64 (on the
     device: acceptance runs there),
     captured features [num_tokens, len(capture_layers) * hidden] on the device (or None), and each
-    token's cache slot (after a replay, features and slots are views that the next step overwrites)."""
+    token's cache slot (after a replay, features and slots are views that the next step overwrites);
+    and the drafts the step made while packing its verify windows (`VerifyDrafts.pack`; None if it
+    made none)."""
 
     logits: torch.Tensor | None
     features: torch.Tensor | None
     slots: torch.Tensor
     argmax: torch.Tensor | None = None
+    drafts: object = None
 
 
 class ModelRunner:
@@ -184,9 +177,8 @@ class ModelRunner:
         assert logits is not None
         # The argmax stays where the logits are: acceptance reads it there, and only the committed
         # tokens cross to the host, not [rows, vocab] floats.
-        result.argmax = logits.argmax(dim=-1)
-        result.logits = logits.cpu() if step.host_logits else logits
-        return result
+        argmax = logits.argmax(dim=-1)
+        return replace(result, logits=logits.cpu() if step.host_logits else logits, argmax=argmax)
 
     @torch.inference_mode()
     def forward(self, step: TargetStep) -> TargetResult:
@@ -198,32 +190,32 @@ class ModelRunner:
         leading = num_rows == 0 or (int(rows[0]) == 0 and int(rows[-1]) == num_rows - 1)
         # Queued before the forward, so that nothing after it waits for the device.
         logit_rows = slice(0, num_rows) if leading else to_device(rows, self.device)
+        drafts = step.drafts
         if self.graphs is not None:
-            replayed = self.graphs.run(
-                step.token_ids,
-                step.pages,
-                step.window_starts,
-                step.window_lens,
-                step.capture_layers,
-                step.verify_drafts,
-                step.drafter,
+            num_verify = drafts.num_windows if drafts is not None else 0
+            tiers = self.graphs.fill(
+                step.token_ids, step.pages, step.window_starts, step.window_lens, num_verify
             )
-            if replayed is not None:
+            if tiers is not None:
+                made = None
+                if drafts is not None:  # into the filled layout, where an in-step draft block reads
+                    made = drafts.pack(step.token_ids, step.window_lens, self.graphs.layout.token_ids, True)
+                replayed = self.graphs.replay(tiers, len(step.token_ids), step.capture_layers)
                 logits = self.model.compute_logits(replayed.hidden[logit_rows])
-                return TargetResult(logits, replayed.features, replayed.slots)
+                return TargetResult(logits, replayed.features, replayed.slots, drafts=made)
         batch = AttentionBatch.build(
             step.pages, step.window_starts, step.window_lens, self.cache.page_size, True, self.device
         )
         positions = batch.positions if step.positions is None else to_device(step.positions, self.device)
         token_ids = to_device(step.token_ids, self.device)
-        drafts = step.drafts()
+        made = None
         if drafts is not None:
-            write_verify_tokens(step.token_ids, step.window_lens, drafts, token_ids)
+            made = drafts.pack(step.token_ids, step.window_lens, token_ids, False)
         hidden, features = self.model(token_ids, positions, batch, self.cache, step.capture_layers)
         if features is not None and self.feature_sink is not None:
             self.feature_sink(features, positions, batch.slots)
         logits = self.model.compute_logits(hidden[logit_rows])
-        return TargetResult(logits, features, batch.slots)
+        return TargetResult(logits, features, batch.slots, drafts=made)
 
     def close(self) -> None:
         """Nothing to release for a single-process runner."""
@@ -331,11 +323,11 @@ class TensorParallelRunner:
         """Broadcast the step, run rank 0's share; logits gathered over ranks, features are rank 0's
         (the residual stream is replicated). TensorParallelError, within tensor_parallel_timeout_s,
         when a rank dies or hangs."""
-        step = step.with_host_tokens()
+        step, made = step.with_host_tokens()
         self.workers.send(("step", step))
         try:
             with self.workers.step():
-                result = self.local.run(step)
+                result = replace(self.local.run(step), drafts=made)
         except Exception as exc:
             raise self.workers.fail(f"step failed on rank 0: {exc}") from exc
         except BaseException:  # interrupted mid-step: the ranks are out of step for good

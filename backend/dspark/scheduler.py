@@ -9,7 +9,7 @@ from dspark.page_allocator import PageAllocator
 from dspark.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefillChunk:
     """Positions [start, start + length) of `seq` to prefill this step."""
 
@@ -22,19 +22,32 @@ class PrefillChunk:
         """True when this chunk reaches the sequence's prefill target."""
         return self.start + self.length == self.seq.prefill_target
 
+    @property
+    def samples_first_token(self) -> bool:
+        """True when this chunk ends a fresh prompt, so the step samples the request's first token from
+        its last row (a preempted request resumes with its tokens already chosen)."""
+        return self.completes_prefill and self.seq.num_output_tokens == 0
 
-@dataclass
+
+@dataclass(frozen=True)
 class StepSchedule:
     """One step's work: decode windows and prefill chunks (run in one target forward)."""
 
-    decode: list[Sequence] = field(default_factory=list)
-    prefill: list[PrefillChunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    decode: tuple[Sequence, ...] = ()
+    prefill: tuple[PrefillChunk, ...] = ()
 
     @property
     def empty(self) -> bool:
         """True when nothing runs this step."""
         return not self.decode and not self.prefill
+
+
+@dataclass
+class _Building:
+    """A schedule while `Scheduler.schedule` builds it (preemption takes requests out again)."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
 
 
 class Scheduler:
@@ -81,7 +94,7 @@ class Scheduler:
 
     def schedule(self) -> StepSchedule:
         """Choose this step's decode windows and prefill chunks."""
-        plan = StepSchedule()
+        plan = _Building()
         budget = self.max_num_batched_tokens
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.in_prefill or seq.status is not SequenceStatus.RUNNING:
@@ -105,16 +118,16 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             budget -= chunk
-        return plan
+        return StepSchedule(tuple(plan.decode), tuple(plan.prefill))
 
-    def _schedule_prefill(self, seq: Sequence, budget: int, plan: StepSchedule) -> int:
+    def _schedule_prefill(self, seq: Sequence, budget: int, plan: _Building) -> int:
         length = min(seq.prefill_target - seq.num_cached, budget)
         if length <= 0 or not self.allocator.try_reserve(seq, seq.num_cached + length):
             return 0
         plan.prefill.append(PrefillChunk(seq, seq.num_cached, length))
         return length
 
-    def _reserve_or_preempt(self, seq: Sequence, plan: StepSchedule) -> bool:
+    def _reserve_or_preempt(self, seq: Sequence, plan: _Building) -> bool:
         """Reserve the window of `seq`, preempting the youngest other requests if needed."""
         positions = min(seq.num_cached + self.window_positions, self.max_model_len + self.window_positions)
         while not self.allocator.try_reserve(seq, positions):
@@ -124,7 +137,7 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence, plan: StepSchedule) -> None:
+    def _preempt(self, seq: Sequence, plan: _Building) -> None:
         self.running.remove(seq)
         if seq in plan.decode:
             plan.decode.remove(seq)
@@ -135,4 +148,3 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        plan.preempted.append(seq)

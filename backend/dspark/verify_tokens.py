@@ -9,10 +9,36 @@ has no host-device round trip until its tokens are committed.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from dspark.host_to_device import to_device
 from dspark.kernels import ops
+
+
+class VerifyDrafts(Protocol):
+    """The drafts of a target step's verify windows, as the runner takes them: the step's first
+    `num_windows` windows hold their anchor, then placeholders, which `pack` fills in.
+
+    Drafts made before the step (`spec.drafts.Drafts`) are packed as they are; drafts made inside the
+    step (`spec.step_draft.InStepDrafts`) are drafted by `pack`, from the target graphs' static
+    layout when the step replays a graph."""
+
+    @property
+    def num_windows(self) -> int:
+        """How many of the step's windows (the first ones) are verify windows."""
+        ...
+
+    def pack(
+        self, token_ids: torch.Tensor, window_lens: list[int], out: torch.Tensor, in_layout: bool
+    ) -> object:
+        """Write the verify windows' token ids into `out` (the step's packed token ids, on any device);
+        return the drafts made to do so (None when they were made before the step).
+
+        token_ids, window_lens: the step's host token ids and window lengths; in_layout: `out` is the
+        token ids of the target graphs' static layout, filled with this step (`StaticLayout.fill`)."""
+        ...
 
 
 def write_verify_tokens(

@@ -1,17 +1,21 @@
-"""Lossless speculative sampling of every sampling request of a step, in one call where the logits are.
+"""Acceptance of a step's verify windows, greedy and sampled, each in one call where the logits are.
 
-Each request's verify window is judged by `ops.rejection_accept` (the rejection kernel on a GPU):
-draft i is kept while u_i * p_d(d_i) < p_t(d_i); the first rejected position draws from
-normalize(max(0, p_t - p_d)); if every draft passes, the bonus is drawn from p_t at the last row. The
-random numbers come from each request's own generator in fixed amounts a step (`num_uniforms`
-uniforms, then one exponential per vocabulary entry), so a seeded stream replays whatever the batch
-and whatever was accepted. One sum over every distribution of the step rides in the same copy to the
-host: when it is not finite, the requests whose distributions hold a NaN or inf get NON_FINITE_TOKEN.
+Greedy (`greedy_accept_all`, the accept kernel on a GPU): draft i is kept while it equals the
+target's argmax at its row; the token after the kept drafts is the argmax there (the bonus).
+
+Sampled (`rejection_accept_all`, the rejection kernel on a GPU): draft i is kept while
+u_i * p_d(d_i) < p_t(d_i); the first rejected position draws from normalize(max(0, p_t - p_d)); if
+every draft passes, the bonus is drawn from p_t at the last row. The random numbers come from each
+request's own generator in fixed amounts a step (`num_uniforms` uniforms, then one exponential per
+vocabulary entry), so a seeded stream replays whatever the batch and whatever was accepted. One sum
+over every distribution of the step rides in the same copy to the host: when it is not finite, the
+requests whose distributions hold a NaN or inf get NON_FINITE_TOKEN.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -89,3 +93,53 @@ def _non_finite_requests(target: torch.Tensor, proposed: torch.Tensor, lens: lis
     target_ok = torch.stack([torch.isfinite(rows.sum()) for rows in row_sums])
     draft_ok = torch.isfinite(proposed.sum((1, 2)))
     return (~(target_ok & draft_ok)).tolist()
+
+
+@dataclass(frozen=True)
+class GreedyAcceptance:
+    """Greedy acceptance on the host: per verify window the drafts accepted (`accepted`), the token
+    after them (`bonus`) and the drafts it verified (`drafts`, brought back in the same copy); and the
+    argmax of every logit row after the windows (`rest`: the prefill chunks' last rows)."""
+
+    accepted: list[int]
+    bonus: list[int]
+    drafts: list[list[int]]
+    rest: list[int]
+
+
+def greedy_accept_all(
+    verify_lens: Sequence[int], commit_caps: Sequence[int], drafts: torch.Tensor | None, argmax: torch.Tensor
+) -> GreedyAcceptance:
+    """Greedy acceptance of every verify window where the argmax is (`ops.greedy_accept`: the accept
+    kernel on a GPU), then one copy to the host of what the step commits.
+
+    verify_lens, commit_caps: per window, the drafts verified and the most that may be kept; drafts:
+    [windows, >= max verify_lens] the drafts (any device; None: nothing was drafted); argmax: [rows]
+    the target's argmax of every logit row of the step. Verify windows come first in the packed step
+    and every one of their rows has logits, so window r's argmax rows are argmax[cu[r] : cu[r + 1]]
+    with no gather; the rows after them are the prefill chunks' last rows. Sampling requests' windows
+    are judged too and their results ignored."""
+    num = len(verify_lens)
+    if num == 0:
+        return GreedyAcceptance([], [], [], argmax.tolist())
+    device = argmax.device
+    lens = torch.tensor(verify_lens, dtype=torch.long)
+    cu = torch.zeros(num + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(lens + 1, 0)
+    window_rows = int(cu[-1])
+    # One host-to-device copy of the per-window numbers.
+    meta = to_device(torch.cat([cu, lens, torch.tensor(commit_caps, dtype=torch.long)]), device)
+    cu_d, lens_d, caps_d = meta[: num + 1], meta[num + 1 : 2 * num + 1], meta[2 * num + 1 :]
+    if drafts is None:
+        drafts = torch.zeros(num, 1, dtype=torch.long, device=device)
+        width = 0
+    else:
+        drafts = to_device(drafts, device)
+        width = max(verify_lens)
+    accepted, bonus = ops.greedy_accept(drafts, argmax[:window_rows], cu_d, lens_d, caps_d)
+    # The verified drafts come back in the same copy (the host emits the accepted ones).
+    rest = argmax[window_rows:]
+    host = torch.cat([accepted, bonus, drafts[:, :width].flatten(), rest]).tolist()
+    flat = host[2 * num : 2 * num + num * width]
+    verified = [flat[r * width : r * width + n] if width else [] for r, n in enumerate(verify_lens)]
+    return GreedyAcceptance(host[:num], host[num : 2 * num], verified, host[2 * num + num * width :])

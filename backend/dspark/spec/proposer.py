@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -19,26 +18,7 @@ from dspark.sampling import filtered_probs, sample_rows
 from dspark.sequence import Sequence
 from dspark.spec.draft_graphs import DraftGraphs
 from dspark.spec.drafter import BlockHeads, Drafter
-
-
-@dataclass
-class DraftProposal:
-    """One block of drafts per request.
-
-    tokens: [R, block_size] int64, on the drafter's device for greedy blocks (nothing waits to read them
-    back before the target step; device acceptance reads them there) or on the host; confidences:
-    [R, block_size] fp32 on the drafter's device (c_k, the chance draft k survives given the earlier ones
-    did; the planner reads them there); probs[r]: [block_size, vocab] the distributions request r's drafts
-    were sampled from, on the drafter's device (None for greedy requests, whose drafts are argmax
-    choices).
-    """
-
-    tokens: torch.Tensor
-    confidences: torch.Tensor
-    probs: list[torch.Tensor | None]
-    # Drafted positions per request [R] int64 on the host (None: the whole block). Positions past a
-    # request's length hold no draft (confidence 0) and must not be verified.
-    lengths: torch.Tensor | None = None
+from dspark.spec.drafts import Drafts
 
 
 class Proposer(Protocol):
@@ -47,7 +27,7 @@ class Proposer(Protocol):
     block_size: int
     target_layer_ids: list[int]
 
-    def propose(self, seqs: Seq[Sequence]) -> DraftProposal:
+    def propose(self, seqs: Seq[Sequence]) -> Drafts:
         """Draft one block per sequence (each has `num_cached` context positions and an anchor)."""
         ...
 
@@ -129,11 +109,11 @@ class DSparkProposer:
         return True
 
     @torch.inference_mode()
-    def propose_in_step(self, seqs: Seq[Sequence]) -> DraftProposal | None:
+    def propose_in_step(self, seqs: Seq[Sequence]) -> Drafts | None:
         """Draft the followed target step's verify windows (the first len(seqs) windows of the step
         its layout holds, which must be these requests') from that layout, packing the drafts into
         its token ids on the device. None when it cannot (sampling requests, no followed layout, too
-        many requests): draft with `propose` instead. The proposal's tensors are the graph's outputs,
+        many requests): draft with `propose` instead. The drafts are views of the graph's outputs,
         valid until the next in-step block."""
         if self.graphs is None or not all(s.params.greedy for s in seqs):
             return None
@@ -144,7 +124,7 @@ class DSparkProposer:
         # Views of the graph's outputs, not copies: the step that drafted them accepts them before the
         # next in-step block is replayed.
         stopped = lengths.cpu() if self.stop_survival > 0.0 else None
-        return DraftProposal(tokens, confidences, [None] * len(seqs), stopped)
+        return Drafts(tokens, confidences, [None] * len(seqs), stopped)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
@@ -153,7 +133,7 @@ class DSparkProposer:
             self.graphs.capture_all()
 
     @torch.inference_mode()
-    def propose(self, seqs: Seq[Sequence]) -> DraftProposal:
+    def propose(self, seqs: Seq[Sequence]) -> Drafts:
         """Block pass, then left-to-right Markov decode with confidences."""
         block_size = self.block_size
         num_requests = len(seqs)
@@ -171,7 +151,7 @@ class DSparkProposer:
             tokens, confidences, lengths = drafted
             # Copies: a graph's outputs are rewritten by its next replay.
             lengths = lengths.cpu() if stopping else None
-            return DraftProposal(tokens.clone(), confidences.clone(), [None] * num_requests, lengths)
+            return Drafts(tokens.clone(), confidences.clone(), [None] * num_requests, lengths)
         heads = self._block_heads(*self._eager_block_inputs(block, pages, starts))
         return self._decode_block(heads, to_device(block[:, 0].contiguous(), self.device), seqs)
 
@@ -238,7 +218,7 @@ class DSparkProposer:
         lengths, confidences = stop_all_at_once(confidences, self.stop_survival)
         return tokens, confidences, lengths
 
-    def _decode_block(self, heads: BlockHeads, anchors: torch.Tensor, seqs: Seq[Sequence]) -> DraftProposal:
+    def _decode_block(self, heads: BlockHeads, anchors: torch.Tensor, seqs: Seq[Sequence]) -> Drafts:
         """The Markov decode of a block with sampling requests in it: they draw their drafts with their
         own generators (on the engine's device), one request at a time, so this path runs eagerly.
         Their draft distributions stay on the device, where acceptance reads them."""
@@ -263,7 +243,7 @@ class DSparkProposer:
 
         tokens, confidences, stop = self._markov_decode(heads, anchors, choose)
         lengths = stop.lengths.cpu() if stop.enabled else None
-        return DraftProposal(tokens.cpu(), confidences, probs, lengths)
+        return Drafts(tokens.cpu(), confidences, probs, lengths)
 
     def _markov_decode(
         self,

@@ -1,42 +1,47 @@
-"""InStepDraft: a static-length step's drafts, made by the runner inside the target step.
+"""InStepDrafts: a step's drafts that the runner makes inside the target step.
 
-With speculation `static`, a step's verify windows are known before anything is drafted, so the
-target graphs' layout can be filled first and the draft block read its inputs from there
+When verify lengths do not depend on the drafts (`VerifyPolicy.drafts_in_step`: speculation
+`static`), a step's verify windows are known before anything is drafted, so the target graphs' layout
+can be filled first and the draft block read its inputs from there
 (`DSparkProposer.propose_in_step`): one copy of the step's windows to the device instead of one per
-graph, and no host work between the block and the target forward. The runner calls `draft_into`
-when the step replays a graph and `draft` when it runs eagerly; the engine reads `proposal` after.
+graph, and no host work between the block and the target forward. The plan carries this value in
+place of the drafts; the runner drafts when it packs the step's token ids (`pack`, a `VerifyDrafts`)
+and hands the drafts back in its result (`TargetResult.drafts`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
-from dspark.cuda_graphs import StaticLayout
 from dspark.sequence import Sequence
-from dspark.spec.proposer import DraftProposal, DSparkProposer
+from dspark.spec.drafts import Drafts
+from dspark.spec.proposer import DSparkProposer
 from dspark.verify_tokens import write_verify_tokens
 
 
-class InStepDraft:
-    """The drafts of one step's verify windows (a `cuda_graphs.StepDrafter`)."""
+@dataclass(frozen=True)
+class InStepDrafts:
+    """The drafts of one step's verify windows (one per request of `seqs`), still to be made."""
 
-    def __init__(self, proposer: DSparkProposer, seqs: Seq[Sequence]) -> None:
-        self.proposer = proposer
-        self.seqs = seqs
-        self.num_windows = len(seqs)
-        # Set by whichever of draft_into / draft the runner calls.
-        self.proposal: DraftProposal | None = None
+    proposer: DSparkProposer
+    seqs: Seq[Sequence]
 
-    def draft_into(self, layout: StaticLayout, token_ids: torch.Tensor, window_lens: list[int]) -> None:
-        """Draft from the filled `layout`, packing the drafts into its token ids (or, when the block
-        cannot read the layout, draft apart and pack them the usual way)."""
-        self.proposal = self.proposer.propose_in_step(self.seqs)
-        if self.proposal is None:
-            write_verify_tokens(token_ids, window_lens, self.draft(), layout.token_ids)
+    @property
+    def num_windows(self) -> int:
+        """The verify windows drafted (the step's first ones)."""
+        return len(self.seqs)
 
-    def draft(self) -> torch.Tensor:
-        """Draft apart (`DSparkProposer.propose`); the drafts, for the runner to pack."""
-        self.proposal = self.proposer.propose(self.seqs)
-        return self.proposal.tokens
+    def pack(
+        self, token_ids: torch.Tensor, window_lens: list[int], out: torch.Tensor, in_layout: bool
+    ) -> Drafts:
+        """Draft and pack the drafts into `out` (`VerifyDrafts.pack`): from the filled target layout
+        when `in_layout` and the block can read it, else apart (`DSparkProposer.propose`) and packed the
+        usual way. Returns the drafts."""
+        drafts = self.proposer.propose_in_step(self.seqs) if in_layout else None
+        if drafts is None:
+            drafts = self.proposer.propose(self.seqs)
+            write_verify_tokens(token_ids, window_lens, drafts.tokens, out)
+        return drafts

@@ -21,7 +21,8 @@ from dspark.config import EngineConfig
 from dspark.outputs import CompletionOutput, SpecStats
 from dspark.sampling_params import SamplingParams
 from dspark.sequence import Sequence
-from dspark.spec.proposer import DraftProposal, Proposer
+from dspark.spec.drafts import Drafts
+from dspark.spec.proposer import Proposer
 from dspark.training.calibration import calibration_error
 
 
@@ -47,7 +48,7 @@ class RecordingProposer:
         self.engine_block_size = block_size
         self.blocks: list[DraftedBlock] = []
 
-    def propose(self, seqs: Seq[Sequence]) -> DraftProposal:
+    def propose(self, seqs: Seq[Sequence]) -> Drafts:
         """Draft through the inner proposer and record the blocks."""
         proposal = self.inner.propose(seqs)
         for r, seq in enumerate(seqs):
@@ -192,7 +193,10 @@ def evaluate_acceptance(
                     d: [encode_prompt(llm.tokenizer, p) for p in texts] for d, texts in prompts.items()
                 }
                 pooled = RunTally()
-                calibrated = "all" if temperature == 0 else ("verified" if mode == "static" else "none")
+                # Sampled drafts' confidences can be judged where every draft is verified whatever its
+                # confidence: a policy whose verify lengths are fixed before drafting.
+                every_draft = llm.engine.policy.drafts_in_step
+                calibrated = "all" if temperature == 0 else ("verified" if every_draft else "none")
                 for domain, ids in encoded.items():
                     recorder.blocks.clear()
                     params = [
