@@ -1,0 +1,82 @@
+"""The step is a sequence of frozen values, and the runner hands back the drafts it made itself."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dspark.config import EngineConfig
+from dspark.cuda_graphs import CudaGraphs
+from dspark.model_runner import ModelRunner, TargetResult, TargetStep
+from dspark.scheduler import PrefillChunk, StepSchedule
+from dspark.spec.drafts import Drafts
+from dspark.spec.step_draft import InStepDrafts
+from dspark.spec.verify_policy import VerifyPlan
+from dspark.step import Acceptance, Committed, PackedStep, WindowAcceptance
+
+PAGE = 4
+STAGE_VALUES = [
+    StepSchedule,
+    PrefillChunk,
+    Drafts,
+    InStepDrafts,
+    VerifyPlan,
+    PackedStep,
+    TargetStep,
+    TargetResult,
+    WindowAcceptance,
+    Acceptance,
+    Committed,
+]
+
+
+@pytest.mark.parametrize("value", STAGE_VALUES, ids=[v.__name__ for v in STAGE_VALUES])
+def test_every_stage_value_is_frozen(value) -> None:
+    assert dataclasses.is_dataclass(value) and value.__dataclass_params__.frozen
+
+
+class _DraftsMadeWhilePacking:
+    """A VerifyDrafts whose drafts are made when the runner packs them: [anchor, 6, 4] for one window."""
+
+    num_windows = 1
+
+    def __init__(self) -> None:
+        self.packed_in_layout: list[bool] = []
+
+    def pack(
+        self, token_ids: torch.Tensor, window_lens: list[int], out: torch.Tensor, in_layout: bool
+    ) -> str:
+        self.packed_in_layout.append(in_layout)
+        out[1:3] = torch.tensor([6, 4], device=out.device)
+        return "the drafts made"
+
+
+def test_the_runner_packs_drafts_made_in_the_step_and_hands_them_back(tiny_target_dir) -> None:
+    config = EngineConfig(model=str(tiny_target_dir), spec_mode="off", num_kv_pages=64, kv_page_size=PAGE)
+    runner = ModelRunner.create(config, torch.device("cpu"), torch.float32)
+
+    def step(token_ids: list[int], drafts: _DraftsMadeWhilePacking | None) -> TargetStep:
+        # A verify window of 3 tokens after 2 cached ones, then a prefill chunk of 2.
+        return TargetStep(
+            token_ids=torch.tensor(token_ids),
+            positions=None,
+            window_starts=[2, 0],
+            window_lens=[3, 2],
+            pages=[[0, 2], [1]],
+            logit_rows=torch.arange(5),
+            capture_layers=(),
+            drafts=drafts,
+        )
+
+    complete = runner.run(step([3, 6, 4, 5, 1], None))
+    assert complete.drafts is None
+    drafts = _DraftsMadeWhilePacking()
+    eager = runner.run(step([3, 0, 0, 5, 1], drafts))
+    runner.use_graphs(CudaGraphs(runner.model, runner.cache, runner.device, 8, 2, emulate=True))
+    replayed = runner.run(step([3, 0, 0, 5, 1], drafts))
+    assert drafts.packed_in_layout == [False, True]
+    for result in (eager, replayed):
+        assert result.drafts == "the drafts made"
+        torch.testing.assert_close(result.logits, complete.logits)
