@@ -1,4 +1,5 @@
-"""Verify-length planner: how many drafted tokens each request verifies this step, by the rule below.
+"""Verify-length planner: how many drafted tokens each request verifies this step, by the rule below
+(the plan stage of docs/step_pipeline.md, for the compact and cap-accept policies).
 
 Verifying ``ℓ_r`` drafts of request ``r`` costs ``1 + ℓ_r`` target tokens (anchor included) and is
 expected to commit ``1 + Σ_{j≤ℓ_r} a_{r,j}`` tokens, where ``a_{r,j} = c_{r,1}·…·c_{r,j}`` is the
