@@ -12,7 +12,7 @@ ADDRESS ?= 127.0.0.1
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
-# The OpenAI-compatible endpoint (dspark.openai_frontend); 0 turns it off.
+# The OpenAI-compatible endpoint (dspark.serving.openai_frontend); 0 turns it off.
 OPENAI_PORT ?= 9000
 MODEL_REPOSITORY ?= model_repository
 PYTEST_ARGS ?=

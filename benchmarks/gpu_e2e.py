@@ -41,7 +41,7 @@ import e2e  # noqa: E402
 import tp_gpu  # noqa: E402
 
 from dspark import LLM, EngineConfig  # noqa: E402
-from dspark.model_runner import ModelRunner  # noqa: E402
+from dspark.runner.model_runner import ModelRunner  # noqa: E402
 from dspark.spec.drafts import Drafts  # noqa: E402
 
 
@@ -201,7 +201,7 @@ def write_placeholder_tokenizer(checkpoint: Path, vocab_size: int) -> None:
 
 
 def part_e2e8b(args: argparse.Namespace, checkpoint: Path, report: dict) -> None:
-    from dspark.models.hf_config import ModelConfig
+    from dspark.runner.models.hf_config import ModelConfig
     from dspark.spec.draft_checkpoint import create_random_drafter, fresh_draft_config, save_drafter
 
     target_cfg = ModelConfig.load(checkpoint)

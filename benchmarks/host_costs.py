@@ -22,19 +22,19 @@ from collections.abc import Callable
 import torch
 from e2e import _prompt_ids, bench_config
 
-import dspark.cuda_graphs as cuda_graphs
-import dspark.engine as engine
-import dspark.host_to_device as host_to_device
+import dspark.engine.llm_engine as engine
+import dspark.engine.scheduler as scheduler
+import dspark.engine.step as step
 import dspark.kernels.ops as ops
-import dspark.model_runner as model_runner
-import dspark.models.llama as llama
-import dspark.scheduler as scheduler
+import dspark.runner.cuda_graphs as cuda_graphs
+import dspark.runner.host_to_device as host_to_device
+import dspark.runner.model_runner as model_runner
+import dspark.runner.models.llama as llama
 import dspark.spec.accept as accept
 import dspark.spec.draft_graphs as draft_graphs
 import dspark.spec.drafts as drafts
 import dspark.spec.proposer as proposer
 import dspark.spec.step_draft as step_draft
-import dspark.step as step
 from dspark import LLM, SamplingParams
 
 NANOSECONDS: dict[str, float] = collections.defaultdict(float)

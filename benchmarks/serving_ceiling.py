@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE))
 from load_generator import run_load  # noqa: E402
 
 from dspark.config import EngineConfig  # noqa: E402
-from dspark.triton_config import render_config_pbtxt  # noqa: E402
+from dspark.serving.triton_config import render_config_pbtxt  # noqa: E402
 
 
 def render_repository(root: Path, steps_per_s: float, tokens_per_step: int) -> Path:
@@ -46,10 +46,10 @@ def start_server(
 ) -> subprocess.Popen:
     """`dspark serve` on the repository; returns once the model is ready."""
     command = [
-        sys.executable, "-m", "dspark.triton_launcher", "--model-repository", str(repo),
+        sys.executable, "-m", "dspark.serving.triton_launcher", "--model-repository", str(repo),
         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
     ]  # fmt: skip
-    from dspark.triton_launcher import parse_args
+    from dspark.serving.triton_launcher import parse_args
 
     if hasattr(parse_args([]), "openai_port"):  # the OpenAI frontend is not measured here
         command += ["--openai-port", "0"]

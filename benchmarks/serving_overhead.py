@@ -31,7 +31,7 @@ from load_generator import PROMPTS, run_load  # noqa: E402
 from serving_ceiling import start_server  # noqa: E402
 
 from dspark.config import EngineConfig  # noqa: E402
-from dspark.triton_config import DEFAULT_MODEL_REPOSITORY, render_config_pbtxt  # noqa: E402
+from dspark.serving.triton_config import DEFAULT_MODEL_REPOSITORY, render_config_pbtxt  # noqa: E402
 
 MODES = {
     "off": {"spec_mode": "off"},

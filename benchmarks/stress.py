@@ -707,8 +707,8 @@ def capture_target(config_json: str) -> int:
     size. A short greedy run then replays the graphs."""
     import torch
 
-    from dspark.cuda_graphs import next_pow2, token_tiers
-    from dspark.engine import LLMEngine
+    from dspark.engine.llm_engine import LLMEngine
+    from dspark.runner.cuda_graphs import next_pow2, token_tiers
     from dspark.sampling_params import SamplingParams
 
     lines = _CaptureLines()

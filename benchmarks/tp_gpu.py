@@ -3,7 +3,7 @@
 A randomly initialised Qwen3-8B-shaped target (hidden 4096, 36 layers, 32 heads, 8 KV heads, head dim
 128, intermediate 12288, vocab 151936, q/k norm) is written once as a Hugging Face checkpoint of bf16
 weights (each tensor generated from its own seed, so the weights are the same on every run), then
-driven through `dspark.model_runner.create_runner` at each TP size, the engine's own runner seam.
+driven through `dspark.runner.model_runner.create_runner` at each TP size, the engine's own runner seam.
 
 bf16 differs from exact arithmetic by itself, so "TP=2 differs from TP=1 bf16" alone cannot tell TP's
 error from rounding. First, unless `--no-fp32-reference`, the same bf16 checkpoint runs at TP=1 in
@@ -201,7 +201,7 @@ def random_tensor(name: str, shape: tuple[int, ...], dtype: str, seed: int) -> t
 def make_runner(checkpoint: Path, tp: int, plan: Plan, num_pages: int, dtype: str | None = None):
     """The engine's runner for `checkpoint` at TP size `tp`, computing in `dtype` (plan.dtype if None)."""
     from dspark.config import DTYPES, EngineConfig
-    from dspark.model_runner import create_runner
+    from dspark.runner.model_runner import create_runner
 
     dtype = dtype or plan.dtype
     config = EngineConfig(
@@ -239,7 +239,7 @@ def opened_runner(checkpoint: Path, tp: int, plan: Plan, num_pages: int, dtype: 
 def step(tokens: list[list[int]], starts: list[int], pages: list[list[int]], all_logits: bool):
     """One TargetStep over windows `tokens[r]` at positions starts[r].., logits at every row or at the
     last row of each window."""
-    from dspark.model_runner import TargetStep
+    from dspark.runner.model_runner import TargetStep
 
     lens = [len(t) for t in tokens]
     ends = torch.cumsum(torch.tensor(lens), 0)

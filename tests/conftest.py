@@ -12,7 +12,7 @@ import torch
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct in Hugging Face layout, converted once from its packaged GGUF."""
     from dspark.config import DEFAULT_TARGET_DIR
-    from dspark.convert_gguf import default_gguf_path, import_gguf
+    from dspark.tools.convert_gguf import default_gguf_path, import_gguf
 
     try:
         gguf_path = default_gguf_path()
@@ -58,7 +58,7 @@ def triton_server(smollm2_dir, tmp_path_factory):
     for the whole session, on free ports; stopped at the end, leaving no tritonserver or stub."""
     from server_fixtures import start_server
 
-    from dspark.cli import main as dspark_main
+    from dspark.tools.cli import main as dspark_main
 
     assert dspark_main(["create-draft", "--if-missing"]) == 0
     server = start_server(tmp_path_factory.mktemp("triton"))
@@ -73,7 +73,7 @@ def triton_server(smollm2_dir, tmp_path_factory):
 def smollm2_drafter_dir(smollm2_dir: Path) -> Path:
     """The embedded default's drafter directory (set-up creates a random one until a trained one ships)."""
     from dspark.config import DEFAULT_DRAFT_DIR
-    from dspark.models.hf_config import ModelConfig
+    from dspark.runner.models.hf_config import ModelConfig
     from dspark.spec.draft_checkpoint import create_random_drafter, fresh_draft_config, save_drafter
 
     if not (DEFAULT_DRAFT_DIR / "config.json").is_file():

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from dspark.sampling import sample_rows
+from dspark.sampling.sampler import sample_rows
 from dspark.sequence import Sequence
 from dspark.spec.drafts import Drafts
 
@@ -76,7 +76,7 @@ class TrapProposer:
         self._greedy: dict[tuple[int, ...], int] = {}
 
     def _greedy_token(self, context: list[int]) -> int:
-        from dspark.models.dense import dense_logits
+        from dspark.runner.models.dense import dense_logits
 
         key = tuple(context)
         if key not in self._greedy:

@@ -1,5 +1,5 @@
 """A real tritonserver, started through `dspark serve` on a model repository rendered into tmp, with its
-OpenAI-compatible endpoint (dspark.openai_frontend) on a free port too.
+OpenAI-compatible endpoint (dspark.serving.openai_frontend) on a free port too.
 
 The repository is the checked-in one (dspark and dspark_generate) with dspark's config.pbtxt
 rendered from test-friendly EngineConfig settings: a small KV cache, so that the pages a request
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark.config import EngineConfig
-from dspark.triton_config import DEFAULT_MODEL_REPOSITORY, render_config_pbtxt
+from dspark.serving.triton_config import DEFAULT_MODEL_REPOSITORY, render_config_pbtxt
 
 # Serving tests check speculation's counters and streams: draft on every step (the gate's timing-driven
 # choice is tested in test_speculation_gate.py).
@@ -92,7 +92,7 @@ class TritonServer:
     http_port: int
     grpc_port: int
     metrics_port: int
-    openai_port: int = 0  # the OpenAI endpoint's (dspark.openai_frontend); 0: none
+    openai_port: int = 0  # the OpenAI endpoint's (dspark.serving.openai_frontend); 0: none
     process: subprocess.Popen | None = None
     ready_after_s: float = 0.0
     _log: object = field(default=None, repr=False)
@@ -118,7 +118,7 @@ class TritonServer:
         command = [
             sys.executable,
             "-m",
-            "dspark.triton_launcher",
+            "dspark.serving.triton_launcher",
             "--model-repository",
             str(self.repo),
             "--http-port",
@@ -207,7 +207,7 @@ class TritonServer:
 
     def backend_stubs(self) -> dict[int, str]:
         """The Python backend stub processes of the running tritonserver: pid -> model instance."""
-        from dspark.triton_launcher import backend_stubs
+        from dspark.serving.triton_launcher import backend_stubs
 
         pid = self.tritonserver_pid()
         return {} if pid is None else backend_stubs(pid)

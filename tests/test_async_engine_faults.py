@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from dspark import EngineConfig, SamplingParams
-from dspark.async_engine import AsyncEngine, EngineDeadError, _Submit
+from dspark.engine.async_engine import AsyncEngine, EngineDeadError, _Submit
 from dspark.outputs import RequestDelta
 
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)

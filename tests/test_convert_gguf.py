@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from dspark.convert_gguf import (
+from dspark.tools.convert_gguf import (
     MARKER_FILENAME,
     default_gguf_path,
     import_gguf,
@@ -207,8 +207,8 @@ def test_converted_weights_match_transformers_gguf_load(
 def test_our_model_logits_match_transformers_reference(
     smollm2_dir: Path, hf_model_from_dir, ours: Tokenizer
 ) -> None:
-    from dspark.models.dense import dense_logits
-    from dspark.models.loader import load_target_model
+    from dspark.runner.models.dense import dense_logits
+    from dspark.runner.models.loader import load_target_model
 
     model = load_target_model(smollm2_dir, dtype=torch.float32, device="cpu")
     with torch.inference_mode():

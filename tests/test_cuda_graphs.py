@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dspark import LLM, EngineConfig, SamplingParams
-from dspark.attention_batch import AttentionBatch
-from dspark.cuda_graphs import (
+from dspark.runner.attention_batch import AttentionBatch
+from dspark.runner.cuda_graphs import (
     CAPTURE_RESERVE_BYTES,
     CAPTURE_SAFETY,
     CudaGraphs,
@@ -24,7 +24,7 @@ from dspark.cuda_graphs import (
     step_tiers,
     token_tiers,
 )
-from dspark.model_runner import ModelRunner
+from dspark.runner.model_runner import ModelRunner
 
 PAGE = 4
 

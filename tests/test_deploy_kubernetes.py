@@ -22,9 +22,9 @@ import pytest
 import yaml
 
 from dspark.config import REPO_ROOT
-from dspark.metrics import TritonMetrics
 from dspark.outputs import EngineLoad
-from dspark.triton_launcher import parse_args
+from dspark.serving.metrics import TritonMetrics
+from dspark.serving.triton_launcher import parse_args
 
 DEPLOY = REPO_ROOT / "deploy"
 # The Kubernetes release the manifests are validated against (kubernetes-validate ships its schemas).

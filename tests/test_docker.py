@@ -62,7 +62,7 @@ def test_bind_mounted_paths_exist_and_the_entrypoint_is_executable():
 
 
 def test_the_container_serves_every_interface_restarts_and_takes_the_admin_key_from_the_environment():
-    from dspark.triton_launcher import parse_args
+    from dspark.serving.triton_launcher import parse_args
 
     cmd = re.search(r"^CMD (\[.*\])$", (DOCKER / "Dockerfile").read_text(), re.M)
     args = parse_args(yaml.safe_load(cmd.group(1)))

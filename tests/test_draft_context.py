@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dspark import LLM, EngineConfig, SamplingParams
-from dspark.cuda_graphs import CudaGraphs
+from dspark.runner.cuda_graphs import CudaGraphs
 from dspark.sequence import Sequence
 from dspark.spec.drafts import Drafts
 from dspark.spec.proposer import DSparkProposer

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark import LLM, EngineConfig, SamplingParams
-from dspark.model_runner import ModelRunner
+from dspark.runner.model_runner import ModelRunner
 from dspark.spec.draft_checkpoint import load_drafter
 from dspark.spec.draft_config import DraftConfig
 from dspark.spec.profile import profile_sps_table

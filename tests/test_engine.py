@@ -7,7 +7,7 @@ import random
 import pytest
 
 from dspark import LLM, EngineConfig, InvalidParameterError, SamplingParams
-from dspark.async_engine import AsyncEngine
+from dspark.engine.async_engine import AsyncEngine
 
 
 def _config(target_dir, draft_dir, **changes) -> EngineConfig:

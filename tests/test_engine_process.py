@@ -12,9 +12,9 @@ import threading
 import pytest
 
 from dspark import EngineConfig, InvalidParameterError, SamplingParams
-from dspark.async_engine import AsyncEngine, EngineDeadError
-from dspark.engine_process import EngineProcess
+from dspark.engine.async_engine import AsyncEngine, EngineDeadError
 from dspark.outputs import RequestDelta
+from dspark.serving.engine_process import EngineProcess
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -134,7 +134,7 @@ def test_an_engine_process_whose_events_cannot_be_sent_exits():
     sees the pipe close and fails its requests instead of waiting for them forever."""
     from multiprocessing import Pipe
 
-    from dspark.engine_process import SENDER_FAILED_STATUS, _Outbox, _send_events_or_exit
+    from dspark.serving.engine_process import SENDER_FAILED_STATUS, _Outbox, _send_events_or_exit
 
     ours, theirs = Pipe(duplex=False)
     outbox = _Outbox()

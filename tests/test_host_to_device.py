@@ -1,4 +1,4 @@
-"""dspark.host_to_device: copies that arrive intact and, on a GPU, do not make the host wait."""
+"""dspark.runner.host_to_device: copies that arrive intact and, on a GPU, do not make the host wait."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from dspark.host_to_device import copy_to_device, to_device
+from dspark.runner.host_to_device import copy_to_device, to_device
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -1,4 +1,4 @@
-"""The `dspark` modules import each other without a cycle: layers import downwards only.
+"""The `dspark` modules import each other without a cycle, and layers import downwards only.
 
 Every import statement counts, wherever it is: at the top of a module, inside a function (a deferred
 import still ties the two modules together) or under `if TYPE_CHECKING:`. The graph is read from the
@@ -92,6 +92,61 @@ def test_dspark_modules_import_each_other_without_a_cycle() -> None:
     assert len(graph) > 50, "the module walk found too few modules"
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+# Lowest first; a module may import its own layer and the ones before it (the README's package table).
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("kernels", ("dspark.kernels",)),
+    (
+        "values",
+        (
+            "dspark.config",
+            "dspark.sampling_params",
+            "dspark.outputs",
+            "dspark.sequence",
+            "dspark.tokenizer",
+            "dspark.prompts",
+        ),
+    ),
+    ("parallel", ("dspark.parallel",)),
+    ("runner", ("dspark.runner",)),
+    ("sampling", ("dspark.sampling",)),
+    ("spec", ("dspark.spec",)),
+    ("engine", ("dspark.engine",)),
+    ("api", ("dspark.llm",)),
+    ("serving", ("dspark.serving",)),
+    ("training", ("dspark.training",)),
+    ("tools", ("dspark.tools",)),
+]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the layer that `module` belongs to (the package root counts as api)."""
+    if module == "dspark":
+        return next(i for i, (name, _) in enumerate(LAYERS) if name == "api")
+    for index, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS and to the README's package table")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a later layer than the importer's, as 'importer -> imported'."""
+    return [
+        f"{module} ({LAYERS[layer_of(module)][0]}) -> {target} ({LAYERS[layer_of(target)][0]})"
+        for module, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if layer_of(target) > layer_of(module)
+    ]
+
+
+def test_every_module_is_in_a_layer_and_imports_only_downwards() -> None:
+    assert upward_imports(import_graph()) == []
+
+
+def test_an_upward_import_is_found() -> None:
+    graph = {"dspark.runner.model_runner": {"dspark.engine.step"}, "dspark.engine.step": {"dspark.runner.x"}}
+    assert upward_imports(graph) == ["dspark.runner.model_runner (runner) -> dspark.engine.step (engine)"]
 
 
 def test_a_function_level_import_closes_a_cycle() -> None:

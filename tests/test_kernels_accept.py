@@ -13,7 +13,7 @@ import torch
 from kernel_setup import DEVICE, KERNELS, gpu_only
 
 from dspark.kernels import reference
-from dspark.sampling import filtered_probs, filtered_probs_of_requests
+from dspark.sampling.sampler import filtered_probs, filtered_probs_of_requests
 from dspark.sampling_params import SamplingParams
 from dspark.spec.accept import rejection_accept_all
 from dspark.spec.planner import global_argmax_budget, split_budget, sync_budget

@@ -15,8 +15,8 @@ import pytest
 import torch
 from kernel_setup import DEVICE, KERNELS, gpu_only
 
-from dspark.attention_batch import AttentionBatch, build_page_table
 from dspark.kernels import ops, reference
+from dspark.runner.attention_batch import AttentionBatch, build_page_table
 
 
 @pytest.mark.parametrize("padding", [0, 5])
@@ -141,7 +141,7 @@ def test_pack_verify_tokens_reference_by_hand(gen):
 def test_a_step_with_device_drafts_packs_them_into_its_host_tokens(gen):
     """TargetStep.with_host_tokens (what tensor-parallel ranks are sent): the verify windows' rows
     after the anchor take the drafts, the prefill chunk after them keeps its own tokens."""
-    from dspark.model_runner import TargetStep
+    from dspark.runner.model_runner import TargetStep
     from dspark.spec.drafts import Drafts
 
     drafts = torch.randint(1, 1000, (2, 3), generator=gen, device=DEVICE).cpu()

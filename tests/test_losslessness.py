@@ -13,8 +13,8 @@ from proposers import OracleProposer, TrapProposer
 from tiny_models import tiny_engine_config
 
 from dspark import LLM, EngineConfig, SamplingParams
-from dspark.models.dense import dense_logits
-from dspark.models.loader import load_target_model
+from dspark.runner.models.dense import dense_logits
+from dspark.runner.models.loader import load_target_model
 from dspark.spec import planner as planner_module
 from dspark.spec.sps_table import SpsTable
 
@@ -202,7 +202,7 @@ TV_BOUND = 0.1
 
 def _exact_joint(target_dir, params: SamplingParams) -> torch.Tensor:
     """P(x2, x3) of the target under `params`, by enumerating x1, x2 and summing x1 out: [8, 8]."""
-    from dspark.sampling import filtered_probs
+    from dspark.sampling.sampler import filtered_probs
 
     model = load_target_model(target_dir)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.models.dense import dense_logits
-from dspark.models.loader import load_target_model
+from dspark.runner.models.dense import dense_logits
+from dspark.runner.models.loader import load_target_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,9 +17,9 @@ import pytest
 import yaml
 from server_fixtures import free_ports, wait_for
 
-from dspark import triton_launcher
 from dspark.config import REPO_ROOT
-from dspark.triton_launcher import Frontend, frontend_command, parse_args
+from dspark.serving import triton_launcher
+from dspark.serving.triton_launcher import Frontend, frontend_command, parse_args
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -29,7 +29,7 @@ def test_the_frontend_binds_to_the_server_address_and_reaches_its_grpc_endpoint(
     command = frontend_command(
         parse_args(["--address", "0.0.0.0", "--grpc-port", "9101", "--openai-port", "9100"])
     )
-    assert command[1:3] == ["-m", "dspark.openai_frontend"]
+    assert command[1:3] == ["-m", "dspark.serving.openai_frontend"]
     assert {"--host=0.0.0.0", "--port=9100", "--grpc-url=localhost:9101", "--exit-with-stdin"} <= set(command)
     own = frontend_command(parse_args(["--openai-address", "127.0.0.2", "--grpc-address", "127.0.0.3"]))
     assert {"--host=127.0.0.2", "--grpc-url=127.0.0.3:8001"} <= set(own)
@@ -116,7 +116,7 @@ def test_the_frontend_answers_503_while_triton_is_unreachable_and_serves_again_a
         [
             sys.executable,
             "-m",
-            "dspark.openai_frontend",
+            "dspark.serving.openai_frontend",
             f"--port={port}",
             f"--grpc-url=127.0.0.1:{triton_port}",
         ]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.openai_frontend.errors import OpenAIError, from_model_message
-from dspark.openai_frontend.logprobs import MIN_LOGPROB, chat_content, completion_logprobs
-from dspark.openai_frontend.protocol import parse_chat, parse_completion
 from dspark.sampling_params import MAX_INT
+from dspark.serving.openai_frontend.errors import OpenAIError, from_model_message
+from dspark.serving.openai_frontend.logprobs import MIN_LOGPROB, chat_content, completion_logprobs
+from dspark.serving.openai_frontend.protocol import parse_chat, parse_completion
 
 CHAT = {"model": "dspark", "messages": [{"role": "user", "content": "Hi"}]}
 

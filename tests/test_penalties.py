@@ -12,7 +12,7 @@ from penalty_reference import penalized_row
 from tiny_models import tiny_engine_config
 
 from dspark import LLM, EngineConfig, InvalidParameterError, SamplingParams
-from dspark.penalties import PenaltyState, PenaltyWindow, apply_penalties
+from dspark.sampling.penalties import PenaltyState, PenaltyWindow, apply_penalties
 
 VOCAB = 11
 EOS = 0
@@ -102,8 +102,8 @@ def test_penalties_change_greedy_output(tiny_target_dir) -> None:
 
 
 def test_penalized_greedy_tokens_equal_the_argmax_of_the_penalized_target(tiny_target_dir) -> None:
-    from dspark.models.dense import dense_logits
-    from dspark.models.loader import load_target_model
+    from dspark.runner.models.dense import dense_logits
+    from dspark.runner.models.loader import load_target_model
 
     params = SamplingParams(
         max_tokens=12, presence_penalty=0.6, frequency_penalty=0.3, repetition_penalty=1.4, min_tokens=6

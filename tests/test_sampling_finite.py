@@ -7,10 +7,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import dspark.sampling as sampling
+import dspark.sampling.sampler as sampling
 import dspark.spec.accept as accept
 from dspark import LLM, EngineConfig, SamplingParams
-from dspark.sampling import NON_FINITE_TOKEN, choose_tokens, filtered_probs
+from dspark.sampling.sampler import NON_FINITE_TOKEN, choose_tokens, filtered_probs
 from dspark.spec.accept import rejection_accept_all
 
 VOCAB = 32

@@ -27,7 +27,7 @@ RECOVERY_S = 180.0
 @pytest.fixture(scope="module")
 def fault_server(smollm2_dir, tmp_path_factory):
     """A server of its own whose engine raises at its next step once `server.fault_trigger` exists."""
-    from dspark.cli import main as dspark_main
+    from dspark.tools.cli import main as dspark_main
 
     assert dspark_main(["create-draft", "--if-missing"]) == 0
     root = tmp_path_factory.mktemp("faults")

@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from dspark import triton_launcher
-from dspark.triton_launcher import Server, find_server, parse_args, server_command, server_environment
+from dspark.serving import triton_launcher
+from dspark.serving.triton_launcher import Server, find_server, parse_args, server_command, server_environment
 
 
 def wheel_server(monkeypatch) -> Server:

@@ -1,9 +1,9 @@
-"""dspark.metrics without Triton: what each adapter event does to the metric families."""
+"""dspark.serving.metrics without Triton: what each adapter event does to the metric families."""
 
 from __future__ import annotations
 
-from dspark.metrics import Metrics, TritonMetrics
 from dspark.outputs import EngineLoad, SpecStats
+from dspark.serving.metrics import Metrics, TritonMetrics
 
 
 class FakeFamily:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from server_fixtures import ADMIN_KEY
 
-from dspark.triton_launcher import ADMIN_HEADER, GRPC_ADMIN_HEADER, Server, parse_args, server_command
+from dspark.serving.triton_launcher import ADMIN_HEADER, GRPC_ADMIN_HEADER, Server, parse_args, server_command
 
 pytestmark = pytest.mark.server
 

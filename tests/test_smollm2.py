@@ -50,7 +50,7 @@ def test_dspark_generate_cli_prints_text(smollm2_dir, smollm2_drafter_dir) -> No
         [
             sys.executable,
             "-m",
-            "dspark.cli",
+            "dspark.tools.cli",
             "generate",
             "--prompt",
             PROMPTS[0],

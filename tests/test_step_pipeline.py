@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from dspark.config import EngineConfig
-from dspark.cuda_graphs import CudaGraphs
-from dspark.model_runner import ModelRunner, TargetResult, TargetStep
-from dspark.scheduler import PrefillChunk, StepSchedule
+from dspark.engine.scheduler import PrefillChunk, StepSchedule
+from dspark.engine.step import Acceptance, Committed, PackedStep, WindowAcceptance
+from dspark.runner.cuda_graphs import CudaGraphs
+from dspark.runner.model_runner import ModelRunner, TargetResult, TargetStep
 from dspark.spec.drafts import Drafts
 from dspark.spec.step_draft import InStepDrafts
 from dspark.spec.verify_policy import VerifyPlan
-from dspark.step import Acceptance, Committed, PackedStep, WindowAcceptance
 
 PAGE = 4
 STAGE_VALUES = [

@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_serving_metrics_families import FakeFamily, metric
 
-from dspark.metrics import TritonMetrics
 from dspark.outputs import EngineLoad
+from dspark.serving.metrics import TritonMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -181,7 +181,7 @@ def test_load_publishes_the_engine_s_gpu_memory_gauges():
 def test_the_engine_load_reports_its_device_s_allocator(tiny_target_dir, tiny_drafter_dir):
     from tiny_models import tiny_engine_config
 
-    from dspark.engine import LLMEngine
+    from dspark.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(tiny_engine_config(tiny_target_dir, tiny_drafter_dir, device="cuda"))
     try:

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from dspark import LLM, EngineConfig, SamplingParams
-from dspark.async_engine import AsyncEngine, EngineDeadError
-from dspark.model_runner import TargetStep, create_runner
+from dspark.engine.async_engine import AsyncEngine, EngineDeadError
+from dspark.runner.model_runner import TargetStep, create_runner
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -233,7 +233,7 @@ DRIVER = textwrap.dedent(
     """
     import sys
     import torch
-    from dspark.model_runner import create_runner
+    from dspark.runner.model_runner import create_runner
     from test_tensor_parallel import one_step, tiny_config
 
     runner = create_runner(

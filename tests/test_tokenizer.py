@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from dspark.output_processor import OutputProcessor
+from dspark.engine.output_processor import OutputProcessor
 from dspark.sampling_params import SamplingParams
 from dspark.sequence import Sequence
 from dspark.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer

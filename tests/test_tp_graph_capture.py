@@ -26,10 +26,12 @@ import pytest
 import torch
 from test_tensor_parallel import one_thread
 
-from dspark import LLM, EngineConfig, SamplingParams, cuda_graphs, tp_worker
-from dspark.cuda_graphs import CudaGraphs, all_tiers, step_tiers
-from dspark.distributed import SINGLE, TensorParallel
-from dspark.model_runner import ModelRunner
+from dspark import LLM, EngineConfig, SamplingParams
+from dspark.parallel import tp_worker
+from dspark.parallel.distributed import SINGLE, TensorParallel
+from dspark.runner import cuda_graphs
+from dspark.runner.cuda_graphs import CudaGraphs, all_tiers, step_tiers
+from dspark.runner.model_runner import ModelRunner
 
 TIERS = [1, 2, 4, 8, 16, 32, 60, 96, 112]
 MAX_REQUESTS = 4

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from dspark.models.loader import load_target_model
+from dspark.runner.models.loader import load_target_model
 from dspark.spec.draft_checkpoint import load_drafter, save_drafter
 from dspark.training.calibration import write_temperatures
 from dspark.training.data import distill

@@ -7,7 +7,7 @@ import json
 import random
 
 from dspark import LLM, EngineConfig, SamplingParams
-from dspark.cli import main as dspark
+from dspark.tools.cli import main as dspark
 
 
 def _write_prompts(path) -> None:

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from dspark import LLM, EngineConfig, SamplingParams
-from dspark.attention_batch import AttentionBatch
-from dspark.kv_cache import PagedKVCache
-from dspark.models.loader import load_target_model
+from dspark.runner.attention_batch import AttentionBatch
+from dspark.runner.kv_cache import PagedKVCache
+from dspark.runner.models.loader import load_target_model
 from dspark.sequence import Sequence
 from dspark.spec.draft_checkpoint import load_drafter
 from dspark.spec.proposer import DSparkProposer

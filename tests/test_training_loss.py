@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dspark import LLM, EngineConfig, SamplingParams, SpecStats
-from dspark.models.loader import load_target_model
+from dspark.runner.models.loader import load_target_model
 from dspark.spec.draft_checkpoint import save_drafter
 from dspark.training.data import AnchorSampler, distill, distill_with_engine
 from dspark.training.losses import LossWeights, position_weights

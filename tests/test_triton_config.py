@@ -5,7 +5,13 @@ from __future__ import annotations
 import re
 
 from dspark.config import EngineConfig, field_names
-from dspark.triton_config import DEFAULT_MODEL_REPOSITORY, INPUTS, OUTPUTS, field_docs, render_config_pbtxt
+from dspark.serving.triton_config import (
+    DEFAULT_MODEL_REPOSITORY,
+    INPUTS,
+    OUTPUTS,
+    field_docs,
+    render_config_pbtxt,
+)
 
 CHECKED_IN = DEFAULT_MODEL_REPOSITORY / "dspark" / "config.pbtxt"
 
@@ -16,7 +22,7 @@ def parameters(pbtxt: str) -> dict[str, str]:
 
 
 def test_checked_in_config_pbtxt_equals_the_render_of_the_defaults():
-    assert CHECKED_IN.read_text() == render_config_pbtxt(), "run: python -m dspark.triton_config"
+    assert CHECKED_IN.read_text() == render_config_pbtxt(), "run: python -m dspark.serving.triton_config"
 
 
 def test_every_engine_field_is_a_documented_parameter():

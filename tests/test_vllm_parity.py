@@ -10,15 +10,7 @@ import json
 import pytest
 from test_serving_metrics_families import FakeFamily, metric, stats_after
 
-from dspark.metrics import (
-    VLLM_E2E_BUCKETS,
-    VLLM_N_BUCKETS,
-    VLLM_TPOT_BUCKETS,
-    VLLM_TTFT_BUCKETS,
-    TritonMetrics,
-    vllm_token_buckets,
-)
-from dspark.output_processor import OutputProcessor
+from dspark.engine.output_processor import OutputProcessor
 from dspark.sampling_params import (
     UNSUPPORTED_PARAMETERS,
     InvalidParameterError,
@@ -26,6 +18,14 @@ from dspark.sampling_params import (
     _scalar_kinds,
 )
 from dspark.sequence import Sequence
+from dspark.serving.metrics import (
+    VLLM_E2E_BUCKETS,
+    VLLM_N_BUCKETS,
+    VLLM_TPOT_BUCKETS,
+    VLLM_TTFT_BUCKETS,
+    TritonMetrics,
+    vllm_token_buckets,
+)
 from dspark.tokenizer import Tokenizer
 
 SCALAR_FIELDS = {name: kind for name, kind in _scalar_kinds(SamplingParams).items() if kind is not None}

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dspark.config import EngineConfig
-from dspark.models.hf_config import ModelConfig
+from dspark.runner.models.hf_config import ModelConfig
 from dspark.spec.draft_checkpoint import create_random_drafter, fresh_draft_config, save_drafter
 
 

@@ -4,7 +4,7 @@
 
 For machines where the project cannot be pip-installed (no registry): it maps the import names the way
 pyproject.toml's package-dir does (`dspark` -> backend/dspark, `dspark.kernels` -> kernels) and calls
-`dspark.cli.main`.
+`dspark.tools.cli.main`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main() -> int:
     """Map the packages, then hand the arguments to the `dspark` command."""
     _map_package("dspark", ROOT / "backend" / "dspark")
     _map_package("dspark.kernels", ROOT / "kernels")
-    from dspark.cli import main as dspark_main
+    from dspark.tools.cli import main as dspark_main
 
     return dspark_main(sys.argv[1:])
 

@@ -9,8 +9,8 @@ from dspark.outputs import CompletionOutput, RequestDelta, SpecStats
 from dspark.sampling_params import InvalidParameterError, SamplingParams
 
 if TYPE_CHECKING:
-    from dspark.async_engine import AsyncEngine
-    from dspark.engine import LLMEngine
+    from dspark.engine.async_engine import AsyncEngine
+    from dspark.engine.llm_engine import LLMEngine
     from dspark.llm import LLM
 
 __all__ = [
@@ -33,11 +33,11 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "LLMEngine":
-        from dspark.engine import LLMEngine
+        from dspark.engine.llm_engine import LLMEngine
 
         return LLMEngine
     if name == "AsyncEngine":
-        from dspark.async_engine import AsyncEngine
+        from dspark.engine.async_engine import AsyncEngine
 
         return AsyncEngine
     raise AttributeError(name)

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 
 from dspark.config import EngineConfig
-from dspark.engine import LLMEngine
+from dspark.engine.llm_engine import LLMEngine
 from dspark.outputs import CompletionOutput, SpecStats
 from dspark.sampling_params import SamplingParams
 from dspark.spec.proposer import Proposer

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.host_to_device import to_device
 from dspark.kernels import ops
-from dspark.sampling import (
+from dspark.runner.host_to_device import to_device
+from dspark.sampling.sampler import (
     NON_FINITE_TOKEN,
     draw_exponentials_into,
     draw_uniforms_into,

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dspark.models.hf_config import ModelConfig
-from dspark.models.loader import checkpoint_tensors
+from dspark.runner.models.hf_config import ModelConfig
+from dspark.runner.models.loader import checkpoint_tensors
 from dspark.spec.draft_config import DraftConfig, evenly_spread_layer_ids
 from dspark.spec.drafter import Drafter
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dspark.models.hf_config import ModelConfig
+from dspark.runner.models.hf_config import ModelConfig
 
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
 

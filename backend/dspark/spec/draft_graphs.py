@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-from dspark.attention_batch import AttentionBatch
-from dspark.cuda_graphs import Captured, StaticLayout, new_pool, next_pow2, pow2_upto
 from dspark.kernels import ops
+from dspark.runner.attention_batch import AttentionBatch
+from dspark.runner.cuda_graphs import Captured, StaticLayout, new_pool, next_pow2, pow2_upto
 
 # (block ids [R * block_size], positions [R * block_size], layout) -> (drafts [R, block_size],
 # confidences [R, block_size], drafted lengths [R]), device work only.

@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.attention_batch import AttentionBatch
-from dspark.distributed import SINGLE
 from dspark.kernels import ops
-from dspark.kv_cache import PagedKVCache
-from dspark.models.layers import RMSNorm, rotary_cos_sin
-from dspark.models.llama import DecoderLayer
+from dspark.parallel.distributed import SINGLE
+from dspark.runner.attention_batch import AttentionBatch
+from dspark.runner.kv_cache import PagedKVCache
+from dspark.runner.models.layers import RMSNorm, rotary_cos_sin
+from dspark.runner.models.llama import DecoderLayer
 from dspark.spec.draft_config import DraftConfig
 
 

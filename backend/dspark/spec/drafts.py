@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.verify_tokens import write_verify_tokens
+from dspark.runner.verify_tokens import write_verify_tokens
 
 
 @dataclass(frozen=True)

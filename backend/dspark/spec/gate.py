@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dspark.cuda_graphs import next_pow2
+from dspark.runner.cuda_graphs import next_pow2
 
 WARM_UP_STEPS = 3  # steps of each kind per batch tier before the averages decide
 PROBE_INTERVAL = 32  # every this many steps of a tier, run the side that is losing once

@@ -8,8 +8,8 @@ import time
 import torch
 
 from dspark.config import EngineConfig
-from dspark.model_runner import ModelRunner, TargetStep, create_runner
-from dspark.models.loader import resolve_device, resolve_dtype
+from dspark.runner.model_runner import ModelRunner, TargetStep, create_runner
+from dspark.runner.models.loader import resolve_device, resolve_dtype
 from dspark.spec.sps_table import SpsTable
 
 # Each profiled step packs verify-sized windows (at most this many tokens) after this much context,

@@ -9,12 +9,12 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from dspark.attention_batch import AttentionBatch
-from dspark.cuda_graphs import StaticLayout, next_pow2
-from dspark.host_to_device import to_device
 from dspark.kernels import ops
-from dspark.kv_cache import PagedKVCache
-from dspark.sampling import filtered_probs, sample_rows
+from dspark.runner.attention_batch import AttentionBatch
+from dspark.runner.cuda_graphs import StaticLayout, next_pow2
+from dspark.runner.host_to_device import to_device
+from dspark.runner.kv_cache import PagedKVCache
+from dspark.sampling.sampler import filtered_probs, sample_rows
 from dspark.sequence import Sequence
 from dspark.spec.draft_graphs import DraftGraphs
 from dspark.spec.drafter import BlockHeads, Drafter

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.runner.verify_tokens import write_verify_tokens
 from dspark.sequence import Sequence
 from dspark.spec.drafts import Drafts
 from dspark.spec.proposer import DSparkProposer
-from dspark.verify_tokens import write_verify_tokens
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.models.llama import CausalLM
+from dspark.runner.models.llama import CausalLM
 from dspark.spec.drafter import Drafter
 from dspark.training.data import AnchorSampler, DistillRecord
 from dspark.training.draft_forward import block_hidden, confidence_logits

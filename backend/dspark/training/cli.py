@@ -1,6 +1,6 @@
 """The training subcommands of `dspark`: distill-data, train-draft, calibrate-draft, eval-acceptance.
 
-`dspark.cli` imports this module only when one of them runs; heavy imports happen inside each command.
+`dspark.tools.cli` imports this module only when one of them runs; heavy imports happen inside each command.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dspark.config import DEFAULT_TARGET_DIR
 if TYPE_CHECKING:
     import torch
 
-    from dspark.models.llama import CausalLM
+    from dspark.runner.models.llama import CausalLM
     from dspark.tokenizer import Tokenizer
     from dspark.training.data import DistillRecord, Prompt
 
@@ -268,7 +268,7 @@ def calibrate_draft(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from dspark.models.loader import resolve_dtype
+    from dspark.runner.models.loader import resolve_dtype
     from dspark.spec.draft_checkpoint import load_drafter
     from dspark.training.calibration import (
         calibration_report,
@@ -394,7 +394,7 @@ def _target_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_target(args: argparse.Namespace) -> tuple[CausalLM, torch.device]:
-    from dspark.models.loader import load_target_model, resolve_device, resolve_dtype
+    from dspark.runner.models.loader import load_target_model, resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     target = load_target_model(args.target, dtype=resolve_dtype(args.dtype, device), device=device)

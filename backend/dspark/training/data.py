@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dspark.models.llama import CausalLM
+from dspark.runner.models.llama import CausalLM
 from dspark.sampling_params import SamplingParams
 from dspark.tokenizer import Tokenizer
 from dspark.training.generate import generate_batch

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.kernels import ops
-from dspark.models.llama import Attention, CausalLM, DecoderLayer
+from dspark.runner.models.llama import Attention, CausalLM, DecoderLayer
 
 # (q [B, heads, Q, d], k [B, kv_heads, Q, d], v [B, kv_heads, Q, d]) -> [B, heads, Q, d]
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.kernels import ops
-from dspark.models.llama import DecoderLayer
+from dspark.runner.models.llama import DecoderLayer
 from dspark.spec.drafter import Drafter
 from dspark.training.dense import attend, layer_forward
 

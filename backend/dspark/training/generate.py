@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark.models.llama import CausalLM
+from dspark.runner.models.llama import CausalLM
 from dspark.training.dense import attend, layer_forward
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from dspark.models.hf_config import ModelConfig
-from dspark.models.llama import CausalLM
+from dspark.runner.models.hf_config import ModelConfig
+from dspark.runner.models.llama import CausalLM
 from dspark.spec.draft_checkpoint import create_random_drafter, fresh_draft_config, load_drafter
 from dspark.spec.draft_config import DraftConfig
 from dspark.spec.drafter import Drafter

@@ -16,7 +16,7 @@ look ready, and `dspark serve` restarts the server when a backend process dies (
 
 The interface is Triton's vLLM backend's (text_input, stream, sampling_parameters,
 exclude_input_in_output, return_* flags; text_output, finish_reason, num_*_tokens) plus input_ids,
-output_ids, return_spec_stats/spec_stats and cancel_request_id; see dspark.triton_config.
+output_ids, return_spec_stats/spec_stats and cancel_request_id; see dspark.serving.triton_config.
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dspark import EngineConfig, InvalidParameterError, SamplingParams
-from dspark.async_engine import AsyncEngine, EngineDeadError
-from dspark.engine_process import EngineProcess
-from dspark.logprobs import logprobs_json
-from dspark.metrics import Metrics, TritonMetrics, vllm_max_model_len
+from dspark.engine.async_engine import AsyncEngine, EngineDeadError
 from dspark.outputs import RequestDelta, merge_deltas
+from dspark.sampling.logprobs import logprobs_json
 from dspark.sampling_params import MAX_INT, parse_json_object
-from dspark.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
+from dspark.serving.engine_process import EngineProcess
+from dspark.serving.metrics import Metrics, TritonMetrics, vllm_max_model_len
+from dspark.serving.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
 
 POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing
 SEND_THREADS = 4  # threads sending responses (a request's always on the same one)

@@ -23,7 +23,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dspark.sampling_params import SamplingParams
-from dspark.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
+from dspark.serving.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
 
 FORWARDED_INPUTS = [tensor for tensor in INPUTS if tensor["name"] != "stream"]
 OUTPUT_NAMES = [tensor["name"] for tensor in OUTPUTS]

@@ -1,0 +1,1 @@
+"""The engine: scheduling, per-request sequences, KV pages and the step pipeline."""

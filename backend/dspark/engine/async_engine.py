@@ -1,0 +1,242 @@
+"""AsyncEngine: the engine's step loop in its own thread, fed from any thread (the Triton adapter's API)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from dspark.config import EngineConfig
+from dspark.engine.llm_engine import LLMEngine
+from dspark.outputs import EngineLoad, RequestDelta, SpecStats
+from dspark.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DeltaCallback = Callable[[RequestDelta], None]
+DeathCallback = Callable[[BaseException], None]
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    on_delta: DeltaCallback
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an internal error; no request can be served."""
+
+
+class InjectedFault(RuntimeError):
+    """The fault `EngineConfig.fault_injection_file` asks for (testing only)."""
+
+
+class AsyncEngine:
+    """Owns an LLMEngine and runs its loop in a daemon thread.
+
+    `submit` validates and tokenizes in the caller's thread (so a bad request fails at once,
+    alone), then hands the request to the loop. Deltas reach `on_delta` from the loop thread:
+    the callback must not block (the Triton adapter queues them for its response thread).
+
+    Faults: an error that belongs to one request (its admission raised) fails that request alone.
+    An error that breaks the loop ends every request in flight or queued with a failed delta, then
+    calls `on_death` once with the cause; from then on `healthy` is False and `submit` raises
+    EngineDeadError.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine: LLMEngine | None = None,
+        on_death: DeathCallback | None = None,
+        after_step: Callable[[], None] | None = None,
+    ) -> None:
+        """after_step: called from the loop thread once a step's deltas are all delivered (the engine
+        process sends a step's deltas together then, rather than waking its sender for each one)."""
+        self.config = config
+        self.engine = engine if engine is not None else LLMEngine(config)
+        self._on_death = on_death
+        self._after_step = after_step
+        self._inbox: queue.Queue[_Submit | _Abort | None] = queue.Queue()
+        self._callbacks: dict[str, DeltaCallback] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - dspark.tokenizer.Tokenizer
+        """The target's tokenizer."""
+        return self.engine.tokenizer
+
+    def start(self) -> None:
+        """Start the loop thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        """False once the loop died or was shut down."""
+        return (
+            self._error is None
+            and not self._stopping.is_set()
+            and self._thread is not None
+            and self._thread.is_alive()
+        )
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that stopped the loop, if any."""
+        return self._error
+
+    def submit(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        on_delta: DeltaCallback,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> list[int]:
+        """Validate and queue one request; returns its prompt token ids.
+
+        Raises InvalidParameterError (naming the field) for a bad prompt, and EngineDeadError
+        when the loop is not running.
+        """
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self._error!r}")
+        token_ids = self.engine.prepare_prompt(prompt, prompt_token_ids, params)
+        with self._lock:  # the loop's death drains the inbox under this lock: nothing is left behind
+            if not self.healthy:
+                raise EngineDeadError(f"engine is not running: {self._error!r}")
+            self._inbox.put(_Submit(request_id, token_ids, params, on_delta))
+        return token_ids
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its pages are freed at the next step and it ends with reason 'abort'."""
+        self._inbox.put(_Abort(request_id))
+
+    def stream(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> Iterator[RequestDelta]:
+        """Submit and yield this request's deltas until the last one."""
+        deltas: queue.Queue[RequestDelta] = queue.Queue()
+        self.submit(request_id, params, deltas.put, prompt=prompt, prompt_token_ids=prompt_token_ids)
+        while True:
+            delta = deltas.get()
+            yield delta
+            if delta.finished:
+                return
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight, stop the loop and join it."""
+        self._stopping.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.engine.close()
+
+    def load(self) -> EngineLoad:
+        """Running and waiting requests and KV pages in use (read without locking; a snapshot)."""
+        return self.engine.load()
+
+    def totals(self) -> SpecStats:
+        """Speculation counters summed over every finished request."""
+        return self.engine.total_spec_stats
+
+    # The loop ---------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                block = not self.engine.has_unfinished_requests()
+                if not self._drain_inbox(block=block):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self._step())
+            for request_id in list(self._callbacks):
+                self.engine.abort_request(request_id)
+            if self.engine.has_unfinished_requests():
+                self._dispatch(self._step())
+        except BaseException as exc:  # the loop must report, never vanish silently
+            logger.exception("dspark engine loop died")
+            with self._lock:
+                self._error = exc
+            self._fail_all(f"{type(exc).__name__}: {exc}")
+            if self._on_death is not None:
+                self._on_death(exc)
+
+    def _step(self) -> list[RequestDelta]:
+        """One engine step (raising the injected fault first, when the test hook asks for it)."""
+        trigger = self.config.fault_injection_file
+        if trigger and os.path.exists(trigger):
+            os.remove(trigger)  # fires once: a restarted engine must not fault again
+            raise InjectedFault(f"fault injected through {trigger}")
+        return self.engine.step()
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Move queued submissions and aborts into the engine; False when asked to stop."""
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if item is None:
+                return False
+            if isinstance(item, _Submit):
+                self._admit(item)
+            else:
+                self.engine.abort_request(item.request_id)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _admit(self, item: _Submit) -> None:
+        """Hand one request to the engine; if that raises, the request fails alone."""
+        try:
+            self.engine.add_request(item.request_id, item.prompt_token_ids, item.params)
+        except Exception as exc:
+            logger.exception("dspark: request %s could not be admitted", item.request_id)
+            item.on_delta(RequestDelta.failed(item.request_id, f"{type(exc).__name__}: {exc}"))
+            if self._after_step is not None:
+                self._after_step()
+            return
+        self._callbacks[item.request_id] = item.on_delta
+
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            callback = self._callbacks.get(delta.request_id)
+            if delta.finished:
+                self._callbacks.pop(delta.request_id, None)
+            if callback is not None:
+                callback(delta)
+        if self._after_step is not None:
+            self._after_step()
+
+    def _fail_all(self, message: str) -> None:
+        """End every request the loop holds or has queued with a failed delta."""
+        for request_id, callback in list(self._callbacks.items()):
+            callback(RequestDelta.failed(request_id, message))
+        self._callbacks.clear()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Submit):
+                item.on_delta(RequestDelta.failed(item.request_id, message))

@@ -1,0 +1,540 @@
+"""LLMEngine: continuous batching with DSpark speculative decoding, one step at a time.
+
+A step is a sequence of values (`dspark.engine.step`; docs/step_pipeline.md): the scheduler's StepSchedule
+-> the Drafts of every decoding request (one drafter pass) -> the VerifyPlan of the configured
+VerifyPolicy -> one target forward over the packed verify windows and prefill chunks (TargetResult;
+its captured features go straight into the draft cache, the runner's feature sink) -> Acceptance ->
+the committed tokens, emitted as deltas.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from dspark.config import SPS_PROFILE, EngineConfig
+from dspark.engine.output_processor import OutputProcessor
+from dspark.engine.page_allocator import PageAllocator
+from dspark.engine.scheduler import Scheduler, StepSchedule
+from dspark.engine.step import Acceptance, Committed, accept, pack_step, verified_drafts
+from dspark.engine.step_timer import StepTimer
+from dspark.outputs import EngineLoad, RequestDelta, SpecStats, TokenLogprobs
+from dspark.prompts import check_prompt
+from dspark.runner.cuda_graphs import max_pages_per_request
+from dspark.runner.host_to_device import to_device
+from dspark.runner.model_runner import ModelRunner, create_runner
+from dspark.runner.models.loader import resolve_device, resolve_dtype
+from dspark.sampling.logprobs import LogprobsFormatter, gather_logprobs
+from dspark.sampling.penalties import PenaltyState, PenaltyWindow, apply_penalties, window_needs_adjusting
+from dspark.sampling.sampler import NON_FINITE_TOKEN
+from dspark.sampling_params import SamplingParams
+from dspark.sequence import Sequence, SequenceStatus
+from dspark.spec.draft_checkpoint import load_drafter
+from dspark.spec.drafter import Drafter
+from dspark.spec.drafts import Drafts
+from dspark.spec.gate import SpeculationGate
+from dspark.spec.planner import VerifyPlanner
+from dspark.spec.proposer import DSparkProposer, Proposer
+from dspark.spec.sps_table import SpsTable
+from dspark.spec.step_draft import InStepDrafts
+from dspark.spec.verify_policy import VerifyPlan, verify_policy
+from dspark.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+MEMORY_READ_INTERVAL_S = 0.5  # how stale the load's GPU memory figures may be
+
+
+@dataclass(frozen=True)
+class ResolvedLimits:
+    """Values derived from the config and the checkpoints (the config keeps what the user wrote)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+
+
+class LLMEngine:
+    """The synchronous engine: add requests, call `step()` until none is left."""
+
+    def __init__(self, config: EngineConfig, proposer: Proposer | None = None) -> None:
+        self.config = config
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        self.runner = create_runner(config, device, dtype)
+        try:
+            self._set_up(config, device, dtype, proposer)
+        except BaseException:
+            self.runner.close()  # no TP worker may outlive a failed start
+            raise
+
+    def _set_up(
+        self, config: EngineConfig, device: torch.device, dtype: torch.dtype, proposer: Proposer | None
+    ) -> None:
+        self.tokenizer = Tokenizer.from_dir(config.model_path)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        cfg = self.runner.model_config
+        self.model_config = cfg
+        page_size = config.kv_page_size
+        drafter = None
+        if not config.speculative:
+            proposer = None
+        elif proposer is None:
+            drafter = load_drafter(config.draft_model_path, dtype=dtype, device=device)
+            if drafter.config.vocab_size != cfg.vocab_size:
+                raise ValueError("draft_model: vocabulary size differs from the target's")
+        # The block size: the configured one, at most what the drafter drafts (0 takes all of it).
+        block_size = 0
+        if proposer is not None or drafter is not None:
+            most = proposer.block_size if proposer is not None else drafter.config.block_size
+            if config.block_size > most:
+                raise ValueError(f"block_size: the drafter drafts at most {most}")
+            block_size = config.block_size or most
+        # How steps verify (one policy per spec_mode, chosen once; the engine asks it, never the mode).
+        self.policy = verify_policy(config, block_size)
+        if drafter is not None:
+            proposer = self._dspark_proposer(config, drafter, block_size, device)
+        self.proposer = proposer
+        if self.proposer is not None:
+            # Every window row is injected, rejected drafts' rows too: a position's draft KV is read only
+            # once the position is committed, and the step that commits it injects its true features.
+            self.runner.set_feature_sink(self.proposer.inject)
+        # Whether each step drafts, from the measured speed of earlier steps (None: always).
+        self.gate = SpeculationGate() if self.proposer is not None and config.adaptive_speculation else None
+        # Target layers whose outputs the drafter takes (none without speculation).
+        self._capture_layers = tuple(self.proposer.target_layer_ids) if self.proposer is not None else ()
+        # Positions a decoding request may touch past its cache: its verify window, and the proposer's
+        # block (a proposer given from outside may draft more positions than the engine verifies).
+        window_positions = max(block_size + 1, self.proposer.block_size if self.proposer is not None else 0)
+        capacity = config.num_kv_pages * page_size - window_positions
+        limit = min(
+            config.max_model_len or cfg.max_position_embeddings,
+            cfg.max_position_embeddings - window_positions,
+        )
+        if capacity < 2:
+            raise ValueError("num_kv_pages: the KV cache cannot hold even one request")
+        self.limits = ResolvedLimits(device, dtype, block_size, min(limit, capacity))
+        # Per-phase step timing, off unless a benchmark or profiler turns it on.
+        self.timer = StepTimer(device)
+        self._memory = (0, 0)  # GPU memory allocated and reserved, bytes, as last read (see `load`)
+        self._memory_read_at = -MEMORY_READ_INTERVAL_S
+        self.allocator = PageAllocator(config.num_kv_pages, page_size)
+        self.scheduler = Scheduler(
+            self.allocator,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            window_positions,
+            self.limits.max_model_len,
+        )
+        self._capture_graphs()
+        sps = self._sps_table(config, block_size)
+        self.planner = VerifyPlanner(config.planner_policy, sps, config.planner_lag)
+        self.total_spec_stats = SpecStats()
+        self._seqs: dict[str, Sequence] = {}
+        self._outputs: dict[str, OutputProcessor] = {}
+        # History counts of the requests with penalties (on the device), by request id.
+        self._penalty_states: dict[str, PenaltyState] = {}
+        self._logprobs_formatter = LogprobsFormatter(self.tokenizer)
+        self._pending: list[RequestDelta] = []
+        self._aborts: list[str] = []
+        self._arrivals = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+
+    def _dspark_proposer(
+        self, config: EngineConfig, drafter: Drafter, block_size: int, device: torch.device
+    ) -> DSparkProposer:
+        """The DSpark drafter as this engine drafts with it: the target's vocabulary weights, the
+        policy's early stop, and on CUDA its greedy blocks in graphs."""
+        embedding, lm_head = self.runner.vocab_weights()
+        page_size = config.kv_page_size
+        stop = self.policy.draft_stop_survival
+        proposer = DSparkProposer(
+            drafter, embedding, lm_head, config.num_kv_pages, page_size, stop, block_size
+        )
+        if device.type == "cuda" and config.cuda_graph_max_tokens > 0:
+            max_positions = self.model_config.max_position_embeddings
+            proposer.use_graphs(
+                config.max_num_seqs, max_pages_per_request(max_positions, page_size, config.num_kv_pages)
+            )
+        return proposer
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        """Capture the CUDA graphs of every step and draft size now: a capture on first use would stall
+        that step by far more than the step itself."""
+        self.runner.capture_graphs(self._capture_layers)
+        if isinstance(self.proposer, DSparkProposer):
+            self._drafts_in_step()  # follows the target graphs' layout: its blocks are captured too
+            self.proposer.capture_graphs()
+
+    def _drafts_in_step(self) -> bool:
+        """Whether a step's greedy drafts can be made inside the target step, from the target graphs'
+        layout (`InStepDrafts`): a policy whose verify lengths do not depend on the drafts, a
+        single-process runner with graphs and a drafter with them."""
+        runner, proposer = self.runner, self.proposer
+        return (
+            self.policy.drafts_in_step
+            and isinstance(runner, ModelRunner)
+            and runner.graphs is not None
+            and isinstance(proposer, DSparkProposer)
+            and proposer.follow_target_layout(runner.graphs.layout)
+        )
+
+    def _sps_table(self, config: EngineConfig, block_size: int) -> SpsTable:
+        """The planner's steps/s table: flat, loaded from a file, or measured now on this runner."""
+        if config.sps_table != SPS_PROFILE:
+            return SpsTable.load(config.sps_table) if config.sps_table else SpsTable.flat()
+        if not self.policy.uses_planner:
+            return SpsTable.flat()  # no planner reads it
+        from dspark.spec.profile import profile_runner, startup_max_tokens
+
+        limits = self.limits
+        table = profile_runner(
+            self.runner,
+            config,
+            startup_max_tokens(config, block_size),
+            repeats=3,
+            device=str(limits.device),
+            dtype=str(limits.dtype).split(".")[-1],
+            capture_layers=self._capture_layers,
+        )
+        logger.info(
+            "profiled SPS table: %s", [(p.tokens, round(p.steps_per_second, 1)) for p in table.points]
+        )
+        return table
+
+    # Requests ---------------------------------------------------------------------------------
+
+    def prepare_prompt(
+        self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams
+    ) -> list[int]:
+        """Validate a request's prompt and return its token ids (InvalidParameterError names the field)."""
+        return check_prompt(
+            prompt,
+            prompt_token_ids,
+            params,
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.limits.max_model_len,
+        )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a validated request (see `prepare_prompt`)."""
+        if request_id in self._seqs:
+            self._pending.append(
+                RequestDelta.failed(request_id, f"request_id: {request_id!r} is already running")
+            )
+            return
+        seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**63)
+        seq = Sequence(
+            request_id=request_id,
+            arrival=next(self._arrivals),
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            # On the engine's device: a GPU draws the request's random numbers itself.
+            generator=torch.Generator(device=self.limits.device).manual_seed(seed),
+        )
+        self._seqs[request_id] = seq
+        self._outputs[request_id] = OutputProcessor(
+            seq, self.tokenizer, self.eos_token_ids, self.limits.max_model_len
+        )
+        if params.penalized:
+            self._penalty_states[request_id] = PenaltyState(
+                seq.prompt_token_ids, [], self.model_config.vocab_size, self.limits.device
+            )
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort at the next step: pages are freed and a final delta with reason 'abort' is emitted."""
+        self._aborts.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits, runs, or has an undelivered delta."""
+        return bool(self._seqs or self._pending or self._aborts)
+
+    def load(self) -> EngineLoad:
+        """Occupancy snapshot (the device memory figures read the allocator's counters, no sync, at most
+        every MEMORY_READ_INTERVAL_S)."""
+        device = self.limits.device
+        now = time.monotonic()
+        if device.type == "cuda" and now - self._memory_read_at >= MEMORY_READ_INTERVAL_S:
+            # torch builds its allocator's whole statistics dict in Python for each figure: ~0.1 ms
+            # of the GIL, too much for every step (the engine process reports its load with each).
+            self._memory = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
+            self._memory_read_at = now
+        return EngineLoad(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_pages_used=self.allocator.num_used,
+            kv_pages_total=self.allocator.num_pages,
+            gpu_memory_allocated_bytes=self._memory[0],
+            gpu_memory_reserved_bytes=self._memory[1],
+        )
+
+    def close(self) -> None:
+        """Release what the engine holds (TP worker processes, when there are any)."""
+        self.runner.close()
+
+    # The step ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestDelta]:
+        """Run one step and return every request's delta: schedule -> drafts -> verify plan -> target
+        step -> acceptance -> commit, each stage a new value (`dspark.engine.step`)."""
+        timer = self.timer
+        timer.start()
+        if self.gate is not None:
+            self.gate.start_step()
+        deltas, self._pending = self._pending, []
+        deltas.extend(self._apply_aborts())
+        schedule = self.scheduler.schedule()
+        if schedule.empty:
+            return deltas
+        timer.lap("schedule")
+        caps = [self._max_verify(seq) for seq in schedule.decode]
+        drafts = self._draft(schedule.decode, caps)
+        timer.lap("draft")
+        plan = VerifyPlan.plain(len(caps)) if drafts is None else self.policy.plan(drafts, caps, self.planner)
+        timer.lap("plan")
+        packed = pack_step(schedule, plan, self._capture_layers)
+        timer.lap("layout")
+        result = self.runner.run(packed.step)
+        timer.lap("target")
+        verified = verified_drafts(plan, result)
+        raw_logits = self._adjust_logits(
+            schedule, plan, verified, packed.logit_offsets, result.logits, result.argmax
+        )
+        acceptance = accept(schedule, plan, verified, result, packed.logit_offsets, self.limits.block_size)
+        timer.lap("accept")
+        committed = self._commit(schedule, plan, verified, acceptance, packed.logit_offsets)
+        logprobs = self._committed_logprobs(committed, raw_logits)
+        for c in committed:
+            deltas.append(self._emit(c.seq, list(c.tokens), logprobs.get(c.seq.request_id)))
+        if self.gate is not None and not schedule.prefill:
+            # Decode-only steps are comparable; a prefill chunk would charge its own cost to the kind.
+            num_tokens = sum(len(c.tokens) for c in committed)
+            self.gate.finish_step(len(schedule.decode), plan.drafts is not None, num_tokens)
+        timer.finish("emit")
+        return deltas
+
+    def _draft(self, decode: Seq[Sequence], caps: list[int]) -> Drafts | InStepDrafts | None:
+        """The step's drafts: None for a plain step (no drafter, no request may verify a draft, or the
+        gate finds plain steps faster now); drafts the runner makes inside the target step, when the
+        policy's verify lengths do not depend on them and the target graphs allow; else a block drafted
+        now, one drafter pass for every decoding request."""
+        if self.proposer is None or not any(caps):
+            return None
+        # A seeded sampling request replays its stream only if its steps draft alike on every run, so a
+        # step with one follows the policy rather than the timing-driven gate.
+        seeded = any(s.params.seed is not None and not s.params.greedy for s in decode)
+        if self.gate is not None and not seeded and not self.gate.should_speculate(len(decode)):
+            return None
+        if self._drafts_in_step():
+            # Sampling requests in the block make the runner draft apart (`InStepDrafts.pack`).
+            assert isinstance(self.proposer, DSparkProposer)
+            return InStepDrafts(self.proposer, decode)
+        return self.proposer.propose(decode)
+
+    def _max_verify(self, seq: Sequence) -> int:
+        """Most drafts this request may verify: block size, its own cap, tokens and context left."""
+        own = seq.params.num_draft_tokens
+        cap = min(
+            self.limits.block_size,
+            self.limits.block_size if own is None else own,
+            seq.remaining_tokens - 1,
+            self.limits.max_model_len - len(seq.token_ids),
+        )
+        return max(cap, 0)
+
+    def _adjust_logits(
+        self,
+        schedule: StepSchedule,
+        plan: VerifyPlan,
+        drafts: Drafts | None,
+        logit_offsets: Seq[int],
+        logits: torch.Tensor | None,
+        argmax: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Apply penalties and min_tokens (`dspark.sampling.penalties`) to the rows of the requests that have
+        them, in place (a copy of every row a step would cost more than the rows changed), refreshing
+        those rows' argmax; return the logits as the target gave them (a copy when rows changed and a
+        request of this step reports logprobs, else `logits`).
+
+        logits: [rows, vocab] fp32 and argmax [rows], the target step's, on the runner's device."""
+        assert logits is not None and argmax is not None
+        decode = schedule.decode
+        adjusted: list[PenaltyWindow] = []
+        for r, seq in enumerate(decode):
+            if window_needs_adjusting(seq.params, seq.num_output_tokens):
+                draft_row = r if drafts is not None and plan.verify_lens[r] else -1
+                adjusted.append(
+                    self._penalty_window(seq, logit_offsets[r], 1 + plan.verify_lens[r], draft_row)
+                )
+        for i, chunk in enumerate(schedule.prefill):
+            if chunk.samples_first_token and window_needs_adjusting(chunk.seq.params, 0):
+                adjusted.append(self._penalty_window(chunk.seq, logit_offsets[len(decode) + i], 1, -1))
+        if not adjusted:
+            return logits
+        raw = logits
+        if any(seq.params.logprobs is not None for seq in [*decode, *(c.seq for c in schedule.prefill)]):
+            raw = logits.clone()
+        rows = apply_penalties(logits, adjusted, drafts.tokens if drafts is not None else None)
+        if rows is not None:
+            argmax[rows] = logits[rows].argmax(dim=-1)
+        return raw
+
+    def _commit(
+        self,
+        schedule: StepSchedule,
+        plan: VerifyPlan,
+        drafts: Drafts | None,
+        acceptance: Acceptance,
+        logit_offsets: Seq[int],
+    ) -> list[Committed]:
+        """Advance every scheduled request past what the step committed (the target KV of those
+        positions is written and the drafter's context injected already: the cache now holds them) and
+        count its speculation; return each request's committed tokens, for emitting."""
+        decode = schedule.decode
+        drafted = drafts.drafted(self.limits.block_size) if drafts is not None else [0] * len(decode)
+        committed = []
+        for r, (seq, window) in enumerate(zip(decode, acceptance.windows, strict=True)):
+            seq.spec_stats.record_step(drafted[r], plan.verify_lens[r], window.accepted)
+            seq.num_cached += window.accepted + 1
+            committed.append(Committed(seq, window.tokens, logit_offsets[r]))
+        for i, (chunk, token) in enumerate(zip(schedule.prefill, acceptance.first_tokens, strict=True)):
+            chunk.seq.num_cached += chunk.length
+            if token is not None:
+                committed.append(Committed(chunk.seq, (token,), logit_offsets[len(decode) + i]))
+        return committed
+
+    def _penalty_window(self, seq: Sequence, first_row: int, num_rows: int, draft_row: int) -> PenaltyWindow:
+        """What `apply_penalties` needs of one request's rows."""
+        return PenaltyWindow(
+            first_row=first_row,
+            num_rows=num_rows,
+            params=seq.params,
+            num_output=seq.num_output_tokens,
+            state=self._penalty_states.get(seq.request_id),
+            draft_row=draft_row,
+            stop_ids=sorted(set(self.eos_token_ids) | set(seq.params.stop_token_ids)),
+        )
+
+    def _committed_logprobs(
+        self, committed: list[Committed], logits: torch.Tensor
+    ) -> dict[str, tuple[list[TokenLogprobs], list[float]]]:
+        """Per request that asks for logprobs: each committed token's entry and chosen log probability,
+        from the target's raw logits [rows, vocab] (`dspark.sampling.logprobs`); one copy to the host a
+        step."""
+        wanted = [
+            (c.seq, c.tokens, c.logit_row)
+            for c in committed
+            if c.seq.params.logprobs is not None and c.tokens and c.tokens[-1] != NON_FINITE_TOKEN
+        ]
+        if not wanted:
+            return {}
+        rows = [row + j for _, tokens, row in wanted for j in range(len(tokens))]
+        flat = [token for _, tokens, _ in wanted for token in tokens]
+        device = logits.device
+        num_top = max(seq.params.logprobs or 0 for seq, _, _ in wanted)
+        index = to_device(torch.tensor([rows, flat], dtype=torch.long), device)
+        chosen, ranks, top_ids, top_logprobs = gather_logprobs(logits[index[0]], index[1], num_top)
+        out: dict[str, tuple[list[TokenLogprobs], list[float]]] = {}
+        formatter = self._logprobs_formatter
+        k = 0
+        for seq, tokens, _ in wanted:
+            num = seq.params.logprobs or 0
+            entries = [
+                formatter.entry(
+                    token, chosen[k + j], ranks[k + j], top_ids[k + j][:num], top_logprobs[k + j][:num]
+                )
+                for j, token in enumerate(tokens)
+            ]
+            out[seq.request_id] = (entries, chosen[k : k + len(tokens)])
+            k += len(tokens)
+        return out
+
+    def _emit(
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        logprobs: tuple[list[TokenLogprobs], list[float]] | None = None,
+    ) -> RequestDelta:
+        """Commit a request's tokens (those up to its finish) and say what changed; `logprobs`: each
+        token's entry and chosen log probability, for requests that ask."""
+        processor = self._outputs[seq.request_id]
+        if tokens and tokens[-1] == NON_FINITE_TOKEN:  # the sampler saw NaN or inf: this request fails
+            self._finish(seq, "error")
+            return RequestDelta(
+                seq.request_id,
+                [],
+                "",
+                True,
+                "error",
+                seq.num_prompt_tokens,
+                seq.num_output_tokens,
+                seq.spec_stats,
+                error="the sampling distribution is not finite (NaN or inf logits)",
+                logprobs=processor.logprobs_so_far(final=True),
+                cumulative_logprob=processor.cumulative_logprob,
+            )
+        appended, text, reason = processor.commit(tokens)
+        if logprobs is not None:
+            entries, chosen = logprobs
+            processor.add_logprobs(entries[: len(appended)], chosen[: len(appended)])
+        state = self._penalty_states.get(seq.request_id)
+        if state is not None:
+            state.commit(appended)
+        if reason is not None:
+            self._finish(seq, reason)
+        return RequestDelta(
+            request_id=seq.request_id,
+            new_token_ids=appended,
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            spec_stats=seq.spec_stats,
+            logprobs=processor.logprobs_so_far(final=reason is not None),
+            cumulative_logprob=processor.cumulative_logprob,
+        )
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.total_spec_stats.merge(seq.spec_stats)
+        del self._seqs[seq.request_id]
+        del self._outputs[seq.request_id]
+        self._penalty_states.pop(seq.request_id, None)
+
+    def _apply_aborts(self) -> list[RequestDelta]:
+        deltas = []
+        for request_id in self._aborts:
+            seq = self._seqs.get(request_id)
+            if seq is None:
+                continue
+            processor = self._outputs[request_id]
+            self._finish(seq, "abort")
+            deltas.append(
+                RequestDelta(
+                    request_id,
+                    [],
+                    "",
+                    True,
+                    "abort",
+                    seq.num_prompt_tokens,
+                    seq.num_output_tokens,
+                    seq.spec_stats,
+                    logprobs=processor.logprobs_so_far(final=True),
+                    cumulative_logprob=processor.cumulative_logprob,
+                )
+            )
+        self._aborts.clear()
+        return deltas

@@ -1,0 +1,150 @@
+"""Scheduler: continuous batching with chunked prefill, page reservation and preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from dspark.engine.page_allocator import PageAllocator
+from dspark.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Positions [start, start + length) of `seq` to prefill this step."""
+
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def completes_prefill(self) -> bool:
+        """True when this chunk reaches the sequence's prefill target."""
+        return self.start + self.length == self.seq.prefill_target
+
+    @property
+    def samples_first_token(self) -> bool:
+        """True when this chunk ends a fresh prompt, so the step samples the request's first token from
+        its last row (a preempted request resumes with its tokens already chosen)."""
+        return self.completes_prefill and self.seq.num_output_tokens == 0
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """One step's work: decode windows and prefill chunks (run in one target forward)."""
+
+    decode: tuple[Sequence, ...] = ()
+    prefill: tuple[PrefillChunk, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing runs this step."""
+        return not self.decode and not self.prefill
+
+
+@dataclass
+class _Building:
+    """A schedule while `Scheduler.schedule` builds it (preemption takes requests out again)."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+
+
+class Scheduler:
+    """Admits waiting requests, reserves each running request's verify window, preempts the youngest
+    request (freeing its pages; it is recomputed later) when pages run out.
+
+    `window_positions` is how many cache positions past `num_cached` a decode step may write: the
+    draft block (block_size) and the verify window (1 + block_size), so block_size + 1 with
+    speculation, 1 without.
+    """
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        window_positions: int,
+        max_model_len: int,
+    ) -> None:
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.window_positions = window_positions
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request."""
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted request and free its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.release(seq)
+
+    def decode_tokens(self, seq: Sequence) -> int:
+        """Target tokens a decode step of `seq` may take (its whole admissible window)."""
+        return min(self.window_positions, max(seq.remaining_tokens, 1))
+
+    def schedule(self) -> StepSchedule:
+        """Choose this step's decode windows and prefill chunks."""
+        plan = _Building()
+        budget = self.max_num_batched_tokens
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.in_prefill or seq.status is not SequenceStatus.RUNNING:
+                continue
+            need = self.decode_tokens(seq)
+            if need > budget:
+                continue
+            if not self._reserve_or_preempt(seq, plan):
+                continue
+            plan.decode.append(seq)
+            budget -= need
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.in_prefill and budget > 0:
+                budget -= self._schedule_prefill(seq, budget, plan)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            chunk = self._schedule_prefill(seq, budget, plan)
+            if chunk == 0:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            budget -= chunk
+        return StepSchedule(tuple(plan.decode), tuple(plan.prefill))
+
+    def _schedule_prefill(self, seq: Sequence, budget: int, plan: _Building) -> int:
+        length = min(seq.prefill_target - seq.num_cached, budget)
+        if length <= 0 or not self.allocator.try_reserve(seq, seq.num_cached + length):
+            return 0
+        plan.prefill.append(PrefillChunk(seq, seq.num_cached, length))
+        return length
+
+    def _reserve_or_preempt(self, seq: Sequence, plan: _Building) -> bool:
+        """Reserve the window of `seq`, preempting the youngest other requests if needed."""
+        positions = min(seq.num_cached + self.window_positions, self.max_model_len + self.window_positions)
+        while not self.allocator.try_reserve(seq, positions):
+            victim = max(self.running, key=lambda s: s.arrival)
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, plan: _Building) -> None:
+        self.running.remove(seq)
+        if seq in plan.decode:
+            plan.decode.remove(seq)
+        plan.prefill = [c for c in plan.prefill if c.seq is not seq]
+        self.allocator.release(seq)
+        seq.num_cached = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

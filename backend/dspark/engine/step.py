@@ -1,0 +1,202 @@
+"""The DSpark step as a sequence of values (docs/step_pipeline.md walks one request through it).
+
+    StepSchedule  --draft-->  Drafts  --VerifyPolicy.plan-->  VerifyPlan  --pack_step-->  PackedStep
+      --runner.run-->  TargetResult  --accept-->  Acceptance  --LLMEngine._commit-->  [Committed]
+
+Each stage is a function (or one method of a small object) that takes earlier values and returns a
+new frozen one; nothing fills in a field of another stage's value. The values of the speculative
+part live in `dspark.spec` (`Drafts`, `InStepDrafts`, `VerifyPlan`), the target step's in
+`dspark.runner.model_runner` (`TargetStep`, `TargetResult`); this module holds the packing of a step and
+its acceptance, which read all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from dspark.engine.scheduler import StepSchedule
+from dspark.runner.model_runner import TargetResult, TargetStep
+from dspark.sampling.sampler import choose_tokens
+from dspark.sequence import Sequence
+from dspark.spec.accept import GreedyAcceptance, greedy_accept_all, rejection_accept_all
+from dspark.spec.drafts import Drafts
+from dspark.spec.step_draft import InStepDrafts
+from dspark.spec.verify_policy import VerifyPlan
+
+
+@dataclass(frozen=True)
+class PackedStep:
+    """One step's target input: every decoding request's verify window [anchor, d_1 .. d_l] (the
+    drafts packed in by the runner, see `TargetStep.drafts`), then the prefill chunks; and where each
+    window's logit rows start among the rows the runner returns."""
+
+    step: TargetStep
+    logit_offsets: tuple[int, ...]
+
+
+def pack_step(schedule: StepSchedule, plan: VerifyPlan, capture_layers: tuple[int, ...]) -> PackedStep:
+    """Lay the schedule's windows out back to back as the runner (and every TP rank) takes them.
+
+    Verify windows hold their anchor and placeholders: the drafts are packed in where they are
+    (`VerifyDrafts.pack`), so nothing waits here to read them back. Verify windows want the logits of
+    every row, a prefill chunk that ends its prompt those of its last row, other chunks none."""
+    windows = _Windows()
+    for seq, num_drafts in zip(schedule.decode, plan.verify_lens, strict=True):
+        windows.add(seq, [seq.anchor] + [0] * num_drafts, seq.num_cached, logits="all")
+    for chunk in schedule.prefill:
+        seq = chunk.seq
+        tokens = seq.token_ids[chunk.start : chunk.start + chunk.length]
+        windows.add(seq, tokens, chunk.start, logits="last" if chunk.samples_first_token else "none")
+    return PackedStep(windows.to_step(capture_layers, plan.drafts), tuple(windows.logit_offsets))
+
+
+def verified_drafts(plan: VerifyPlan, result: TargetResult) -> Drafts | None:
+    """The drafts the step verified: the plan's, or those the target step made (`InStepDrafts`)."""
+    if isinstance(plan.drafts, InStepDrafts):
+        assert isinstance(result.drafts, Drafts), "the target step made no drafts"
+        return result.drafts
+    return plan.drafts
+
+
+@dataclass(frozen=True)
+class WindowAcceptance:
+    """One verify window's outcome: the drafts accepted, and the tokens it commits (those drafts,
+    then the token after them)."""
+
+    accepted: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """What a step commits: per decoding request its window's outcome, and per prefill chunk the first
+    token it samples (None for a chunk that does not end its prompt)."""
+
+    windows: tuple[WindowAcceptance, ...]
+    first_tokens: tuple[int | None, ...]
+
+
+def accept(
+    schedule: StepSchedule,
+    plan: VerifyPlan,
+    drafts: Drafts | None,
+    result: TargetResult,
+    logit_offsets: Seq[int],
+    block_size: int,
+) -> Acceptance:
+    """Decide the committed tokens of every window: greedy requests by the argmax, sampling requests
+    by rejection sampling (both on the runner's device, one copy to the host each), and the first
+    token of every prefill chunk that ends its prompt. Random numbers are drawn in a fixed order:
+    the sampling windows' (in request order), then the first tokens'."""
+    logits, argmax = result.logits, result.argmax
+    assert logits is not None and argmax is not None
+    decode = schedule.decode
+    greedy = greedy_accept_all(
+        plan.verify_lens, plan.commit_caps, drafts.tokens if drafts is not None else None, argmax
+    )
+    sampled = _sampled_accept(decode, plan, drafts, greedy, logits, logit_offsets, block_size)
+    windows = []
+    for r, seq in enumerate(decode):
+        accepted, next_token = (greedy.accepted[r], greedy.bonus[r]) if seq.params.greedy else sampled[r]
+        windows.append(WindowAcceptance(accepted, (*greedy.drafts[r][:accepted], next_token)))
+    first_prefill_row = logit_offsets[len(decode)] if schedule.prefill else 0
+    first_tokens: list[int | None] = []
+    for i, chunk in enumerate(schedule.prefill):
+        seq = chunk.seq
+        offset = logit_offsets[len(decode) + i]
+        if not chunk.samples_first_token:
+            first_tokens.append(None)
+        elif seq.params.greedy:
+            first_tokens.append(greedy.rest[offset - first_prefill_row])
+        else:
+            first_tokens.append(int(choose_tokens(logits[offset][None], seq.params, seq.generator)[0]))
+    return Acceptance(tuple(windows), tuple(first_tokens))
+
+
+def _sampled_accept(
+    decode: Seq[Sequence],
+    plan: VerifyPlan,
+    drafts: Drafts | None,
+    greedy: GreedyAcceptance,
+    logits: torch.Tensor,
+    logit_offsets: Seq[int],
+    block_size: int,
+) -> dict[int, tuple[int, int]]:
+    """Rejection sampling of every sampling request's window (up to its commit cap), in one call
+    where the logits are: {decode row: (drafts kept, next token)}. The drafts verified come from the
+    greedy acceptance's copy to the host."""
+    rows = [r for r, seq in enumerate(decode) if not seq.params.greedy]
+    if not rows:
+        return {}
+    limits = [plan.commit_caps[r] for r in rows]
+    probs = [drafts.probs[r] if drafts is not None else None for r in rows]
+    offsets = [logit_offsets[r] for r in rows]
+    accepted, next_tokens = rejection_accept_all(
+        [greedy.drafts[r][:n] for r, n in zip(rows, limits, strict=True)],
+        probs,
+        [logits[o : o + n + 1] for o, n in zip(offsets, limits, strict=True)],
+        [decode[r].params for r in rows],
+        [decode[r].generator for r in rows],
+        block_size,
+    )
+    return {r: (a, t) for r, a, t in zip(rows, accepted, next_tokens, strict=True)}
+
+
+@dataclass(frozen=True)
+class Committed:
+    """One request's tokens committed this step, and the logit row of the first of them."""
+
+    seq: Sequence
+    tokens: tuple[int, ...]
+    logit_row: int
+
+
+class _Windows:
+    """The packed target batch of one step, built window by window (`pack_step`'s scratch)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.pages: list[list[int]] = []
+        self.starts: list[int] = []
+        self.lens: list[int] = []
+        self.logit_offsets: list[int] = []
+        # Logit rows: every row of the leading windows that want them all (the verify windows), then
+        # the rows listed (kept as a count, not a list, since most steps have nothing else).
+        self.num_leading_rows = 0
+        self.logit_rows: list[int] = []
+
+    def add(self, seq: Sequence, tokens: list[int], start: int, logits: str) -> None:
+        """Append a window of `tokens` at positions start.. of `seq`; `logits` says which rows' logits
+        to compute: "all" (a verify window), "last" (a prefill chunk that ends the prompt), "none"."""
+        first = len(self.tokens)
+        self.logit_offsets.append(self.num_leading_rows + len(self.logit_rows))
+        self.tokens.extend(tokens)
+        self.pages.append(seq.pages)
+        self.starts.append(start)
+        self.lens.append(len(tokens))
+        if logits == "all" and first == self.num_leading_rows:
+            self.num_leading_rows += len(tokens)
+        elif logits == "all":
+            self.logit_rows.extend(range(first, first + len(tokens)))
+        elif logits == "last":
+            self.logit_rows.append(first + len(tokens) - 1)
+
+    def to_step(self, capture_layers: tuple[int, ...], drafts: Drafts | InStepDrafts | None) -> TargetStep:
+        """The packed batch as the runner (and every TP rank) takes it."""
+        rows = torch.arange(self.num_leading_rows)
+        if self.logit_rows:
+            rows = torch.cat([rows, torch.tensor(self.logit_rows, dtype=torch.long)])
+        return TargetStep(
+            token_ids=torch.tensor(self.tokens, dtype=torch.long),
+            positions=None,  # laid out where the step runs (from each window's start)
+            window_starts=self.starts,
+            window_lens=self.lens,
+            pages=self.pages,
+            logit_rows=rows,
+            capture_layers=capture_layers,
+            host_logits=False,
+            drafts=drafts,
+        )

@@ -1,0 +1,80 @@
+"""AttentionBatch: the per-step layout of packed ragged windows over paged KV caches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dspark.kernels import ops
+from dspark.runner.host_to_device import to_device
+
+
+@dataclass
+class AttentionBatch:
+    """Where each packed token's keys go and which keys each window sees.
+
+    cu_seqlens_q: [R + 1] int32 window boundaries in the packed tokens; kv_lens: [R] int32 keys per
+    request including its window; page_table: [R, max_pages] int32; slots: [num_tokens] int64 cache
+    slot of each packed token; causal: windows causal (target) or fully visible (draft block);
+    positions: [num_tokens] int64 each packed token's position, when the layout was built here (a
+    captured step's layout keeps its own).
+    """
+
+    cu_seqlens_q: torch.Tensor
+    kv_lens: torch.Tensor
+    page_table: torch.Tensor
+    slots: torch.Tensor
+    causal: bool
+    positions: torch.Tensor | None = None
+
+    @property
+    def num_requests(self) -> int:
+        """R, the number of windows."""
+        return self.kv_lens.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        pages: Sequence[Sequence[int]],
+        window_starts: Sequence[int],
+        window_lens: Sequence[int],
+        page_size: int,
+        causal: bool,
+        device: torch.device,
+        num_tokens: int = 0,
+        num_requests: int = 0,
+    ) -> AttentionBatch:
+        """Lay out windows: request r's window covers positions [window_starts[r], +window_lens[r]).
+
+        pages[r] lists request r's cache pages in order; a window's keys are every position before
+        its end. num_tokens / num_requests (0: exact) pad the layout to a fixed size, as a captured
+        step needs: padding tokens get slot -1 (never stored), padding windows are empty with no keys.
+        The page table is built on the host; slots, boundaries and key counts on `device`
+        (`ops.build_window_layout`: the layout kernel on a GPU).
+        """
+        count = len(window_lens)
+        num_requests = max(num_requests, count)
+        starts = torch.zeros(num_requests, dtype=torch.int64)
+        lens = torch.zeros(num_requests, dtype=torch.int64)
+        starts[:count] = torch.tensor(window_starts, dtype=torch.int64)
+        lens[:count] = torch.tensor(window_lens, dtype=torch.int64)
+        num_tokens = max(num_tokens, int(lens.sum()))
+        table = to_device(build_page_table(pages, num_requests), device)
+        bounds = to_device(torch.stack([starts, lens]), device)
+        positions, slots, cu, kv_lens = ops.build_window_layout(
+            bounds[0], bounds[1], table, page_size, num_tokens
+        )
+        return cls(cu, kv_lens, table, slots, causal, positions)
+
+
+def build_page_table(pages: Sequence[Sequence[int]], num_rows: int) -> torch.Tensor:
+    """[num_rows, max pages] int32 on the host: row r lists pages[r] in order (zeros past its end and
+    in rows past len(pages)). Padded rows go to torch in one call: at the batch sizes a step has, that
+    beats a vectorised scatter (64 requests of 8 pages: 70 against 119 µs; one request: 5 against 44)."""
+    count = len(pages)
+    width = max(max((len(p) for p in pages), default=1), 1)
+    rows = [[*p, *([0] * (width - len(p)))] for p in pages]
+    rows.extend([[0] * width] * (max(num_rows, count) - count))
+    return torch.tensor(rows, dtype=torch.int32).view(-1, width)

@@ -1,0 +1,425 @@
+"""ModelRunner: runs this rank's target shard over one step's packed windows.
+
+The driver builds a `TargetStep` (plain tensors, cheap to broadcast) once per step; every rank turns
+it into the same AttentionBatch and runs the same forward, so ranks never plan anything themselves.
+With tensor_parallel_size > 1, `TensorParallelRunner` is the driver's runner: it hands each step to
+the spawned ranks 1..N-1 (dspark.parallel.tp_worker) and runs rank 0's shard itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dspark.config import EngineConfig
+from dspark.parallel.distributed import (
+    SINGLE,
+    TensorParallel,
+    check_no_group,
+    join_group,
+    leave_group,
+    rendezvous_store,
+)
+from dspark.parallel.tp_worker import WorkerGroup, collective_timeout_s
+from dspark.runner.attention_batch import AttentionBatch
+from dspark.runner.cuda_graphs import CaptureOutcome, CudaGraphs, FeatureSink
+from dspark.runner.host_to_device import to_device
+from dspark.runner.kv_cache import PagedKVCache
+from dspark.runner.models.hf_config import ModelConfig
+from dspark.runner.models.llama import CausalLM
+from dspark.runner.models.loader import load_target_model
+from dspark.runner.verify_tokens import VerifyDrafts
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TargetStep:
+    """One target forward: packed tokens and where each window sits in its request's pages.
+
+    token_ids, positions: [num_tokens] int64 (positions None: each window's run from its start, laid
+    out on the device with the rest of the layout); window_starts / window_lens / pages: per window;
+    logit_rows: [num_logit_rows] packed rows whose logits the driver needs; capture_layers: target
+    layers whose outputs feed the drafter.
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor | None
+    window_starts: list[int]
+    window_lens: list[int]
+    pages: list[list[int]]
+    logit_rows: torch.Tensor
+    capture_layers: tuple[int, ...]
+    # Whether `run` moves the logit rows to the host (benchmarks); the engine leaves them on the
+    # device, where it accepts and samples, and only committed tokens cross to the host.
+    host_logits: bool = True
+    # The drafts of the first windows (verify windows, whose token_ids rows after the anchor are
+    # placeholders): packed in where the step runs, made inside it first if they are still to be made
+    # (`VerifyDrafts`); None: token_ids are complete.
+    drafts: VerifyDrafts | None = None
+
+    def with_host_tokens(self) -> tuple[TargetStep, object]:
+        """This step with every token id on the host (what other ranks are sent), the verify windows'
+        drafts made if need be and packed in; and the drafts made doing so (None if none were)."""
+        if self.drafts is None:
+            return self, None
+        token_ids = self.token_ids.clone()
+        made = self.drafts.pack(self.token_ids, self.window_lens, token_ids, in_layout=False)
+        return replace(self, token_ids=token_ids, drafts=None), made
+
+
+@dataclass(frozen=True)
+class TargetResult:
+    """What the driver gets back: logits [num_logit_rows, vocab] fp32 (on the host after `run` when
+    the step asks for host logits, else on the device), their argmax [num_logit_rows] int64 (on the
+    device: acceptance runs there),
+    captured features [num_tokens, len(capture_layers) * hidden] on the device (or None), and each
+    token's cache slot (after a replay, features and slots are views that the next step overwrites);
+    and the drafts the step made while packing its verify windows (`VerifyDrafts.pack`; None if it
+    made none)."""
+
+    logits: torch.Tensor | None
+    features: torch.Tensor | None
+    slots: torch.Tensor
+    argmax: torch.Tensor | None = None
+    drafts: object = None
+
+
+class ModelRunner:
+    """Owns the target shard and its KV cache on one device."""
+
+    def __init__(
+        self, model: CausalLM, cache: PagedKVCache, device: torch.device, graphs: CudaGraphs | None = None
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        # Captured forwards for steps that fit them (CUDA, one rank); None: every step runs eagerly.
+        self.graphs = graphs
+        self.feature_sink: FeatureSink | None = None
+
+    def use_graphs(self, graphs: CudaGraphs | None) -> None:
+        """Replay steps through `graphs` (None: run every step eagerly), feeding the feature sink."""
+        self.graphs = graphs
+        if graphs is not None:
+            graphs.set_feature_sink(self.feature_sink)
+
+    def capture_graphs(self, capture_layers: tuple[int, ...]) -> CaptureOutcome | None:
+        """Capture every step graph now (start-up), so that no step stalls on a capture; every
+        tensor-parallel rank calls this at once, and they capture the same tiers (`capture_all`). When
+        no tier is captured (none fits, or a capture failed on some rank), every rank runs eagerly.
+        None: no graphs."""
+        if self.graphs is None:
+            return None
+        tp = self.model.tp
+        outcome = self.graphs.capture_all(capture_layers, tp)
+        if not outcome.replays:
+            self.use_graphs(None)
+        if tp.rank == 0:  # the driver speaks for the group
+            log_capture(outcome)
+        return outcome
+
+    def release_graphs(self) -> None:
+        """Drop every captured graph. A graph that captured NCCL collectives pins its communicator, so
+        this must come before the TP group is destroyed, or the destroy waits forever."""
+        if self.graphs is not None:
+            self.graphs.release()
+
+    def set_feature_sink(self, sink: FeatureSink | None) -> None:
+        """Hand every step's captured features (all its tokens: positions, slots) to `sink` right after
+        the forward, inside the step's CUDA graph when it replays one: the drafter's KV injection."""
+        self.feature_sink = sink
+        if self.graphs is not None:
+            self.graphs.set_feature_sink(sink)
+
+    @classmethod
+    def create(
+        cls, config: EngineConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ) -> ModelRunner:
+        """Load this rank's shard of the target (the whole target for SINGLE) and its KV cache shard."""
+        model = load_target_model(config.model_path, dtype=dtype, device=device, tp=tp)
+        cfg = model.config
+        cache = PagedKVCache(
+            cfg.num_layers,
+            config.num_kv_pages,
+            config.kv_page_size,
+            model.num_local_kv_heads,
+            cfg.head_dim,
+            dtype,
+            device,
+        )
+        graphs = None
+        # Tensor-parallel ranks capture too: every rank takes the same steps, so each replays the same
+        # tier's graph and the NCCL collectives captured in it meet.
+        if device.type == "cuda" and config.cuda_graph_max_tokens > 0:
+            graphs = CudaGraphs.from_config(model, cache, device, config)
+        return cls(model, cache, device, graphs)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The target's architecture."""
+        return self.model.config
+
+    def vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full (embedding, LM head) weights [vocab, hidden], which the drafter shares."""
+        return self.model.embed_tokens.weight, self.model.lm_head.weight
+
+    def run(self, step: TargetStep) -> TargetResult:
+        """Forward the step's windows; logits only at `logit_rows`."""
+        result = self.forward(step)
+        logits = result.logits
+        assert logits is not None
+        # The argmax stays where the logits are: acceptance reads it there, and only the committed
+        # tokens cross to the host, not [rows, vocab] floats.
+        argmax = logits.argmax(dim=-1)
+        return replace(result, logits=logits.cpu() if step.host_logits else logits, argmax=argmax)
+
+    @torch.inference_mode()
+    def forward(self, step: TargetStep) -> TargetResult:
+        """`run` with the logits left on the device: what every tensor-parallel rank executes."""
+        rows = step.logit_rows
+        num_rows = rows.shape[0]
+        # Rows are increasing: the first and last tell a leading run (every row of an all-verify or
+        # all-decode step), which is a view, with no copy or gather.
+        leading = num_rows == 0 or (int(rows[0]) == 0 and int(rows[-1]) == num_rows - 1)
+        # Queued before the forward, so that nothing after it waits for the device.
+        logit_rows = slice(0, num_rows) if leading else to_device(rows, self.device)
+        drafts = step.drafts
+        if self.graphs is not None:
+            num_verify = drafts.num_windows if drafts is not None else 0
+            tiers = self.graphs.fill(
+                step.token_ids, step.pages, step.window_starts, step.window_lens, num_verify
+            )
+            if tiers is not None:
+                made = None
+                if drafts is not None:  # into the filled layout, where an in-step draft block reads
+                    made = drafts.pack(step.token_ids, step.window_lens, self.graphs.layout.token_ids, True)
+                replayed = self.graphs.replay(tiers, len(step.token_ids), step.capture_layers)
+                logits = self.model.compute_logits(replayed.hidden[logit_rows])
+                return TargetResult(logits, replayed.features, replayed.slots, drafts=made)
+        batch = AttentionBatch.build(
+            step.pages, step.window_starts, step.window_lens, self.cache.page_size, True, self.device
+        )
+        positions = batch.positions if step.positions is None else to_device(step.positions, self.device)
+        token_ids = to_device(step.token_ids, self.device)
+        made = None
+        if drafts is not None:
+            made = drafts.pack(step.token_ids, step.window_lens, token_ids, False)
+        hidden, features = self.model(token_ids, positions, batch, self.cache, step.capture_layers)
+        if features is not None and self.feature_sink is not None:
+            self.feature_sink(features, positions, batch.slots)
+        logits = self.model.compute_logits(hidden[logit_rows])
+        return TargetResult(logits, features, batch.slots, drafts=made)
+
+    def close(self) -> None:
+        """Nothing to release for a single-process runner."""
+
+
+# Intra-op threads of each tensor-parallel rank on a GPU (see TensorParallelRunner.create).
+GPU_RANK_THREADS = 4
+
+
+class TensorParallelRunner:
+    """The driver's runner for tensor_parallel_size > 1: rank 0's shard in this process, ranks
+    1..N-1 in spawned worker processes, every step planned here once and broadcast."""
+
+    def __init__(
+        self,
+        local: ModelRunner,
+        workers: WorkerGroup,
+        config: EngineConfig,
+        dtype: torch.dtype,
+        threads_before: int,
+    ) -> None:
+        self.local = local
+        self.workers = workers
+        self.config = config
+        self.dtype = dtype
+        self.device = local.device
+        self._threads_before = threads_before
+        self._vocab_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._closed = False
+
+    @classmethod
+    def create(cls, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> TensorParallelRunner:
+        """Check the split, spawn ranks 1..N-1, load rank 0's shard meanwhile, then join the group."""
+        size = config.tensor_parallel_size
+        check_shardable(ModelConfig.load(config.model_path), size)
+        devices = rank_devices(config, device)
+        check_no_group()
+        if devices[0].type == "cuda":
+            torch.cuda.set_device(devices[0])  # "cuda" (the drafter's device) now means rank 0's GPU
+        timeout = collective_timeout_s(config)
+        store = rendezvous_store(0, timeout)
+        # The ranks share this host's cores: each, the driver too, gets its share of threads. GPU ranks
+        # get a few at most: their host work is small tensors, where a wide parallel region costs more
+        # in wake-ups than it saves, and N ranks' thread pools plus NCCL's busy proxy threads would
+        # oversubscribe the cores (two H200 ranks with 16 + 32 threads each: 17 ms of host work a step).
+        threads_before = torch.get_num_threads()
+        threads = max(1, threads_before // size)
+        if devices[0].type == "cuda":
+            threads = min(threads, GPU_RANK_THREADS)
+        workers = WorkerGroup.spawn(config, devices, dtype, store.port, threads, ModelRunner.create)
+        torch.set_num_threads(threads)
+        try:
+            local = ModelRunner.create(config, devices[0], dtype, tp=TensorParallel(0, size))
+            workers.wait_loaded()
+            join_group(0, size, store, timeout, devices[0])
+        except BaseException:
+            workers.stop(graceful=False)
+            leave_group()
+            torch.set_num_threads(threads_before)
+            raise
+        workers.start_watchdog()
+        runner = cls(local, workers, config, dtype, threads_before)
+        atexit.register(runner.close)
+        return runner
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The target's architecture."""
+        return self.local.model_config
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1."""
+        return self.workers.pids
+
+    def capture_graphs(self, capture_layers: tuple[int, ...]) -> None:
+        """Capture every step graph on every rank now, the same tiers in the same order (the collectives
+        inside each capture pair up across ranks; see `CudaGraphs.capture_all`), or none on any rank;
+        nothing to do where steps run eagerly (CPU, gloo)."""
+        if self.local.graphs is None:
+            return
+        self.workers.send(("capture", tuple(capture_layers)))
+        try:
+            with self.workers.step():
+                self.local.capture_graphs(capture_layers)
+        except Exception as exc:
+            raise self.workers.fail(f"graph capture failed on rank 0: {exc}") from exc
+        self.workers.check()
+
+    def set_feature_sink(self, sink: FeatureSink | None) -> None:
+        """Rank 0's features feed the sink (the drafter lives on the driver; the residual stream, and so
+        every captured feature, is replicated over ranks)."""
+        self.local.set_feature_sink(sink)
+
+    def vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full (embedding, LM head) weights [vocab, hidden] for the drafter, read from the checkpoint
+        (this rank's model holds only its vocabulary shard of each)."""
+        if self._vocab_weights is None:
+            self._vocab_weights = read_vocab_weights(
+                self.config.model_path, self.model_config, self.dtype, self.device
+            )
+        return self._vocab_weights
+
+    def run(self, step: TargetStep) -> TargetResult:
+        """Broadcast the step, run rank 0's share; logits gathered over ranks, features are rank 0's
+        (the residual stream is replicated). TensorParallelError, within tensor_parallel_timeout_s,
+        when a rank dies or hangs."""
+        step, made = step.with_host_tokens()
+        self.workers.send(("step", step))
+        try:
+            with self.workers.step():
+                result = replace(self.local.run(step), drafts=made)
+        except Exception as exc:
+            raise self.workers.fail(f"step failed on rank 0: {exc}") from exc
+        except BaseException:  # interrupted mid-step: the ranks are out of step for good
+            self.workers.fail("step interrupted on rank 0")
+            raise
+        self.workers.check()
+        return result
+
+    def close(self) -> None:
+        """Shut ranks 1..N-1 down and leave the group (idempotent; also runs at exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.workers.stop()
+        self.local.release_graphs()
+        leave_group()
+        torch.set_num_threads(self._threads_before)
+        atexit.unregister(self.close)
+
+
+def log_capture(outcome: CaptureOutcome) -> None:
+    """Say where a start-up capture departed from the plan: a rank that could capture fewer tiers, the
+    tiers every rank captured instead, a failed capture (on which rank, at which size)."""
+    for rank, budget in enumerate(outcome.budgets):
+        if budget != outcome.planned:
+            logger.warning(
+                "cuda graph capture: rank %d can capture token tiers %s of %s", rank, budget, outcome.planned
+            )
+    if outcome.tiers != outcome.planned:
+        logger.warning("cuda graph capture: every rank captures token tiers %s", outcome.tiers)
+    if outcome.failed_rank is not None:
+        tokens, requests = outcome.failed_at or (0, 0)
+        logger.error(
+            "cuda graph capture failed on rank %d at tokens=%d requests=%d: every rank runs eagerly",
+            outcome.failed_rank,
+            tokens,
+            requests,
+        )
+
+
+def create_runner(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> ModelRunner | TensorParallelRunner:
+    """The runner for this config: in-process for one rank, a worker group for more."""
+    if config.tensor_parallel_size > 1:
+        return TensorParallelRunner.create(config, device, dtype)
+    return ModelRunner.create(config, device, dtype)
+
+
+def check_shardable(cfg: ModelConfig, size: int) -> None:
+    """ValueError naming tensor_parallel_size unless heads, KV heads and the MLP split evenly."""
+    tp = TensorParallel(0, size)
+    tp.shard(cfg.num_heads, "num_attention_heads")
+    tp.shard(cfg.num_kv_heads, "num_key_value_heads")
+    tp.shard(cfg.intermediate_size, "intermediate_size")
+
+
+def rank_devices(config: EngineConfig, device: torch.device) -> list[torch.device]:
+    """The device of each rank: GPU i (or the i-th of tensor_parallel_devices) on CUDA, else the CPU."""
+    size = config.tensor_parallel_size
+    if device.type != "cuda":
+        return [device] * size
+    visible = torch.cuda.device_count()
+    ids = config.tensor_parallel_device_ids or list(range(size))
+    if size > visible:
+        raise ValueError(f"tensor_parallel_size ({size}) needs {size} GPUs, but {visible} are visible")
+    if max(ids) >= visible:
+        raise ValueError(f"tensor_parallel_devices: GPU {max(ids)} is not visible ({visible} GPUs)")
+    return [torch.device("cuda", i) for i in ids]
+
+
+def read_vocab_weights(
+    model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding, LM head) [vocab, hidden] straight from a checkpoint; tied: one tensor twice."""
+    names = {"embed_tokens.weight": "embedding", "lm_head.weight": "lm_head"}
+    found: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(model_dir):
+        with safe_open(str(model_dir / file), framework="pt") as f:
+            for key in f.keys():
+                if key.removeprefix("model.") in names:
+                    found[names[key.removeprefix("model.")]] = f.get_tensor(key).to(device, dtype)
+    if cfg.tie_word_embeddings and "embedding" in found:
+        found["lm_head"] = found["embedding"]
+    missing = sorted({"embedding", "lm_head"} - set(found))
+    if missing:
+        raise KeyError(f"model: checkpoint in {model_dir} lacks the {' and '.join(missing)} weights")
+    return found["embedding"], found["lm_head"]
+
+
+def _safetensors_files(model_dir: Path) -> list[str]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return sorted(p.name for p in model_dir.glob("*.safetensors"))

@@ -1,0 +1,173 @@
+"""Tensor-parallel-ready layers: column/row-parallel linears, vocabulary-parallel embedding and head,
+RMSNorm and rotary embedding. Each parameter carries a `load` that takes the full checkpoint tensor
+and keeps this rank's shard, so the loader never needs to know how a layer is split.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.kernels import ops
+from dspark.parallel.distributed import SINGLE, TensorParallel
+
+Loader = Callable[[torch.Tensor, torch.Tensor, str | None], None]
+
+
+def _attach(param: nn.Parameter, load: Loader) -> nn.Parameter:
+    param.load = load  # type: ignore[attr-defined]
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W's output rows split over ranks; outputs stay sharded.
+
+    `output_sizes` names the fused pieces (q, k, v or gate, up); each piece is split on its own
+    so that a fused weight's shard holds this rank's part of every piece.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        tp: TensorParallel = SINGLE,
+        shard_names: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.local_sizes = [tp.shard(s, "linear output size") for s in output_sizes]
+        self.shard_names = list(shard_names) if shard_names else [None]
+        out = sum(self.local_sizes)
+        self.weight = _attach(nn.Parameter(torch.empty(out, input_size), requires_grad=False), self._load)
+        self.bias = _attach(nn.Parameter(torch.empty(out), requires_grad=False), self._load) if bias else None
+
+    def _load(self, param: torch.Tensor, full: torch.Tensor, shard_name: str | None) -> None:
+        index = self.shard_names.index(shard_name)
+        offset = sum(self.local_sizes[:index])
+        size = self.local_sizes[index]
+        piece = full.narrow(0, self.tp.rank * size, size)
+        param.data.narrow(0, offset, size).copy_(piece)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, input] -> [num_tokens, local output]."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split over ranks; partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.local_input = tp.shard(input_size, "linear input size")
+        self.weight = _attach(
+            nn.Parameter(torch.empty(output_size, self.local_input), requires_grad=False), self._load
+        )
+        self.bias = (
+            _attach(nn.Parameter(torch.empty(output_size), requires_grad=False), _copy) if bias else None
+        )
+
+    def _load(self, param: torch.Tensor, full: torch.Tensor, shard_name: str | None) -> None:
+        param.data.copy_(full.narrow(1, self.tp.rank * self.local_input, self.local_input))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, local input] -> [num_tokens, output], summed over ranks."""
+        y = F.linear(x, self.weight)
+        y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split into contiguous per-rank ranges."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.local_vocab = math.ceil(vocab_size / tp.size)
+        self.vocab_start = tp.rank * self.local_vocab
+        self.weight = _attach(
+            nn.Parameter(torch.zeros(self.local_vocab, hidden_size), requires_grad=False), self._load
+        )
+
+    def _load(self, param: torch.Tensor, full: torch.Tensor, shard_name: str | None) -> None:
+        rows = full[self.vocab_start : self.vocab_start + self.local_vocab]
+        param.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] -> [num_tokens, hidden]."""
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.weight)
+        local = token_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.local_vocab)
+        out = F.embedding(local.clamp(0, self.local_vocab - 1), self.weight) * inside[:, None]
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Vocabulary-parallel output projection; logits are gathered where sampling needs them."""
+
+    def __init__(self, embedding: VocabParallelEmbedding, tied: bool) -> None:
+        super().__init__()
+        self.tp = embedding.tp
+        self.vocab_size = embedding.vocab_size
+        if tied:
+            self.weight = embedding.weight
+        else:
+            self.weight = _attach(
+                nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False), embedding._load
+            )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, hidden] -> [num_tokens, vocab] full logits on every rank."""
+        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[:, : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm; `forward(x, residual)` fuses the residual add."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _attach(nn.Parameter(torch.ones(size), requires_grad=False), _copy)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x, residual: [num_tokens, size] -> (normed, x + residual)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+def _copy(param: torch.Tensor, full: torch.Tensor, shard_name: str | None) -> None:
+    param.data.copy_(full)
+
+
+def rotary_cos_sin(
+    head_dim: int, max_positions: int, theta: float, scaling: dict | None = None
+) -> torch.Tensor:
+    """cos/sin table [max_positions, head_dim] (cos for the first half, sin for the second), fp32.
+
+    Supports plain RoPE and the `llama3` frequency scaling of Llama 3.1+ checkpoints.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, scaling)
+    t = torch.arange(max_positions, dtype=torch.float64)
+    freqs = torch.outer(t, inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)

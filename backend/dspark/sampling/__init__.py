@@ -1,0 +1,1 @@
+"""Turning target logits into tokens: filtering, sampling, penalties and log-probabilities."""

@@ -1,0 +1,329 @@
+"""EngineProcess: AsyncEngine's interface with the engine in a child process of its own.
+
+Inside Triton's Python backend, the adapter's response thread (building tensors, sending responses,
+publishing metrics) and the engine's step loop would share one interpreter and its GIL: every
+response the server sends then takes time from the next engine step. Here the engine core runs in a
+spawned process (its own GIL, its own CUDA context); the adapter's process keeps only request and
+response I/O. Two pipes connect them:
+
+- control (duplex): the adapter's `submit` (answered with the prompt's token ids, or the error that
+  names the bad field, so a bad request still fails at once and alone), `abort`, `shutdown`;
+- events (engine -> adapter): batches of deltas (everything committed since the last batch, one
+  message per batch) with an occupancy snapshot, and the engine's death.
+
+Faults: if the engine loop dies, its requests' failed deltas arrive first, then the death; if the
+engine process itself dies (killed, out of memory), the adapter sees its events pipe close and fails
+every request it was waiting on. Either way `on_death` is called once and `healthy` turns False. The
+engine process exits when the adapter's control pipe closes, so it never outlives its adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from dspark.config import EngineConfig
+from dspark.engine.async_engine import AsyncEngine, DeathCallback, DeltaCallback, EngineDeadError
+from dspark.outputs import EngineLoad, RequestDelta, merge_by_request
+from dspark.parallel.tp_worker import python_executable, spawning_with
+from dspark.prompts import check_prompt
+from dspark.sampling_params import SamplingParams
+from dspark.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0  # past the engine's own shutdown, before its process is killed
+LOAD_INTERVAL_S = 0.1  # how often an idle engine process reports a changed occupancy
+SENDER_FAILED_STATUS = 70  # the engine process's exit status when its events could not be sent
+
+
+class EngineProcess:
+    """Runs an AsyncEngine in a spawned process and relays requests and deltas (see the module)."""
+
+    def __init__(self, config: EngineConfig, on_death: DeathCallback | None = None) -> None:
+        """Spawn the engine process and wait until its engine is built (model load, CUDA graphs)."""
+        self.config = config
+        self._on_death = on_death
+        self._callbacks: dict[str, DeltaCallback] = {}
+        self._lock = threading.Lock()  # the callbacks
+        self._control_lock = threading.Lock()  # one command at a time on the control pipe
+        self._error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._load = EngineLoad(0, 0, 0, 0)
+        context = mp.get_context("spawn")
+        self._control, control_theirs = context.Pipe(duplex=True)
+        self._events, events_theirs = context.Pipe(duplex=False)
+        with spawning_with(context, python_executable()):
+            # Not a daemon: a tensor-parallel engine spawns rank processes of its own.
+            self._process = context.Process(
+                target=engine_main, args=(config, control_theirs, events_theirs), name="dspark-engine"
+            )
+            self._process.start()
+        control_theirs.close()
+        events_theirs.close()
+        try:
+            kind, detail = self._events.recv()
+        except EOFError:
+            kind, detail = "failed", f"the engine process exited with status {self._process.join(5) or ''}"
+        if kind != "ready":
+            self._kill()
+            raise RuntimeError(f"the engine process failed to start:\n{detail}")
+        self._vocab_size, self._max_model_len = detail
+        # The adapter's own: it tokenizes and checks prompts here (see `submit`) and decodes them.
+        self.tokenizer = Tokenizer.from_dir(config.model_path)
+        self._reader = threading.Thread(target=self._read_events, name="dspark-engine-events", daemon=True)
+
+    def start(self) -> None:
+        """Start relaying the engine's deltas (idempotent)."""
+        if not self._reader.is_alive() and not self._stopping.is_set():
+            self._reader.start()
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine died, its process exited, or shutdown began."""
+        return self._error is None and not self._stopping.is_set() and self._process.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped, if it did."""
+        return self._error
+
+    def submit(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        on_delta: DeltaCallback,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> list[int]:
+        """Validate and tokenize one request here, queue it in the engine process; its prompt token ids.
+
+        Raises InvalidParameterError (naming the field) for a bad request, EngineDeadError when the
+        engine is not running. No reply is awaited: a submission waiting on the engine process's
+        control thread (which shares that process's GIL with the step loop) held up every request
+        behind it. A request the engine still refuses at admission ends with a failed delta.
+        """
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self._error!r}")
+        ids = check_prompt(
+            prompt, prompt_token_ids, params, self.tokenizer, self._vocab_size, self._max_model_len
+        )
+        with self._lock:  # before the engine can answer: its first delta may come at once
+            self._callbacks[request_id] = on_delta
+        try:
+            with self._control_lock:
+                self._control.send(("submit", request_id, params, ids))
+        except (OSError, EOFError):
+            with self._lock:
+                self._callbacks.pop(request_id, None)
+            raise EngineDeadError("engine is not running: the engine process is gone") from None
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; it ends with reason 'abort' at the engine's next step."""
+        self._command(("abort", request_id))
+
+    def load(self) -> EngineLoad:
+        """The occupancy the engine reported with its last batch of deltas."""
+        return self._load
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight (their last deltas are relayed), stop the engine and its process."""
+        self._stopping.set()
+        self._command(("shutdown",))
+        self._process.join(timeout + SHUTDOWN_GRACE_S)
+        self._kill()
+        if self._reader.is_alive():
+            self._reader.join(SHUTDOWN_GRACE_S)
+
+    # The adapter's side -----------------------------------------------------------------------
+
+    def _command(self, message: tuple) -> None:
+        try:
+            with self._control_lock:
+                self._control.send(message)
+        except (OSError, EOFError):
+            pass  # the engine process is gone; the events reader reports it
+
+    def _read_events(self) -> None:
+        while True:
+            try:
+                message = self._events.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "deltas":
+                self._load = message[2]
+                self._dispatch(message[1])
+            elif message[0] == "load":
+                self._load = message[1]
+            elif message[0] == "dead":
+                self._died(RuntimeError(message[1]))
+        if not self._stopping.is_set():
+            self._process.join(1)
+            self._died(RuntimeError(f"the engine process exited (status {self._process.exitcode})"))
+        self._fail_all("the engine process stopped")
+
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        with self._lock:  # once a batch: hundreds of deltas a step at high concurrency
+            callbacks = [
+                self._callbacks.pop(delta.request_id, None)
+                if delta.finished
+                else self._callbacks.get(delta.request_id)
+                for delta in deltas
+            ]
+        for delta, callback in zip(deltas, callbacks, strict=True):
+            if callback is not None:
+                callback(delta)
+
+    def _died(self, cause: BaseException) -> None:
+        """The engine stopped: fail what is left, report it once."""
+        if self._error is not None:
+            return
+        logger.error("dspark engine process: %s", cause)
+        self._error = cause
+        self._fail_all(f"{type(cause).__name__}: {cause}")
+        if self._on_death is not None:
+            self._on_death(cause)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, {}
+        for request_id, callback in callbacks.items():
+            callback(RequestDelta.failed(request_id, message))
+
+    def _kill(self) -> None:
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(SHUTDOWN_GRACE_S)
+
+
+# The engine's side ----------------------------------------------------------------------------
+
+
+def engine_main(config: EngineConfig, control: Connection, events: Connection) -> None:
+    """The engine process: build the engine, serve control commands, send delta batches."""
+    outbox = _Outbox()
+    try:
+        engine = AsyncEngine(
+            config,
+            on_death=lambda cause: outbox.put_now(("dead", f"{type(cause).__name__}: {cause}")),
+            after_step=outbox.wake,
+        )
+    except BaseException:
+        events.send(("failed", traceback.format_exc()))
+        return
+    engine.start()
+    events.send(("ready", (engine.engine.model_config.vocab_size, engine.engine.limits.max_model_len)))
+    sender = threading.Thread(target=_send_events_or_exit, args=(outbox, events, engine.load), daemon=True)
+    sender.start()
+    _serve_control(engine, control, outbox.put, outbox.put_now)
+    engine.shutdown()
+    outbox.put_now(None)
+    sender.join()
+
+
+class _Outbox:
+    """What the engine process sends next, in order: a step's deltas (put without waking the sender,
+    which would take the GIL from the step loop mid-step) until the step's end wakes it once."""
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+
+    def put(self, item: Any) -> None:
+        """Queue a delta (sent at the step's end)."""
+        with self._lock:
+            self._items.append(item)
+
+    def put_now(self, item: Any) -> None:
+        """Queue an event (the engine's death, None: the end) and wake the sender."""
+        self.put(item)
+        self._ready.set()
+
+    def wake(self) -> None:
+        """The step's end: send what is queued."""
+        self._ready.set()
+
+    def take(self, timeout: float) -> list:
+        """Everything queued, once woken (or after `timeout`: possibly nothing)."""
+        self._ready.wait(timeout)
+        self._ready.clear()
+        with self._lock:
+            items, self._items = self._items, []
+        return items
+
+
+def _serve_control(
+    engine: AsyncEngine,
+    control: Connection,
+    on_delta: Callable[[Any], None],
+    on_failed: Callable[[Any], None],
+) -> None:
+    """Answer the adapter's commands until it asks to shut down or goes away."""
+    while True:
+        try:
+            message = control.recv()
+        except (EOFError, OSError):
+            return
+        kind = message[0]
+        if kind == "submit":
+            _, request_id, params, ids = message
+            try:
+                engine.submit(request_id, params, on_delta, prompt_token_ids=ids)
+            except Exception as exc:  # checked in the adapter's process already; fails this one alone
+                on_failed(RequestDelta.failed(request_id, f"{type(exc).__name__}: {exc}"))
+        elif kind == "abort":
+            engine.abort(message[1])
+        elif kind == "shutdown":
+            return
+
+
+def _send_events_or_exit(
+    outbox: _Outbox,
+    events: Connection,
+    load: Callable[[], EngineLoad],
+    exit_process: Callable[[int], None] = os._exit,
+) -> None:
+    """`_send_events`, ending this process if it raises: an engine whose deltas can no longer reach the
+    adapter must not live on (its requests would never end); the adapter sees the events pipe close and
+    fails every request it was waiting on."""
+    try:
+        _send_events(outbox, events, load)
+    except BaseException:
+        logger.error("dspark engine process: sending events failed; exiting\n%s", traceback.format_exc())
+        exit_process(SENDER_FAILED_STATUS)
+
+
+def _send_events(outbox: _Outbox, events: Connection, load: Callable[[], EngineLoad]) -> None:
+    """Send everything queued as one batch of deltas, each request's merged into one (when the adapter
+    reads slower than the engine steps, a batch spans steps: fewer, fuller deltas), plus the engine's
+    death, in order; while nothing is queued, the occupancy whenever it changes."""
+    last_load = None
+    while True:
+        items = outbox.take(LOAD_INTERVAL_S)
+        if not items:
+            now = load()
+            if now != last_load:
+                events.send(("load", now))
+                last_load = now
+            continue
+        deltas = []
+        for item in items:
+            if isinstance(item, RequestDelta):
+                deltas.append(item)
+                continue
+            if deltas:
+                events.send(("deltas", merge_by_request(deltas), last_load := load()))
+                deltas = []
+            if item is None:
+                return
+            events.send(item)
+        if deltas:
+            events.send(("deltas", merge_by_request(deltas), last_load := load()))

@@ -1,0 +1,368 @@
+"""Serving metrics, published as Prometheus families through Triton's metrics port.
+
+The Triton adapter reports request events here from its send threads and calls `flush()` from its poll
+thread every 0.1 s. `Metrics` records nothing (metrics disabled); `TritonMetrics` writes to
+`triton_python_backend_utils.MetricFamily`, passed in so that this module imports without Triton. Each
+metric update is a round trip to the server process (tens of µs), and two at once crashed the backend
+stub: counters and gauges are summed here and histogram observations queued, and `flush()` writes them
+all from one thread, so no send waits on a metric.
+
+Beside the `dspark_` families, the `vllm:` families Triton's vLLM backend exports (src/utils/metrics.py
+there: same names, labels `model` and `version`, same buckets) and vLLM's speculative-decoding counters
+(`vllm:spec_decode_*`, which that backend does not forward), so dashboards built for either work. A
+vLLM "draft token" is one the target verified: DSpark drafts a block and verifies a planned prefix of
+it, so `vllm:spec_decode_num_draft_tokens_total` counts verified drafts (all drafted ones are
+`dspark_spec_drafted_tokens_total`), and its positions count from 0 as vLLM's do.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from dspark.config import EngineConfig
+from dspark.outputs import EngineLoad
+from dspark.runner.models.hf_config import ModelConfig
+from dspark.sampling_params import MAX_INT
+
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+SPEC_COUNTERS = ("drafted_tokens", "verified_tokens", "accepted_tokens", "steps", "drafting_steps")
+VLLM_TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+]
+VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+VLLM_E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+VLLM_N_BUCKETS = [1, 2, 5, 10, 20]
+# vLLM's spec-decode counter -> the SpecStats counter it is
+VLLM_SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts_total": "drafting_steps",
+    "vllm:spec_decode_num_draft_tokens_total": "verified_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens",
+}
+
+
+def vllm_token_buckets(max_model_len: int) -> list[float]:
+    """vLLM's build_1_2_5_buckets: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def vllm_max_model_len(config: EngineConfig) -> int:
+    """The context length vLLM would report: max_model_len, else the target's max_position_embeddings."""
+    return config.max_model_len or ModelConfig.load(config.model_path).max_position_embeddings
+
+
+class Metrics:
+    """The events the adapter reports. This base class is the disabled case: it records nothing."""
+
+    def request_finished(self, finish_reason: str) -> None:
+        """A request ended: stop, length, abort, error, or invalid (rejected before it started)."""
+
+    def request_completed(self, prompt_tokens: int, generation_tokens: int, e2e_latency: float) -> None:
+        """A request the engine ran ended, `e2e_latency` seconds after it arrived."""
+
+    def prompt_tokens(self, count: int) -> None:
+        """A request's prompt entered the engine."""
+
+    def tokens_generated(self, count: int, since_arrival: float | None, since_last: float | None) -> None:
+        """`count` tokens streamed; `since_arrival` is set on the first ones (TTFT), else `since_last`."""
+
+    def speculation(self, before: dict | None, after: dict) -> None:
+        """A request's speculation counters moved from `before` to `after` (SpecStats.as_dict())."""
+
+    def load(self, load: EngineLoad) -> None:
+        """The engine's occupancy now."""
+
+    def flush(self) -> None:
+        """Publish what was recorded since the last flush."""
+
+
+class TritonMetrics(Metrics):
+    """Prometheus families on Triton's metrics endpoint, labelled with the model name and version."""
+
+    def __init__(self, family: Any, labels: dict[str, str], max_model_len: int = 0) -> None:
+        """`max_model_len` bounds vLLM's token-count buckets (0: unknown, up to MAX_INT)."""
+        self._family = family
+        self._labels = dict(labels)
+        self._families: list[Any] = []  # a family is unregistered when garbage-collected
+        self._vllm = _VllmFamilies(self, max_model_len or MAX_INT)
+        self._requests = self._new(
+            family.COUNTER, "dspark_requests_total", "Finished requests, by finish reason"
+        )
+        self._by_reason: dict[str, Any] = {}
+        self._prompt = self._metric(family.COUNTER, "dspark_prompt_tokens_total", "Prompt tokens admitted")
+        self._generated = self._metric(family.COUNTER, "dspark_generation_tokens_total", "Tokens generated")
+        self._ttft = self._metric(
+            family.HISTOGRAM,
+            "dspark_time_to_first_token_seconds",
+            "Seconds from request arrival to its first streamed token",
+            buckets=TTFT_BUCKETS,
+        )
+        self._itl = self._metric(
+            family.HISTOGRAM,
+            "dspark_inter_token_latency_seconds",
+            "Seconds between streamed tokens: one observation per response, its gap over its tokens",
+            buckets=ITL_BUCKETS,
+        )
+        self._spec = {
+            name: self._metric(
+                family.COUNTER, f"dspark_spec_{name}_total", f"Speculation: {name.replace('_', ' ')}"
+            )
+            for name in SPEC_COUNTERS
+        }
+        self._verify_window = self._metric(
+            family.GAUGE,
+            "dspark_spec_mean_verify_window",
+            "Mean target tokens verified per request step (1 + drafts)",
+        )
+        self._accept_length = self._metric(
+            family.GAUGE, "dspark_spec_mean_acceptance_length", "Mean tokens committed per request step (tau)"
+        )
+        self._position_rate = self._new(
+            family.GAUGE,
+            "dspark_spec_acceptance_rate",
+            "Fraction of verified drafts accepted, by draft position (1 = first draft)",
+        )
+        self._positions: dict[int, Any] = {}
+        self._kv_used = self._metric(family.GAUGE, "dspark_kv_pages_used", "KV-cache pages in use")
+        self._kv_total = self._metric(family.GAUGE, "dspark_kv_pages_total", "KV-cache pages in all")
+        self._running = self._metric(family.GAUGE, "dspark_num_requests_running", "Requests decoding")
+        self._waiting = self._metric(family.GAUGE, "dspark_num_requests_waiting", "Requests waiting to start")
+        self._gpu_allocated = self._metric(
+            family.GAUGE,
+            "dspark_gpu_memory_allocated_bytes",
+            "Bytes in tensors on the engine's GPU (torch.cuda.memory_allocated; 0 on the CPU)",
+        )
+        self._gpu_reserved = self._metric(
+            family.GAUGE,
+            "dspark_gpu_memory_reserved_bytes",
+            "Bytes the engine's caching allocator holds on its GPU (torch.cuda.memory_reserved; 0 on CPU)",
+        )
+        self._totals = dict.fromkeys(SPEC_COUNTERS, 0)
+        self._accepted_at: list[int] = []
+        self._verified_at: list[int] = []
+        self._pending: dict[Any, float] = {}  # counter -> increment not yet published
+        self._gauges: dict[Any, float] = {}  # gauge -> value not yet published
+        self._observations: list[tuple[Any, float]] = []  # (histogram, value) not yet published
+        # The adapter reports from several threads (its send threads and its poll thread): `_lock`
+        # guards the state above. The Python backend's metric calls must not run concurrently (its
+        # stub crashed when two threads observed at once), and each is a round trip to the server:
+        # they wait for `flush` (the poll thread), under `_publish`, and only a new label's metric is
+        # made at once (under both locks, always taken in that order).
+        self._lock = threading.Lock()
+        self._publish = threading.Lock()
+
+    def request_finished(self, finish_reason: str) -> None:
+        with self._lock:
+            if finish_reason not in self._by_reason:
+                with self._publish:
+                    self._by_reason[finish_reason] = self._requests.Metric(
+                        labels={**self._labels, "finish_reason": finish_reason}
+                    )
+            self._add(self._by_reason[finish_reason], 1)
+
+    def request_completed(self, prompt_tokens: int, generation_tokens: int, e2e_latency: float) -> None:
+        vllm = self._vllm
+        with self._lock:
+            self._observations += [
+                (vllm.e2e, e2e_latency),
+                (vllm.request_prompt, prompt_tokens),
+                (vllm.request_generation, generation_tokens),
+                (vllm.n, 1),
+            ]
+
+    def prompt_tokens(self, count: int) -> None:
+        with self._lock:
+            self._add(self._prompt, count)
+            self._add(self._vllm.prompt, count)
+
+    def tokens_generated(self, count: int, since_arrival: float | None, since_last: float | None) -> None:
+        if count <= 0:
+            return
+        with self._lock:
+            self._add(self._generated, count)
+            self._add(self._vllm.generation, count)
+            if since_arrival is not None:
+                self._observations += [(self._ttft, since_arrival), (self._vllm.ttft, since_arrival)]
+            elif since_last is not None:
+                # One observation per update, not per token: each observe is a round trip to the server
+                # process, and an update carries every token the engine committed since the last one.
+                per_token = since_last / count
+                self._observations += [(self._itl, per_token), (self._vllm.tpot, per_token)]
+
+    def speculation(self, before: dict | None, after: dict) -> None:
+        with self._lock:
+            self._speculation(before or {}, after)
+
+    def _speculation(self, before: dict, after: dict) -> None:
+        for name in SPEC_COUNTERS:
+            step = after.get(name, 0) - before.get(name, 0)
+            if step > 0:
+                self._add(self._spec[name], step)
+                self._totals[name] += step
+        for vllm_name, name in VLLM_SPEC_COUNTERS.items():
+            step = after.get(name, 0) - before.get(name, 0)
+            if step > 0:
+                self._add(self._vllm.spec[vllm_name], step)
+        accepted_before = before.get("accepted_per_position", [])
+        for k, count in enumerate(after["accepted_per_position"]):
+            step = count - (accepted_before[k] if k < len(accepted_before) else 0)
+            if step > 0:
+                self._add(self._vllm.accepted_at(k), step)
+        _add_differences(
+            self._accepted_at, before.get("accepted_per_position", []), after["accepted_per_position"]
+        )
+        _add_differences(
+            self._verified_at, before.get("verified_per_position", []), after["verified_per_position"]
+        )
+        steps = self._totals["steps"]
+        if steps:
+            self._gauges[self._verify_window] = (self._totals["verified_tokens"] + steps) / steps
+            self._gauges[self._accept_length] = (self._totals["accepted_tokens"] + steps) / steps
+        for k, verified in enumerate(self._verified_at):
+            if verified:
+                self._gauges[self._position(k + 1)] = self._accepted_at[k] / verified
+
+    def load(self, load: EngineLoad) -> None:
+        with self._lock:
+            self._gauges[self._kv_used] = load.kv_pages_used
+            self._gauges[self._kv_total] = load.kv_pages_total
+            self._gauges[self._running] = load.num_running
+            self._gauges[self._waiting] = load.num_waiting
+            self._gauges[self._gpu_allocated] = load.gpu_memory_allocated_bytes
+            self._gauges[self._gpu_reserved] = load.gpu_memory_reserved_bytes
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            gauges, self._gauges = self._gauges, {}
+            observations, self._observations = self._observations, []
+        with self._publish:
+            for counter, amount in pending.items():
+                counter.increment(amount)
+            for gauge, value in gauges.items():
+                gauge.set(value)
+            for histogram, value in observations:
+                histogram.observe(value)
+
+    def _add(self, counter: Any, amount: float) -> None:
+        self._pending[counter] = self._pending.get(counter, 0) + amount
+
+    def _position(self, position: int) -> Any:
+        if position not in self._positions:
+            labels = {**self._labels, "position": str(position)}
+            with self._publish:
+                self._positions[position] = self._position_rate.Metric(labels=labels)
+        return self._positions[position]
+
+    def _new(self, kind: Any, name: str, description: str) -> Any:
+        family = self._family(name=name, description=description, kind=kind)
+        self._families.append(family)
+        return family
+
+    def _metric(self, kind: Any, name: str, description: str, buckets: list[float] | None = None) -> Any:
+        family = self._new(kind, name, description)
+        if buckets is None:
+            return family.Metric(labels=self._labels)
+        return family.Metric(labels=self._labels, buckets=buckets)
+
+
+class _VllmFamilies:
+    """The `vllm:` families of one TritonMetrics (names, labels and buckets as vLLM's)."""
+
+    def __init__(self, owner: TritonMetrics, max_model_len: int) -> None:
+        counter, histogram = owner._family.COUNTER, owner._family.HISTOGRAM
+        metric = owner._metric
+        token_buckets = vllm_token_buckets(max_model_len)
+        self._owner = owner
+        self.prompt = metric(counter, "vllm:prompt_tokens_total", "Number of prefill tokens processed.")
+        self.generation = metric(
+            counter, "vllm:generation_tokens_total", "Number of generation tokens processed."
+        )
+        self.ttft = metric(
+            histogram,
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            buckets=VLLM_TTFT_BUCKETS,
+        )
+        self.tpot = metric(
+            histogram,
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            buckets=VLLM_TPOT_BUCKETS,
+        )
+        self.e2e = metric(
+            histogram,
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.",
+            buckets=VLLM_E2E_BUCKETS,
+        )
+        self.request_prompt = metric(
+            histogram,
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            buckets=token_buckets,
+        )
+        self.request_generation = metric(
+            histogram,
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            buckets=token_buckets,
+        )
+        self.n = metric(
+            histogram,
+            "vllm:request_params_n",
+            "Histogram of the n request parameter.",
+            buckets=VLLM_N_BUCKETS,
+        )
+        self.spec = {
+            name: metric(counter, name, description)
+            for name, description in zip(
+                VLLM_SPEC_COUNTERS,
+                ("Number of spec decoding drafts.", "Number of draft tokens.", "Number of accepted tokens."),
+                strict=True,
+            )
+        }
+        self._per_position = owner._new(
+            counter,
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+            "Accepted tokens per draft position.",
+        )
+        self._positions: dict[int, Any] = {}
+
+    def accepted_at(self, position: int) -> Any:
+        """The accepted-tokens counter of draft position `position` (0: the first draft)."""
+        if position not in self._positions:
+            labels = {**self._owner._labels, "position": str(position)}
+            with self._owner._publish:
+                self._positions[position] = self._per_position.Metric(labels=labels)
+        return self._positions[position]
+
+
+def _add_differences(totals: list[int], before: list[int], after: list[int]) -> None:
+    """totals[k] += after[k] - before[k], growing `totals` as positions appear."""
+    totals.extend([0] * max(len(after) - len(totals), 0))
+    for k, count in enumerate(after):
+        totals[k] += count - (before[k] if k < len(before) else 0)

@@ -1,0 +1,1 @@
+"""Command-line tools: the `dspark` CLI and the GGUF import."""
