@@ -98,6 +98,11 @@ class EngineConfig:
     # I/O, so that sending responses takes no time from engine steps (one interpreter lock each); false:
     # a thread of the adapter's process.
     engine_process: bool = True
+    # Overlap each step's host work with the device: a step's committed tokens are turned into text and
+    # responses while the device runs the next step (one launched step ahead; the next step is still
+    # scheduled after the last one's acceptance, so output is the same either way). false: each step
+    # waits for its device work before the next one is scheduled and launched.
+    overlap_scheduling: bool = True
     # Testing only; empty in production. When set, the engine loop raises an injected fault at its next
     # step once this file exists (and removes the file as it fires), to test how a serving fault ends.
     fault_injection_file: str = ""

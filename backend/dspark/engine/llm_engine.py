@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import SPS_PROFILE, EngineConfig
-from dspark.engine.output_processor import OutputProcessor
+from dspark.engine.output_processor import OutputProcessor, PendingDelta
 from dspark.engine.page_allocator import PageAllocator
 from dspark.engine.scheduler import Scheduler, StepSchedule
-from dspark.engine.step import Acceptance, Committed, accept, pack_step, verified_drafts
+from dspark.engine.step import Acceptance, Committed, LaunchedStep, accept, pack_step, verified_drafts
 from dspark.engine.step_timer import StepTimer
 from dspark.outputs import EngineLoad, RequestDelta, SpecStats, TokenLogprobs
 from dspark.prompts import check_prompt
@@ -141,8 +141,9 @@ class LLMEngine:
         # History counts of the requests with penalties (on the device), by request id.
         self._penalty_states: dict[str, PenaltyState] = {}
         self._logprobs_formatter = LogprobsFormatter(self.tokenizer)
-        self._pending: list[RequestDelta] = []
+        self._pending: list[RequestDelta] = []  # failed before they ran
         self._aborts: list[str] = []
+        self._in_flight: LaunchedStep | None = None  # overlap_scheduling: launched, not yet accepted
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
 
@@ -255,8 +256,8 @@ class LLMEngine:
         self._aborts.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request waits, runs, or has an undelivered delta."""
-        return bool(self._seqs or self._pending or self._aborts)
+        """True while any request waits, runs, or has an undelivered delta, or a step is launched."""
+        return bool(self._seqs or self._pending or self._aborts or self._in_flight is not None)
 
     def load(self) -> EngineLoad:
         """Occupancy snapshot (the device memory figures read the allocator's counters, no sync, at most
@@ -285,17 +286,40 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestDelta]:
-        """Run one step and return every request's delta: schedule -> drafts -> verify plan -> target
-        step -> acceptance -> commit, each stage a new value (`dspark.engine.step`)."""
+        """Run one step and return the deltas it completes: schedule -> drafts -> verify plan -> target
+        step -> acceptance -> commit, each stage a new value (`dspark.engine.step`).
+
+        With `overlap_scheduling` a call accepts and commits the step the previous call launched,
+        launches the next one, and makes the committed tokens' text and deltas while the device runs
+        it: the call returns with the device busy, and whatever its caller does with the deltas overlaps
+        the step too. Without it a call launches a step and waits for it. The scheduling of a step
+        follows the acceptance of the one before either way, so both run the same steps."""
         timer = self.timer
         timer.start()
+        failed, self._pending = self._pending, []
+        if self.config.overlap_scheduling:
+            done = self._complete(self._in_flight) if self._in_flight is not None else []
+            # After the completion: an aborted request's last committed tokens come before its end.
+            done += self._apply_aborts()
+            self._in_flight = launched = self._launch()
+        else:
+            done = self._apply_aborts()
+            launched = self._launch()
+            if launched is not None:
+                done += self._complete(launched)
+        deltas = failed + [pending.make() for pending in done]
+        if launched is not None or done:
+            timer.finish("emit")
+        return deltas
+
+    def _launch(self) -> LaunchedStep | None:
+        """Schedule a step, draft, plan and queue its target work on the device (None: nothing to run)."""
+        timer = self.timer
         if self.gate is not None:
             self.gate.start_step()
-        deltas, self._pending = self._pending, []
-        deltas.extend(self._apply_aborts())
         schedule = self.scheduler.schedule()
         if schedule.empty:
-            return deltas
+            return None
         timer.lap("schedule")
         caps = [self._max_verify(seq) for seq in schedule.decode]
         drafts = self._draft(schedule.decode, caps)
@@ -306,22 +330,27 @@ class LLMEngine:
         timer.lap("layout")
         result = self.runner.run(packed.step)
         timer.lap("target")
+        return LaunchedStep(schedule, plan, packed, result)
+
+    def _complete(self, launched: LaunchedStep) -> list[PendingDelta]:
+        """Accept a launched step and commit it: every request's tokens go into its sequence (the next
+        schedule sees them); their text and deltas are made by the caller (`PendingDelta.make`)."""
+        schedule, plan, packed, result = launched.schedule, launched.plan, launched.packed, launched.result
         verified = verified_drafts(plan, result)
         raw_logits = self._adjust_logits(
             schedule, plan, verified, packed.logit_offsets, result.logits, result.argmax
         )
         acceptance = accept(schedule, plan, verified, result, packed.logit_offsets, self.limits.block_size)
-        timer.lap("accept")
+        self.timer.lap("accept")
         committed = self._commit(schedule, plan, verified, acceptance, packed.logit_offsets)
+        # Read off the device now: a launched step's graph replay reuses the logits buffer.
         logprobs = self._committed_logprobs(committed, raw_logits)
-        for c in committed:
-            deltas.append(self._emit(c.seq, list(c.tokens), logprobs.get(c.seq.request_id)))
+        done = [self._commit_tokens(c.seq, list(c.tokens), logprobs.get(c.seq.request_id)) for c in committed]
         if self.gate is not None and not schedule.prefill:
             # Decode-only steps are comparable; a prefill chunk would charge its own cost to the kind.
-            num_tokens = sum(len(c.tokens) for c in committed)
+            num_tokens = sum(len(pending.tokens) for pending in done)
             self.gate.finish_step(len(schedule.decode), plan.drafts is not None, num_tokens)
-        timer.finish("emit")
-        return deltas
+        return done
 
     def _draft(self, decode: Seq[Sequence], caps: list[int]) -> Drafts | InStepDrafts | None:
         """The step's drafts: None for a plain step (no drafter, no request may verify a draft, or the
@@ -459,31 +488,25 @@ class LLMEngine:
             k += len(tokens)
         return out
 
-    def _emit(
+    def _commit_tokens(
         self,
         seq: Sequence,
         tokens: list[int],
         logprobs: tuple[list[TokenLogprobs], list[float]] | None = None,
-    ) -> RequestDelta:
-        """Commit a request's tokens (those up to its finish) and say what changed; `logprobs`: each
-        token's entry and chosen log probability, for requests that ask."""
+    ) -> PendingDelta:
+        """Commit a request's tokens (those up to its finish) and finish it if they do; its delta's text
+        is made later unless stop strings decide the finish from it. `logprobs`: each token's entry and
+        chosen log probability, for requests that ask."""
         processor = self._outputs[seq.request_id]
         if tokens and tokens[-1] == NON_FINITE_TOKEN:  # the sampler saw NaN or inf: this request fails
             self._finish(seq, "error")
-            return RequestDelta(
-                seq.request_id,
-                [],
-                "",
-                True,
-                "error",
-                seq.num_prompt_tokens,
-                seq.num_output_tokens,
-                seq.spec_stats,
-                error="the sampling distribution is not finite (NaN or inf logits)",
-                logprobs=processor.logprobs_so_far(final=True),
-                cumulative_logprob=processor.cumulative_logprob,
-            )
-        appended, text, reason = processor.commit(tokens)
+            error = "the sampling distribution is not finite (NaN or inf logits)"
+            return PendingDelta(processor, (), "error", text="", error=error)
+        text = None
+        if processor.text_decides_finish:
+            appended, text, reason = processor.commit(tokens)
+        else:
+            appended, reason = processor.commit_ids(tokens)
         if logprobs is not None:
             entries, chosen = logprobs
             processor.add_logprobs(entries[: len(appended)], chosen[: len(appended)])
@@ -492,18 +515,7 @@ class LLMEngine:
             state.commit(appended)
         if reason is not None:
             self._finish(seq, reason)
-        return RequestDelta(
-            request_id=seq.request_id,
-            new_token_ids=appended,
-            new_text=text,
-            finished=reason is not None,
-            finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            spec_stats=seq.spec_stats,
-            logprobs=processor.logprobs_so_far(final=reason is not None),
-            cumulative_logprob=processor.cumulative_logprob,
-        )
+        return PendingDelta(processor, tuple(appended), reason, text=text)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
@@ -514,27 +526,14 @@ class LLMEngine:
         del self._outputs[seq.request_id]
         self._penalty_states.pop(seq.request_id, None)
 
-    def _apply_aborts(self) -> list[RequestDelta]:
-        deltas = []
+    def _apply_aborts(self) -> list[PendingDelta]:
+        done = []
         for request_id in self._aborts:
             seq = self._seqs.get(request_id)
             if seq is None:
                 continue
             processor = self._outputs[request_id]
             self._finish(seq, "abort")
-            deltas.append(
-                RequestDelta(
-                    request_id,
-                    [],
-                    "",
-                    True,
-                    "abort",
-                    seq.num_prompt_tokens,
-                    seq.num_output_tokens,
-                    seq.spec_stats,
-                    logprobs=processor.logprobs_so_far(final=True),
-                    cumulative_logprob=processor.cumulative_logprob,
-                )
-            )
+            done.append(PendingDelta(processor, (), "abort", text=""))
         self._aborts.clear()
-        return deltas
+        return done

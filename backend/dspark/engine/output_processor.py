@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dspark.outputs import LogprobsLog, LogprobsPrefix, TokenLogprobs
+from dataclasses import dataclass
+
+from dspark.outputs import LogprobsLog, LogprobsPrefix, RequestDelta, TokenLogprobs
 from dspark.sequence import Sequence
 from dspark.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
@@ -47,6 +49,12 @@ class OutputProcessor:
         start, self._logprobs_reported = self._logprobs_reported, len(log.entries)
         return LogprobsPrefix(log, len(log.entries), start, final)
 
+    @property
+    def text_decides_finish(self) -> bool:
+        """True when a stop string may end the request: its tokens' text must be made as they commit
+        (`commit`); otherwise the ids decide (`commit_ids`) and the text may be made later (`text_of`)."""
+        return self.stops is not None
+
     def commit(self, new_token_ids: list[int]) -> tuple[list[int], str, str | None]:
         """Append tokens to the sequence until one finishes it.
 
@@ -54,22 +62,30 @@ class OutputProcessor:
         """
         if self.stops is not None:
             return self._commit_matching_stops(new_token_ids)
-        # Without stop strings no text decides the finish, so the tokens up to the finishing one are
-        # turned into text in one detokenizer call (a speculative step commits several at once).
+        appended, reason = self.commit_ids(new_token_ids)
+        return appended, self.text_of(appended, reason), reason
+
+    def commit_ids(self, new_token_ids: list[int]) -> tuple[list[int], str | None]:
+        """`commit` without the text, for a request whose text cannot end it (no stop strings): append
+        tokens until one finishes it; returns (tokens appended, finish reason or None). Their text is
+        `text_of`, taken before the next commit."""
+        assert self.stops is None, "stop strings decide the finish from the text: use commit"
         token_ids = self.seq.token_ids
-        appended = new_token_ids
-        reason: str | None = None
         for i, token in enumerate(new_token_ids):
             token_ids.append(token)
             reason = self._finish_reason(token)
             if reason is not None:
-                appended = new_token_ids[: i + 1]
-                break
+                return new_token_ids[: i + 1], reason
+        return new_token_ids, None
+
+    def text_of(self, appended: list[int], reason: str | None) -> str:
+        """The new text of tokens `commit_ids` appended (in one detokenizer call: a speculative step
+        commits several at once), flushed when they finished the request."""
         # A stop id (EOS included) that ends the request is kept among the ids, not in the text (vLLM).
         text = self.detokenizer.push(appended[:-1] if reason == "stop" else appended)
         if reason is not None:
             text += self._flush()
-        return appended, text, reason
+        return text
 
     def _commit_matching_stops(self, new_token_ids: list[int]) -> tuple[list[int], str, str | None]:
         """`commit` for a request with stop strings: token by token, each one's text fed to the matcher
@@ -121,3 +137,39 @@ class OutputProcessor:
             return tail
         piece, stopped = self.stops.feed(tail)
         return piece if stopped else piece + self.stops.flush()
+
+
+@dataclass(frozen=True)
+class PendingDelta:
+    """One request's delta for one step, committed but not yet made: its tokens are in the sequence,
+    its text (when the ids decided the finish) is still to be detokenized. `make` turns it into the
+    RequestDelta; the deltas of a request are made in the order they were committed."""
+
+    processor: OutputProcessor
+    tokens: tuple[int, ...]
+    finish_reason: str | None
+    text: str | None = None  # made already (stop strings, errors, aborts): None makes it now
+    error: str | None = None
+
+    def make(self) -> RequestDelta:
+        """The RequestDelta (reads the request's counts and logprobs as they are now: no later step
+        may have committed to this request in between)."""
+        processor = self.processor
+        seq = processor.seq
+        text = (
+            self.text if self.text is not None else processor.text_of(list(self.tokens), self.finish_reason)
+        )
+        finished = self.finish_reason is not None
+        return RequestDelta(
+            request_id=seq.request_id,
+            new_token_ids=list(self.tokens),
+            new_text=text,
+            finished=finished,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            spec_stats=seq.spec_stats,
+            error=self.error,
+            logprobs=processor.logprobs_so_far(final=finished),
+            cumulative_logprob=processor.cumulative_logprob,
+        )

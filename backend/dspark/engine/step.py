@@ -1,7 +1,8 @@
 """The DSpark step as a sequence of values (docs/step_pipeline.md walks one request through it).
 
     StepSchedule  --draft-->  Drafts  --VerifyPolicy.plan-->  VerifyPlan  --pack_step-->  PackedStep
-      --runner.run-->  TargetResult  --accept-->  Acceptance  --LLMEngine._commit-->  [Committed]
+      --runner.run-->  TargetResult (a LaunchedStep, until accepted)  --accept-->  Acceptance
+      --LLMEngine._commit-->  [Committed]
 
 Each stage is a function (or one method of a small object) that takes earlier values and returns a
 new frozen one; nothing fills in a field of another stage's value. The values of the speculative
@@ -51,6 +52,16 @@ def pack_step(schedule: StepSchedule, plan: VerifyPlan, capture_layers: tuple[in
         tokens = seq.token_ids[chunk.start : chunk.start + chunk.length]
         windows.add(seq, tokens, chunk.start, logits="last" if chunk.samples_first_token else "none")
     return PackedStep(windows.to_step(capture_layers, plan.drafts), tuple(windows.logit_offsets))
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step whose target work is queued on the device, not yet accepted: what accepting it needs."""
+
+    schedule: StepSchedule
+    plan: VerifyPlan
+    packed: PackedStep
+    result: TargetResult
 
 
 def verified_drafts(plan: VerifyPlan, result: TargetResult) -> Drafts | None:
