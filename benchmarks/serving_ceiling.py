@@ -3,15 +3,27 @@ of the engine (benchmarks/synthetic_engine_model.py), and the multi-process load
 
 Every running request is offered `--tokens-per-step` tokens `--steps-per-s` times a second, so C
 streams are offered C x S x K tokens/s; the table says what the server delivered (tokens and
-responses per second, TTFT, gaps between responses) and the delivered / offered ratio.
+responses per second, TTFT, gaps between responses) and the delivered / offered ratio. The synthetic
+engine runs in its own process behind the real `EngineProcess`, as served (`--in-stub`: a thread of
+the backend stub instead, without the engine process's transport).
 
     .venv/bin/python benchmarks/serving_ceiling.py --concurrency 1,8,64,128,256 --steps-per-s 300
+
+The machine is shared and noisy, so each level also says what the server's processes cost, which
+moves much less than throughput: CPU milliseconds per 1000 delivered tokens in the backend stub (the
+adapter), the engine process (here the synthetic source and its transport) and tritonserver itself,
+and the load generator's CPU cores (on 2 cores it competes with the server for them).
+
+`--profile-levels 64,256` then runs a longer load at those levels, sampled by py-spy (as
+benchmarks/serving_overhead.py does), and prints benchmarks/pyspy_top.py's tables of it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -30,13 +42,19 @@ from dspark.config import EngineConfig  # noqa: E402
 from dspark.serving.triton_config import render_config_pbtxt  # noqa: E402
 
 
-def render_repository(root: Path, steps_per_s: float, tokens_per_step: int) -> Path:
+def render_repository(
+    root: Path, steps_per_s: float, tokens_per_step: int, engine_process: bool = True
+) -> Path:
     """A repository holding only `dspark`, whose model.py is the synthetic-engine harness."""
     model = root / "model_repository" / "dspark"
     (model / "1").mkdir(parents=True)
     (model / "config.pbtxt").write_text(render_config_pbtxt(EngineConfig(max_num_seqs=1024)))
     shutil.copy(HERE / "synthetic_engine_model.py", model / "1" / "model.py")
-    synthetic = {"steps_per_s": steps_per_s, "tokens_per_step": tokens_per_step}
+    synthetic = {
+        "steps_per_s": steps_per_s,
+        "tokens_per_step": tokens_per_step,
+        "engine_process": engine_process,
+    }
     (model / "1" / "synthetic.json").write_text(json.dumps(synthetic))
     return model.parent
 
@@ -69,6 +87,72 @@ def start_server(
     raise SystemExit(f"not ready after 300 s: see {log}")
 
 
+def _process_table() -> dict[int, tuple[int, str, float]]:
+    """pid -> (parent pid, command line, CPU seconds used) of every process readable in /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+            command = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()
+        table[int(name)] = (int(fields[1]), command, (int(fields[11]) + int(fields[12])) / tick)
+    return table
+
+
+def server_cpu(root: int) -> dict[str, float]:
+    """CPU seconds so far of the server's processes under `root` (`dspark serve`), by part: the backend
+    stub (model.py), the engine process (the stub's child), tritonserver and the launcher."""
+    table = _process_table()
+    parts = dict.fromkeys(("stub", "engine", "tritonserver", "launcher"), 0.0)
+    kinds = {root: "launcher"}
+    pending = [root]
+    while pending:
+        parent = pending.pop()
+        for pid, (ppid, command, _) in table.items():
+            if ppid != parent or pid in kinds:
+                continue
+            if "python_backend_stub" in command:
+                kinds[pid] = "stub"
+            elif kinds[parent] in ("stub", "engine"):
+                kinds[pid] = "engine"
+            elif "tritonserver" in command:
+                kinds[pid] = "tritonserver"
+            else:
+                kinds[pid] = kinds[parent]
+            pending.append(pid)
+    for pid, kind in kinds.items():
+        if pid in table:
+            parts[kind] += table[pid][2]
+    return parts
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # waited-for children: the load processes
+    return usage.ru_utime + usage.ru_stime
+
+
+def profile(pid: int, level: int, args: argparse.Namespace, tmp: Path, grpc_port: int) -> None:
+    """A load long enough for py-spy's `--profile-s` seconds from its 3rd on, sampled; its tables."""
+    from pyspy_top import summarize
+    from serving_overhead import start_profile
+
+    out = (args.profile_dir or tmp) / f"py-spy-{level}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profiler = start_profile(pid, out, args.profile_s)
+    if profiler is None:
+        return
+    seconds_per_request = args.max_tokens / (args.steps_per_s * args.tokens_per_step)
+    per_stream = max(args.requests_per_stream, int((args.profile_s + 6) / seconds_per_request) + 1)
+    run_load(f"localhost:{grpc_port}", level, level * per_stream, args.max_tokens, args.processes or None)
+    profiler.wait(args.profile_s + 30)
+    print(f"\n# py-spy at {level} streams: {out}\n{summarize(out, 12)}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,8,64,128,256")
@@ -78,21 +162,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--processes", type=int, default=0, help="load processes (default: CPU count)")
     parser.add_argument("--ports", default="18500,18501,18502", help="HTTP,gRPC,metrics")
+    parser.add_argument("--in-stub", action="store_true", help="the synthetic engine as a thread of the stub")
+    parser.add_argument("--profile-levels", default="", help="concurrencies to sample with py-spy")
+    parser.add_argument("--profile-s", type=float, default=8.0)
+    parser.add_argument("--profile-dir", type=Path, help="keep the py-spy samples here")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    profile_levels = [int(x) for x in args.profile_levels.split(",") if x]
     http_port, grpc_port, metrics_port = (int(p) for p in args.ports.split(","))
     results = []
     with tempfile.TemporaryDirectory(prefix="dspark-ceiling-") as tmp:
-        repo = render_repository(Path(tmp), args.steps_per_s, args.tokens_per_step)
+        repo = render_repository(Path(tmp), args.steps_per_s, args.tokens_per_step, not args.in_stub)
         log = Path(tmp) / "server.log"
         server = start_server(repo, http_port, grpc_port, metrics_port, log)
         try:
             print(
                 f"{'streams':>7} {'offered tok/s':>13} {'tok/s':>9} {'ratio':>6} {'resp/s':>9} "
-                f"{'TTFT p50 ms':>11} {'gap p50 ms':>10} {'gap p90 ms':>10} {'errors':>6}",
+                f"{'TTFT p50 ms':>11} {'gap p50 ms':>10} {'gap p90 ms':>10} {'errors':>6} | "
+                f"{'CPU ms / 1k tokens: stub':>24} {'engine':>6} {'triton':>6} {'load cores':>10}",
                 flush=True,
             )
             for level in (int(c) for c in args.concurrency.split(",")):
+                cpu_before, load_before = server_cpu(server.pid), _children_cpu()
                 result = run_load(
                     f"localhost:{grpc_port}",
                     level,
@@ -100,21 +191,37 @@ def main(argv: list[str] | None = None) -> int:
                     args.max_tokens,
                     args.processes or None,
                 )
+                cpu_after, load_after = server_cpu(server.pid), _children_cpu()
+                per_1k = {
+                    k: 1e6 * (cpu_after[k] - cpu_before[k]) / max(result.output_tokens, 1) for k in cpu_after
+                }
+                load_cores = (load_after - load_before) / max(result.seconds, 1e-9)
                 offered = level * args.steps_per_s * args.tokens_per_step
                 ratio = result.tokens_per_s / offered
                 print(
                     f"{level:>7} {offered:>13.0f} {result.tokens_per_s:>9.0f} {ratio:>6.2f} "
                     f"{result.responses_per_s:>9.0f} {result.ttft_p50_ms:>11.1f} {result.gap_p50_ms:>10.2f} "
-                    f"{result.gap_p90_ms:>10.2f} {result.errors:>6}",
+                    f"{result.gap_p90_ms:>10.2f} {result.errors:>6} | {per_1k['stub']:>24.1f} "
+                    f"{per_1k['engine']:>6.1f} {per_1k['tritonserver']:>6.1f} {load_cores:>10.2f}",
                     flush=True,
                 )
-                results.append({**asdict(result), "offered_tokens_per_s": offered})
+                cpu = {f"cpu_ms_per_1k_tokens_{k}": round(v, 2) for k, v in per_1k.items()}
+                results.append(
+                    {
+                        **asdict(result),
+                        "offered_tokens_per_s": offered,
+                        **cpu,
+                        "load_cores": round(load_cores, 2),
+                    }
+                )
+            for level in profile_levels:
+                profile(server.pid, level, args, Path(tmp), grpc_port)
         finally:
             server.terminate()
             server.wait(120)
     if args.out:
         config = {k: v for k, v in vars(args).items() if k != "out"}
-        args.out.write_text(json.dumps({"config": config, "results": results}, indent=1))
+        args.out.write_text(json.dumps({"config": config, "results": results}, indent=1, default=str))
     return 0
 
 

@@ -1,10 +1,12 @@
 """The dspark model with a synthetic token source in place of the engine (benchmarks only).
 
 benchmarks/serving_ceiling.py copies this file as `1/model.py` of a throw-away model repository, with
-`synthetic.json` beside it: `{"steps_per_s": S, "tokens_per_step": K}`. The Triton adapter is the
-real one (model_repository/dspark/1/model.py, loaded from this checkout); only `_make_engine` is
-replaced, by an engine that gives every running request K tokens per step, S steps a second, with no
-model behind it. What the serving path sustains then is its own ceiling.
+`synthetic.json` beside it: `{"steps_per_s": S, "tokens_per_step": K, "engine_process": P}`. The
+Triton adapter is the real one (model_repository/dspark/1/model.py, loaded from this checkout); only
+`_make_engine` is replaced, by an engine that gives every running request K tokens per step, S steps a
+second, with no model behind it. With P true (the default, as served) that engine runs in its own
+process behind the real `EngineProcess` (its pipes, batches and dispatch); with P false, as a thread
+of the backend stub. What the serving path sustains then is its own ceiling.
 """
 
 from __future__ import annotations
@@ -16,26 +18,34 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from dspark.config import REPO_ROOT, EngineConfig
 from dspark.outputs import EngineLoad, RequestDelta, SpecStats
 from dspark.tokenizer import Tokenizer
 
-_spec = importlib.util.spec_from_file_location(
-    "dspark_model", REPO_ROOT / "model_repository/dspark/1/model.py"
-)
-_real = importlib.util.module_from_spec(_spec)
-sys.modules["dspark_model"] = _real  # dataclasses look their module up while the class is made
-_spec.loader.exec_module(_real)
-
 TOKEN_TEXT = " the"
+MODULE_NAME = "synthetic_engine_model"  # what the engine process imports this file as
 
 
 class SyntheticEngine:
     """AsyncEngine's interface; every running request gets `tokens_per_step` tokens per step."""
 
-    def __init__(self, config: EngineConfig, steps_per_s: float, tokens_per_step: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        steps_per_s: float,
+        tokens_per_step: int,
+        on_death=None,  # noqa: ANN001 - AsyncEngine's arguments, as EngineProcess passes them
+        after_step=None,  # noqa: ANN001
+    ) -> None:
         self.tokenizer = Tokenizer.from_dir(config.model_path)
+        # What engine_main reads of an AsyncEngine's engine.
+        self.engine = SimpleNamespace(
+            model_config=SimpleNamespace(vocab_size=self.tokenizer.vocab_size),
+            limits=SimpleNamespace(max_model_len=config.max_model_len or 8192),
+        )
+        self._after_step = after_step
         self._token_id = self.tokenizer.encode(TOKEN_TEXT)[-1]
         self._period = 1.0 / steps_per_s
         self._tokens_per_step = tokens_per_step
@@ -82,6 +92,8 @@ class SyntheticEngine:
                 next_step = time.monotonic()
                 continue
             self._step()
+            if self._after_step is not None:
+                self._after_step()
             next_step += self._period
             time.sleep(max(0.0, next_step - time.monotonic()))
         for request_id, (on_delta, _, prompt_len, emitted) in list(self._running.items()):
@@ -122,7 +134,57 @@ class SyntheticEngine:
             )
 
 
-class TritonPythonModel(_real.TritonPythonModel):
+class SyntheticFactory:
+    """Builds the engine in the engine process (picklable: this module, by file, and the settings)."""
+
+    def __init__(self, steps_per_s: float, tokens_per_step: int) -> None:
+        self.path = str(Path(__file__).resolve())
+        self.steps_per_s = steps_per_s
+        self.tokens_per_step = tokens_per_step
+
+    def __reduce__(self) -> tuple:
+        return (_factory_in_child, (self.path, self.steps_per_s, self.tokens_per_step))
+
+    def __call__(self, config: EngineConfig, on_death, after_step) -> SyntheticEngine:  # noqa: ANN001
+        return SyntheticEngine(config, self.steps_per_s, self.tokens_per_step, on_death, after_step)
+
+
+def _factory_in_child(path: str, steps_per_s: float, tokens_per_step: int):  # noqa: ANN202
+    """Unpickling in the engine process: its SyntheticFactory, from this file (not importable there
+    by name: the stub loads it as model.py from a throw-away repository)."""
+    module = sys.modules.get(MODULE_NAME)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[MODULE_NAME] = module
+        spec.loader.exec_module(module)
+    return module.SyntheticFactory(steps_per_s, tokens_per_step)
+
+
+def _load_real_model():  # noqa: ANN202
+    """The real adapter's module (inside the backend stub only: it needs triton_python_backend_utils)."""
+    spec = importlib.util.spec_from_file_location(
+        "dspark_model", REPO_ROOT / "model_repository/dspark/1/model.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["dspark_model"] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+try:
+    import triton_python_backend_utils  # noqa: F401
+except ImportError:  # the engine process, which needs SyntheticEngine alone
+    _real = None
+else:
+    _real = _load_real_model()
+
+
+class _Absent:
+    pass
+
+
+class TritonPythonModel(_real.TritonPythonModel if _real is not None else _Absent):
     """The real adapter over the synthetic engine."""
 
     def initialize(self, args: dict) -> None:
@@ -131,5 +193,10 @@ class TritonPythonModel(_real.TritonPythonModel):
         self._synthetic = json.loads((here / "synthetic.json").read_text())
         super().initialize(args)
 
-    def _make_engine(self, config: EngineConfig, on_death) -> SyntheticEngine:  # noqa: ANN001
-        return SyntheticEngine(config, self._synthetic["steps_per_s"], self._synthetic["tokens_per_step"])
+    def _make_engine(self, config: EngineConfig, on_death):  # noqa: ANN001, ANN202
+        factory = SyntheticFactory(self._synthetic["steps_per_s"], self._synthetic["tokens_per_step"])
+        if self._synthetic.get("engine_process", True):
+            from dspark.serving.engine_process import EngineProcess
+
+            return EngineProcess(config, on_death=on_death, engine_factory=factory)
+        return factory(config, on_death, None)

@@ -41,13 +41,22 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # past the engine's own shutdown, before its process is killed
 LOAD_INTERVAL_S = 0.1  # how often an idle engine process reports a changed occupancy
 SENDER_FAILED_STATUS = 70  # the engine process's exit status when its events could not be sent
+EngineFactory = Callable[..., AsyncEngine]  # (config, on_death=, after_step=) -> the engine
 
 
 class EngineProcess:
     """Runs an AsyncEngine in a spawned process and relays requests and deltas (see the module)."""
 
-    def __init__(self, config: EngineConfig, on_death: DeathCallback | None = None) -> None:
-        """Spawn the engine process and wait until its engine is built (model load, CUDA graphs)."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_death: DeathCallback | None = None,
+        engine_factory: EngineFactory | None = None,
+    ) -> None:
+        """Spawn the engine process and wait until its engine is built (model load, CUDA graphs).
+
+        engine_factory (picklable; default AsyncEngine): builds the engine in the engine process from
+        (config, on_death, after_step); benchmarks/serving_ceiling.py puts a synthetic one here."""
         self.config = config
         self._on_death = on_death
         self._callbacks: dict[str, DeltaCallback] = {}
@@ -62,7 +71,9 @@ class EngineProcess:
         with spawning_with(context, python_executable()):
             # Not a daemon: a tensor-parallel engine spawns rank processes of its own.
             self._process = context.Process(
-                target=engine_main, args=(config, control_theirs, events_theirs), name="dspark-engine"
+                target=engine_main,
+                args=(config, control_theirs, events_theirs, engine_factory),
+                name="dspark-engine",
             )
             self._process.start()
         control_theirs.close()
@@ -206,11 +217,13 @@ class EngineProcess:
 # The engine's side ----------------------------------------------------------------------------
 
 
-def engine_main(config: EngineConfig, control: Connection, events: Connection) -> None:
+def engine_main(
+    config: EngineConfig, control: Connection, events: Connection, engine_factory: EngineFactory | None = None
+) -> None:
     """The engine process: build the engine, serve control commands, send delta batches."""
     outbox = _Outbox()
     try:
-        engine = AsyncEngine(
+        engine = (engine_factory or AsyncEngine)(
             config,
             on_death=lambda cause: outbox.put_now(("dead", f"{type(cause).__name__}: {cause}")),
             after_step=outbox.wake,
