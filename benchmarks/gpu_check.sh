@@ -17,7 +17,9 @@
 #      are here (parked in /tmp/carry like the GGUF parts, see below);
 #   6. benchmarks/serving_overhead.py: the offline engine against the same engine behind the server;
 #   7. benchmarks/stress.py: the CUDA-graph stress and regression run through tritonserver (fresh-start
-#      captures, four servers under 5 minutes of mixed gRPC traffic, checks, compute-sanitizer).
+#      captures, four servers under 5 minutes of mixed gRPC traffic, checks, compute-sanitizer);
+#   (between 4 and 5) benchmarks/overlap.py: overlap scheduling on and off, tokens/s per mode and batch
+#      size and the GPU's busy share of steady decode (OVERLAP_S, default 0: skipped; OVERLAP_ARGS).
 # Limits (seconds): TESTS_S (default 420; 0 skips them), PROFILE_S and E2E_S (default 0: skipped, the
 # tests need the call's time; e.g. TESTS_S=0 PROFILE_S=100 E2E_S=330 refreshes the tables in a call of its
 # own). PROFILE_ARGS go to profile_host.py (e.g. "--kernels --modes off,static"). SERVING_S (default
@@ -130,6 +132,17 @@ else
     > "$OUT/e2e.log" 2>&1
   echo "gpu_e2e exit $?"
   grep -v "^step \|Loading" "$OUT/e2e.log" | tail -40
+fi
+
+echo "=== benchmarks/overlap.py (overlap scheduling on and off: tokens/s and GPU busy share)"
+if [[ "${OVERLAP_S:-0}" == 0 ]]; then
+  echo "skipped (OVERLAP_S=0)"
+else
+  # shellcheck disable=SC2086  # OVERLAP_ARGS is a list of arguments
+  timeout "$OVERLAP_S" python3 benchmarks/overlap.py --device cuda --out "$OUT/overlap.json" \
+    ${OVERLAP_ARGS:-} > "$OUT/overlap.log" 2>&1
+  echo "overlap exit $?"
+  tail -16 "$OUT/overlap.log"
 fi
 
 echo "=== serving on the GPU (tritonserver + the serving integration tests)"
