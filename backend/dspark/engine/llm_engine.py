@@ -350,6 +350,7 @@ class LLMEngine:
             # Decode-only steps are comparable; a prefill chunk would charge its own cost to the kind.
             num_tokens = sum(len(pending.tokens) for pending in done)
             self.gate.finish_step(len(schedule.decode), plan.drafts is not None, num_tokens)
+        self.timer.lap("emit")  # committing counts with making the deltas, whenever that comes
         return done
 
     def _draft(self, decode: Seq[Sequence], caps: list[int]) -> Drafts | InStepDrafts | None:
