@@ -54,6 +54,7 @@ def render_repository(
         "steps_per_s": steps_per_s,
         "tokens_per_step": tokens_per_step,
         "engine_process": engine_process,
+        "repo_root": str(HERE.parent),
     }
     (model / "1" / "synthetic.json").write_text(json.dumps(synthetic))
     return model.parent

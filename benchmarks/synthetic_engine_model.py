@@ -20,9 +20,22 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from dspark.config import REPO_ROOT, EngineConfig
-from dspark.outputs import EngineLoad, RequestDelta, SpecStats
-from dspark.tokenizer import Tokenizer
+
+def _checkout_first() -> None:
+    """`dspark` and the adapter from the checkout that rendered this repository (synthetic.json's
+    `repo_root`), ahead of the environment's install, so that a before/after pair of runs from two
+    checkouts (a `git worktree`) measures each one's own code; its engine process inherits the path."""
+    here = Path(__file__).resolve().parent / "synthetic.json"
+    root = json.loads(here.read_text()).get("repo_root") if here.is_file() else None
+    if root and str(Path(root) / "backend") not in sys.path:
+        sys.path.insert(0, str(Path(root) / "backend"))
+
+
+_checkout_first()
+
+from dspark.config import REPO_ROOT, EngineConfig  # noqa: E402
+from dspark.outputs import EngineLoad, RequestDelta, SpecStats  # noqa: E402
+from dspark.tokenizer import Tokenizer  # noqa: E402
 
 TOKEN_TEXT = " the"
 MODULE_NAME = "synthetic_engine_model"  # what the engine process imports this file as
