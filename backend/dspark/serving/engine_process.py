@@ -9,7 +9,8 @@ response I/O. Two pipes connect them:
 - control (duplex): the adapter's `submit` (answered with the prompt's token ids, or the error that
   names the bad field, so a bad request still fails at once and alone), `abort`, `shutdown`;
 - events (engine -> adapter): batches of deltas (everything committed since the last batch, one
-  message per batch) with an occupancy snapshot, and the engine's death.
+  message per batch, as columns: `dspark.outputs.pack_deltas`) with an occupancy snapshot, and the
+  engine's death.
 
 Faults: if the engine loop dies, its requests' failed deltas arrive first, then the death; if the
 engine process itself dies (killed, out of memory), the adapter sees its events pipe close and fails
@@ -30,7 +31,7 @@ from typing import Any
 
 from dspark.config import EngineConfig
 from dspark.engine.async_engine import AsyncEngine, DeathCallback, DeltaCallback, EngineDeadError
-from dspark.outputs import EngineLoad, RequestDelta, merge_by_request
+from dspark.outputs import EngineLoad, RequestDelta, merge_by_request, pack_deltas, unpack_deltas
 from dspark.parallel.tp_worker import python_executable, spawning_with
 from dspark.prompts import check_prompt
 from dspark.sampling_params import SamplingParams
@@ -170,7 +171,7 @@ class EngineProcess:
                 break
             if message[0] == "deltas":
                 self._load = message[2]
-                self._dispatch(message[1])
+                self._dispatch(unpack_deltas(message[1]))
             elif message[0] == "load":
                 self._load = message[1]
             elif message[0] == "dead":
@@ -333,10 +334,10 @@ def _send_events(outbox: _Outbox, events: Connection, load: Callable[[], EngineL
                 deltas.append(item)
                 continue
             if deltas:
-                events.send(("deltas", merge_by_request(deltas), last_load := load()))
+                events.send(("deltas", pack_deltas(merge_by_request(deltas)), last_load := load()))
                 deltas = []
             if item is None:
                 return
             events.send(item)
         if deltas:
-            events.send(("deltas", merge_by_request(deltas), last_load := load()))
+            events.send(("deltas", pack_deltas(merge_by_request(deltas)), last_load := load()))

@@ -1,0 +1,72 @@
+"""The engine process's delta batches cross its pipe as columns (dspark.outputs.pack_deltas): every field
+of every delta comes back equal, in order, logprobs included, and a new field cannot be forgotten."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import pickle
+
+from dspark.outputs import (
+    Logprob,
+    LogprobsLog,
+    LogprobsPrefix,
+    RequestDelta,
+    SpecStats,
+    pack_deltas,
+    unpack_deltas,
+)
+
+
+def fields(delta: RequestDelta) -> list:
+    values = [getattr(delta, f.name) for f in dataclasses.fields(RequestDelta)]
+    values[7] = dataclasses.asdict(delta.spec_stats)
+    values[9] = None if delta.logprobs is None else list(delta.logprobs)
+    return values
+
+
+def batch() -> list[RequestDelta]:
+    log = LogprobsLog()
+    log.entries.extend([{7: Logprob(-0.5, 1, "x")}, {8: Logprob(-0.25, 2, "y"), 9: Logprob(-0.1, 1, "z")}])
+    return [
+        RequestDelta("a", [1, 2, 3], "héllo", False, None, 5, 3, SpecStats(4, 3, 2, 1, 1, [2, 1], [3, 3])),
+        RequestDelta("b", [], "", True, "abort", 7, 0, SpecStats()),
+        RequestDelta.failed("c", "engine error: boom"),
+        RequestDelta(
+            "d", [7, 8], "xy", True, "length", 2, 2, SpecStats(steps=2), None, LogprobsPrefix(log, 2), -0.75
+        ),
+        RequestDelta(
+            "e", [2**40], "🙂", False, None, 1, 1, SpecStats(drafted_tokens=3, verified_per_position=[1])
+        ),
+    ]
+
+
+def test_a_packed_batch_unpacks_to_equal_deltas_in_order():
+    deltas = batch()
+    received = unpack_deltas(pickle.loads(pickle.dumps(pack_deltas(deltas))))
+    assert [fields(d) for d in received] == [fields(d) for d in deltas]
+    assert [type(d.finished) for d in received] == [bool] * len(deltas)
+    assert unpack_deltas(pack_deltas([])) == []
+
+
+def test_every_delta_field_is_packed():
+    # pack_deltas names each field it carries; a field added to RequestDelta or SpecStats must be too.
+    assert len(dataclasses.fields(RequestDelta)) == 11
+    assert len(dataclasses.fields(SpecStats)) == 7
+
+
+def test_packed_logprobs_cross_a_real_pipe_in_order():
+    mine, theirs = mp.Pipe(duplex=False)
+    log = LogprobsLog()
+    entries = [{t: Logprob(-0.1 * t, 1, f"w{t}")} for t in (3, 4, 5)]
+    log.entries.extend(entries[:1])
+    first = RequestDelta("a", [3], "w3", False, None, 1, 1, SpecStats(), logprobs=LogprobsPrefix(log, 1, 0))
+    theirs.send(pack_deltas([first]))
+    log.entries.extend(entries[1:])
+    second = RequestDelta(
+        "a", [4, 5], "w4w5", True, "stop", 1, 3, SpecStats(), logprobs=LogprobsPrefix(log, 3, 1, final=True)
+    )
+    theirs.send(pack_deltas([second]))
+    one, two = unpack_deltas(mine.recv())[0], unpack_deltas(mine.recv())[0]
+    assert one.logprobs.last(1) == entries[:1]
+    assert two.logprobs.last(2) == entries[1:] and list(two.logprobs) == entries
