@@ -6,7 +6,11 @@ lock: the engine's side never waits on a response). Send threads (each request a
 one) merge a request's pending deltas into one response and `send()` it: while a send waits on its
 round trip to the server process, the engine's next tokens merge into the following one, so a stream
 gets fewer, fuller responses under load instead of falling behind, and one request's responses stay
-in order. A request's first response goes ahead of the rest (time to first token). A poll thread asks
+in order. A request's first response goes ahead of the rest (time to first token). Each response costs
+the same (a round trip to the server, the server's gRPC write, the client's read) whatever it carries,
+so under load the responses are paced: a request's next response waits until `live requests /
+RESPONSES_PER_S` seconds after its previous one (at 8 streams about 4 ms, at 256 about 128 ms), merging
+what the engine commits meanwhile; its first and its final response never wait. A poll thread asks
 senders whether their client went away (aborting cancelled requests so their KV pages free at the
 next step) and publishes the load gauges and counters.
 
@@ -22,6 +26,7 @@ output_ids, return_spec_stats/spec_stats and cancel_request_id; see dspark.servi
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
 import json
 import os
@@ -48,6 +53,14 @@ from dspark.serving.triton_config import INPUTS, OUTPUTS, add_missing_io, parame
 POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing
 SEND_THREADS = 4  # threads sending responses (a request's always on the same one)
 CANCEL_POLL_BUDGET = 32  # senders asked about cancellation per poll
+# Responses a second the adapter aims at in all (see the module; 0: no pacing). On the 2-core CPU the
+# backend stub spent ~150 us and tritonserver ~130 us of CPU per response whatever its size; the H200
+# profile's adapter sent at most ~2,300 a second (benchmarks/serving_ceiling.py measures both).
+RESPONSES_PER_S = float(os.environ.get("DSPARK_RESPONSES_PER_S", "2000"))
+# The stub's threads (execute, the engine's events, the send threads, the poll thread) each come back
+# from a round trip or a pipe read needing the GIL; at CPython's default 5 ms switch interval each
+# waited up to 5 ms behind a busy thread (256 submissions in a burst: a TTFT of ~0.5 s).
+SWITCH_INTERVAL_S = 0.0005
 DEATH_GRACE_S = 1.0  # after the engine died: time for the error responses to go out before exiting
 CANCEL_ALL = "*"  # cancel_request_id that cancels every request in flight (dspark serve does, to stop)
 RETURN_FLAGS = (
@@ -79,16 +92,19 @@ class _Live:
     text: list[str] = field(default_factory=list)  # non-streamed: everything so far
     token_ids: list[int] = field(default_factory=list)
     last_token_at: float | None = None  # when the tokens of the last response sent arrived
+    sent_at: float = 0.0  # when its last response was taken to be sent (pacing)
     spec_seen: dict | None = None
     cancelled: bool = False  # the client went away; the engine was told to abort
     # Guarded by the model's lock: the engine's deltas not yet sent (merged into one at send time);
     # when the first and the last of their tokens arrived; whether a send thread holds it in its
-    # queue; and whether its final response is decided (nothing may be sent for it after that; it is
-    # set with the request's removal from the model's live requests, so those are never closed).
+    # queue (`deferred`: paced, due later); and whether its final response is decided (nothing may be
+    # sent for it after that; it is set with the request's removal from the model's live requests, so
+    # those are never closed).
     pending: list[RequestDelta] = field(default_factory=list)
     first_pending_at: float | None = None
     last_pending_at: float | None = None
     scheduled: bool = False
+    deferred: bool = False
     closed: bool = False
     # Held while its final response is sent and while its sender is asked whether the client went
     # away: once the final response is out, Triton frees the request's response factory, and asking
@@ -123,12 +139,14 @@ class _PendingCancel:
 
 class _SendQueue:
     """One send thread's work, in order, except that requests yet to send their first response go
-    ahead of the rest (time to first token)."""
+    ahead of the rest (time to first token), and paced requests wait until they are due."""
 
     def __init__(self) -> None:
         self._ready = threading.Condition()
         self._first: collections.deque = collections.deque()
         self._rest: collections.deque = collections.deque()
+        self._later: list[tuple[float, int, Any]] = []  # (due, order, request): a heap
+        self._order = itertools.count()
 
     def put(self, item: Any, first: bool = False) -> None:
         """Queue a request with a pending update, a single reply, or None (the end)."""
@@ -136,12 +154,24 @@ class _SendQueue:
             (self._first if first else self._rest).append(item)
             self._ready.notify()
 
+    def put_later(self, item: Any, due: float) -> None:
+        """Queue a request with a pending update, to be taken at `due` (time.monotonic()) or after."""
+        with self._ready:
+            heapq.heappush(self._later, (due, next(self._order), item))
+            if self._later[0][2] is item:  # the earliest now: a waiting take() must wait less
+                self._ready.notify()
+
     def take(self) -> Any:
         """The next item, waiting for one."""
         with self._ready:
-            while not self._first and not self._rest:
-                self._ready.wait()
-            return self._first.popleft() if self._first else self._rest.popleft()
+            while True:
+                if self._first:
+                    return self._first.popleft()
+                if self._later and self._later[0][0] <= time.monotonic():
+                    return heapq.heappop(self._later)[2]
+                if self._rest:
+                    return self._rest.popleft()
+                self._ready.wait(self._later[0][0] - time.monotonic() if self._later else None)
 
 
 class TritonPythonModel:
@@ -157,6 +187,7 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("dspark needs model_transaction_policy { decoupled: true }")
         config = EngineConfig.from_parameters(parameters_from_model_config(model_config))
+        sys.setswitchinterval(SWITCH_INTERVAL_S)  # this process is the stub's: its threads are ours
         self._logger = pb_utils.Logger
         self._metrics = self._make_metrics(config, args)
         self._live: dict[str, _Live] = {}
@@ -291,11 +322,19 @@ class TritonPythonModel:
                 live.last_pending_at = now
                 if live.first_pending_at is None:
                     live.first_pending_at = now
-            if live.scheduled:
+            if live.scheduled and not (delta.finished and live.deferred):
                 return
+            # Paced (see the module) unless it is the first response or the final one (a final one
+            # whose request waits paced goes now; the paced entry then finds nothing left to send).
+            first = live.spec_seen is None  # no response sent yet
+            due = live.sent_at + len(self._live) / RESPONSES_PER_S if RESPONSES_PER_S > 0 else 0.0
             live.scheduled = True
-        first = live.spec_seen is None  # no response sent yet
-        self._send_queues[hash(live.engine_id) % len(self._send_queues)].put(live, first=first)
+            live.deferred = defer = not first and not delta.finished and due > now
+        sends = self._send_queues[hash(live.engine_id) % len(self._send_queues)]
+        if defer:
+            sends.put_later(live, due)
+        else:
+            sends.put(live, first=first)
 
     def _on_engine_death(self, cause: BaseException) -> None:
         """Engine thread: its requests' failed deltas came first; the poll thread ends this process."""
@@ -321,9 +360,10 @@ class TritonPythonModel:
         with self._lock:
             deltas, first_at, last_at = live.pending, live.first_pending_at, live.last_pending_at
             live.pending, live.first_pending_at, live.last_pending_at = [], None, None
-            live.scheduled = False
+            live.scheduled = live.deferred = False
             if not deltas or live.closed:
                 return
+            live.sent_at = time.monotonic()
             delta = merge_deltas(deltas)
             settled: list[_PendingCancel] = []
             if delta.finished:
