@@ -58,8 +58,8 @@ CANCEL_POLL_BUDGET = 32  # senders asked about cancellation per poll
 # profile's adapter sent at most ~2,300 a second (benchmarks/serving_ceiling.py measures both).
 RESPONSES_PER_S = float(os.environ.get("DSPARK_RESPONSES_PER_S", "2000"))
 # The stub's threads (execute, the engine's events, the send threads, the poll thread) each come back
-# from a round trip or a pipe read needing the GIL; at CPython's default 5 ms switch interval each
-# waited up to 5 ms behind a busy thread (256 submissions in a burst: a TTFT of ~0.5 s).
+# from a round trip or a pipe read needing the GIL; at CPython's default 5 ms switch interval each could
+# wait up to 5 ms behind a busy one (serving_ceiling: TTFT p50 at 64 streams 70-105 ms -> 47-77 ms).
 SWITCH_INTERVAL_S = 0.0005
 DEATH_GRACE_S = 1.0  # after the engine died: time for the error responses to go out before exiting
 CANCEL_ALL = "*"  # cancel_request_id that cancels every request in flight (dspark serve does, to stop)
