@@ -57,10 +57,6 @@ CANCEL_POLL_BUDGET = 32  # senders asked about cancellation per poll
 # backend stub spent ~150 us and tritonserver ~130 us of CPU per response whatever its size; the H200
 # profile's adapter sent at most ~2,300 a second (benchmarks/serving_ceiling.py measures both).
 RESPONSES_PER_S = float(os.environ.get("DSPARK_RESPONSES_PER_S", "2000"))
-# The stub's threads (execute, the engine's events, the send threads, the poll thread) each come back
-# from a round trip or a pipe read needing the GIL; at CPython's default 5 ms switch interval each could
-# wait up to 5 ms behind a busy one (serving_ceiling: TTFT p50 at 64 streams 70-105 ms -> 47-77 ms).
-SWITCH_INTERVAL_S = 0.0005
 DEATH_GRACE_S = 1.0  # after the engine died: time for the error responses to go out before exiting
 CANCEL_ALL = "*"  # cancel_request_id that cancels every request in flight (dspark serve does, to stop)
 RETURN_FLAGS = (
@@ -187,7 +183,6 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("dspark needs model_transaction_policy { decoupled: true }")
         config = EngineConfig.from_parameters(parameters_from_model_config(model_config))
-        sys.setswitchinterval(SWITCH_INTERVAL_S)  # this process is the stub's: its threads are ours
         self._logger = pb_utils.Logger
         self._metrics = self._make_metrics(config, args)
         self._live: dict[str, _Live] = {}
