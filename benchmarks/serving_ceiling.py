@@ -12,7 +12,8 @@ the backend stub instead, without the engine process's transport).
 The machine is shared and noisy, so each level also says what the server's processes cost, which
 moves much less than throughput: CPU milliseconds per 1000 delivered tokens in the backend stub (the
 adapter), the engine process (here the synthetic source and its transport) and tritonserver itself,
-and the load generator's CPU cores (on 2 cores it competes with the server for them).
+and the load generator's CPU cores over the whole level, its processes' start and connections included
+(on 2 cores it competes with the server for them).
 
 `--profile-levels 64,256` then runs a longer load at those levels, sampled by py-spy (as
 benchmarks/serving_overhead.py does), and prints benchmarks/pyspy_top.py's tables of it.
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             for level in (int(c) for c in args.concurrency.split(",")):
-                cpu_before, load_before = server_cpu(server.pid), _children_cpu()
+                cpu_before, load_before, started = server_cpu(server.pid), _children_cpu(), time.monotonic()
                 result = run_load(
                     f"localhost:{grpc_port}",
                     level,
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 per_1k = {
                     k: 1e6 * (cpu_after[k] - cpu_before[k]) / max(result.output_tokens, 1) for k in cpu_after
                 }
-                load_cores = (load_after - load_before) / max(result.seconds, 1e-9)
+                load_cores = (load_after - load_before) / (time.monotonic() - started)  # start-up included
                 offered = level * args.steps_per_s * args.tokens_per_step
                 ratio = result.tokens_per_s / offered
                 print(
