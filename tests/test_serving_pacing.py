@@ -42,9 +42,10 @@ def delta(tokens: int, finished: bool = False) -> RequestDelta:
     return RequestDelta("req-0", [1] * tokens, "x" * tokens, finished, reason, 3, tokens, SpecStats())
 
 
-def adapter(model, live_count: int):  # noqa: ANN001, ANN201
+def adapter(model, live_count: int, responses_per_s: float = 2000.0):  # noqa: ANN001, ANN201
     """A TritonPythonModel with only what _on_delta and _send_pending's bookkeeping use."""
     self = object.__new__(model.TritonPythonModel)
+    self._responses_per_s = responses_per_s
     self._lock = threading.Lock()
     self._send_queues = [model._SendQueue()]
     self._live = {f"other-{i}": None for i in range(live_count - 1)}
@@ -69,9 +70,8 @@ def test_a_first_response_goes_at_once_ahead_of_the_rest(model):
     assert queued(self._send_queues[0]) == (1, 0, 0)
 
 
-def test_a_later_response_waits_for_its_due_time_and_merges_what_arrives(model, monkeypatch):
-    monkeypatch.setattr(model, "RESPONSES_PER_S", 1000.0)
-    self = adapter(model, 200)  # due 0.2 s after the last response
+def test_a_later_response_waits_for_its_due_time_and_merges_what_arrives(model):
+    self = adapter(model, 200, 1000.0)  # due 0.2 s after the last response
     request = live(model, sent=True)
     self._on_delta(request, delta(1))
     self._on_delta(request, delta(2))
@@ -86,9 +86,8 @@ def test_a_later_response_waits_for_its_due_time_and_merges_what_arrives(model, 
     assert got and got[0][0] is request and got[0][1] >= due
 
 
-def test_a_final_delta_goes_at_once_even_while_its_request_waits(model, monkeypatch):
-    monkeypatch.setattr(model, "RESPONSES_PER_S", 10.0)
-    self = adapter(model, 64)  # due 6.4 s later
+def test_a_final_delta_goes_at_once_even_while_its_request_waits(model):
+    self = adapter(model, 64, 10.0)  # due 6.4 s later
     request = live(model, sent=True)
     self._on_delta(request, delta(1))
     self._on_delta(request, delta(1, finished=True))
@@ -97,10 +96,9 @@ def test_a_final_delta_goes_at_once_even_while_its_request_waits(model, monkeypa
     assert sends.take() is request  # the final one, now; the paced entry then finds nothing to send
 
 
-def test_no_pacing_when_the_budget_is_zero_or_the_request_is_alone(model, monkeypatch):
+def test_no_pacing_when_the_budget_is_zero_or_the_request_is_alone(model):
     for budget, count in ((0.0, 256), (2000.0, 1)):
-        monkeypatch.setattr(model, "RESPONSES_PER_S", budget)
-        self = adapter(model, count)
+        self = adapter(model, count, budget)
         request = live(model, sent=True)
         request.sent_at -= 0.01  # its last response went 10 ms ago
         self._on_delta(request, delta(1))

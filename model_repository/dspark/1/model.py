@@ -9,8 +9,9 @@ gets fewer, fuller responses under load instead of falling behind, and one reque
 in order. A request's first response goes ahead of the rest (time to first token). Each response costs
 the same (a round trip to the server, the server's gRPC write, the client's read) whatever it carries,
 so under load the responses are paced: a request's next response waits until `live requests /
-RESPONSES_PER_S` seconds after its previous one (at 8 streams about 4 ms, at 256 about 128 ms), merging
-what the engine commits meanwhile; its first and its final response never wait. A poll thread asks
+max_responses_per_s` seconds after its previous one (the config parameter; at its default, 2000, about
+4 ms at 8 streams and 128 ms at 256), merging what the engine commits meanwhile; its first and its final
+response never wait. A poll thread asks
 senders whether their client went away (aborting cancelled requests so their KV pages free at the
 next step) and publishes the load gauges and counters.
 
@@ -53,10 +54,6 @@ from dspark.serving.triton_config import INPUTS, OUTPUTS, add_missing_io, parame
 POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing
 SEND_THREADS = 4  # threads sending responses (a request's always on the same one)
 CANCEL_POLL_BUDGET = 32  # senders asked about cancellation per poll
-# Responses a second the adapter aims at in all (see the module; 0: no pacing). On the 2-core CPU the
-# backend stub spent ~150 us and tritonserver ~130 us of CPU per response whatever its size; the H200
-# profile's adapter sent at most ~2,300 a second (benchmarks/serving_ceiling.py measures both).
-RESPONSES_PER_S = float(os.environ.get("DSPARK_RESPONSES_PER_S", "2000"))
 DEATH_GRACE_S = 1.0  # after the engine died: time for the error responses to go out before exiting
 CANCEL_ALL = "*"  # cancel_request_id that cancels every request in flight (dspark serve does, to stop)
 RETURN_FLAGS = (
@@ -186,6 +183,7 @@ class TritonPythonModel:
         self._logger = pb_utils.Logger
         self._metrics = self._make_metrics(config, args)
         self._live: dict[str, _Live] = {}
+        self._responses_per_s = config.max_responses_per_s  # the pacing budget (see the module)
         self._lock = threading.Lock()  # _live, _cancels and each _Live's pending fields
         self._next_id = itertools.count()
         self._cancels: list[_PendingCancel] = []
@@ -322,7 +320,8 @@ class TritonPythonModel:
             # Paced (see the module) unless it is the first response or the final one (a final one
             # whose request waits paced goes now; the paced entry then finds nothing left to send).
             first = live.spec_seen is None  # no response sent yet
-            due = live.sent_at + len(self._live) / RESPONSES_PER_S if RESPONSES_PER_S > 0 else 0.0
+            budget = self._responses_per_s
+            due = live.sent_at + len(self._live) / budget if budget > 0 else 0.0
             live.scheduled = True
             live.deferred = defer = not first and not delta.finished and due > now
         sends = self._send_queues[hash(live.engine_id) % len(self._send_queues)]
