@@ -37,7 +37,12 @@ MODES = {
     "off": {"spec_mode": "off"},
     "default": {},
     "default-inprocess": {"engine_process": False},
+    # Responses unpaced (one whenever the engine commits): the same engines, the served side only.
+    "off-unpaced": {"spec_mode": "off", "max_responses_per_s": 0},
+    "default-unpaced": {"max_responses_per_s": 0},
 }
+# Modes whose engine is another mode's (only the server differs): their offline figures are that one's.
+OFFLINE_OF = {"off-unpaced": "off", "default-unpaced": "default"}
 
 
 def engine_config(mode: str, max_seqs: int) -> EngineConfig:
@@ -162,7 +167,9 @@ def table(levels: list[int], runs: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--levels", default="1,8,64,128,256")
-    parser.add_argument("--modes", default="off,default")
+    parser.add_argument(
+        "--modes", default="off,default", help=f"of {', '.join(MODES)} (an -unpaced mode after its own)"
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ports", default="18600,18601,18602")
     parser.add_argument("--out", type=Path, default=Path("/tmp/dspark-overhead"))
@@ -178,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         config = engine_config(mode, max(levels))
         print(f"=== {mode}: {config}", flush=True)
         offline, tokens = {}, {}
-        if not mode.endswith("inprocess"):
+        if mode in OFFLINE_OF and OFFLINE_OF[mode] in runs:
+            offline = runs[OFFLINE_OF[mode]]["offline"]
+        elif not mode.endswith("inprocess"):
             offline, tokens = offline_tokens_per_s(config, levels, args.max_tokens)
         outputs[mode] = tokens
         server = served(
