@@ -33,7 +33,18 @@ def batch() -> list[RequestDelta]:
         RequestDelta("b", [], "", True, "abort", 7, 0, SpecStats()),
         RequestDelta.failed("c", "engine error: boom"),
         RequestDelta(
-            "d", [7, 8], "xy", True, "length", 2, 2, SpecStats(steps=2), None, LogprobsPrefix(log, 2), -0.75
+            # final: its request's last delta (the receiving process then forgets the rebuilt log).
+            "d",
+            [7, 8],
+            "xy",
+            True,
+            "length",
+            2,
+            2,
+            SpecStats(steps=2),
+            None,
+            LogprobsPrefix(log, 2, final=True),
+            -0.75,
         ),
         RequestDelta(
             "e", [2**40], "🙂", False, None, 1, 1, SpecStats(drafted_tokens=3, verified_per_position=[1])
