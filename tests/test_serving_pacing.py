@@ -14,6 +14,7 @@ import pytest
 
 from dspark.config import REPO_ROOT
 from dspark.outputs import RequestDelta, SpecStats
+from dspark.serving.send_queue import SendQueue
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def adapter(model, live_count: int, responses_per_s: float = 2000.0):  # noqa: A
     self = object.__new__(model.TritonPythonModel)
     self._responses_per_s = responses_per_s
     self._lock = threading.Lock()
-    self._send_queues = [model._SendQueue()]
+    self._send_queues = [SendQueue()]
     self._live = {f"other-{i}": None for i in range(live_count - 1)}
     return self
 
@@ -106,7 +107,7 @@ def test_no_pacing_when_the_budget_is_zero_or_the_request_is_alone(model):
 
 
 def test_a_send_queue_takes_first_then_due_then_the_rest(model):
-    sends = model._SendQueue()
+    sends = SendQueue()
     sends.put("rest")
     sends.put_later("due", time.monotonic() - 1)
     sends.put_later("later", time.monotonic() + 60)

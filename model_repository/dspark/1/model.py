@@ -26,8 +26,6 @@ output_ids, return_spec_stats/spec_stats and cancel_request_id; see dspark.servi
 
 from __future__ import annotations
 
-import collections
-import heapq
 import itertools
 import json
 import os
@@ -49,6 +47,7 @@ from dspark.sampling.logprobs import logprobs_json
 from dspark.sampling_params import MAX_INT, parse_json_object
 from dspark.serving.engine_process import EngineProcess
 from dspark.serving.metrics import Metrics, TritonMetrics, vllm_max_model_len
+from dspark.serving.send_queue import SendQueue
 from dspark.serving.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
 
 POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing
@@ -130,43 +129,6 @@ class _PendingCancel:
         return not self.waiting_on
 
 
-class _SendQueue:
-    """One send thread's work, in order, except that requests yet to send their first response go
-    ahead of the rest (time to first token), and paced requests wait until they are due."""
-
-    def __init__(self) -> None:
-        self._ready = threading.Condition()
-        self._first: collections.deque = collections.deque()
-        self._rest: collections.deque = collections.deque()
-        self._later: list[tuple[float, int, Any]] = []  # (due, order, request): a heap
-        self._order = itertools.count()
-
-    def put(self, item: Any, first: bool = False) -> None:
-        """Queue a request with a pending update, a single reply, or None (the end)."""
-        with self._ready:
-            (self._first if first else self._rest).append(item)
-            self._ready.notify()
-
-    def put_later(self, item: Any, due: float) -> None:
-        """Queue a request with a pending update, to be taken at `due` (time.monotonic()) or after."""
-        with self._ready:
-            heapq.heappush(self._later, (due, next(self._order), item))
-            if self._later[0][2] is item:  # the earliest now: a waiting take() must wait less
-                self._ready.notify()
-
-    def take(self) -> Any:
-        """The next item, waiting for one."""
-        with self._ready:
-            while True:
-                if self._first:
-                    return self._first.popleft()
-                if self._later and self._later[0][0] <= time.monotonic():
-                    return heapq.heappop(self._later)[2]
-                if self._rest:
-                    return self._rest.popleft()
-                self._ready.wait(self._later[0][0] - time.monotonic() if self._later else None)
-
-
 class TritonPythonModel:
     @classmethod
     def auto_complete_config(cls, auto_complete_model_config):
@@ -190,7 +152,7 @@ class TritonPythonModel:
         self._cancel_poll_at = 0  # where the next cancellation poll starts in the live requests
         self._engine_death: BaseException | None = None
         self._stopping = threading.Event()
-        self._send_queues = [_SendQueue() for _ in range(SEND_THREADS)]
+        self._send_queues = [SendQueue() for _ in range(SEND_THREADS)]
         self._send_threads = [
             threading.Thread(target=self._send_loop, args=(sends,), name=f"dspark-send-{i}", daemon=True)
             for i, sends in enumerate(self._send_queues)
@@ -336,7 +298,7 @@ class TritonPythonModel:
 
     # The send threads --------------------------------------------------------------------------
 
-    def _send_loop(self, sends: _SendQueue) -> None:
+    def _send_loop(self, sends: SendQueue) -> None:
         """A send thread: each send waits on a round trip to the server process, outside the GIL."""
         while (item := sends.take()) is not None:
             try:
