@@ -23,6 +23,7 @@ import torch
 from e2e import _prompt_ids, bench_config
 
 import dspark.engine.llm_engine as engine
+import dspark.engine.output_processor as output_processor
 import dspark.engine.scheduler as scheduler
 import dspark.engine.step as step
 import dspark.kernels.ops as ops
@@ -49,7 +50,9 @@ TIMED = [
     (draft_graphs.DraftGraphs, ["run", "run_in_step"]),
     (proposer.DSparkProposer, ["propose", "propose_in_step"]),
     (model_runner.ModelRunner, ["run", "forward"]),
-    (engine.LLMEngine, ["step", "_draft", "_adjust_logits", "_commit", "_emit"]),
+    (engine.LLMEngine, ["step", "_launch", "_complete", "_draft", "_adjust_logits", "_commit"]),
+    (engine.LLMEngine, ["_commit_tokens"]),
+    (output_processor.PendingDelta, ["make"]),
     (engine, ["pack_step", "accept", "to_device"]),
     (step, ["greedy_accept_all"]),
     (step._Windows, ["to_step"]),
