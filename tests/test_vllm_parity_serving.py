@@ -152,8 +152,13 @@ def test_every_vllm_parameter_this_engine_lacks_gets_a_400_naming_it(triton_serv
     assert json.loads(text)["error"].startswith(f"sampling_parameters.{name}: "), text
 
 
+def _aborted(server: TritonServer) -> float:
+    return server.metric("dspark_requests_total", model="dspark", finish_reason="abort") or 0.0
+
+
 def test_a_cancelled_request_is_logged_with_the_vllm_backend_s_lines(triton_server):
     request_id = f"cancel-me-{uuid.uuid4().hex[:8]}"
+    aborted_before = _aborted(triton_server)
     with GrpcStream(triton_server) as grpc:
         grpc.send(
             request_id=request_id,
@@ -167,6 +172,9 @@ def test_a_cancelled_request_is_logged_with_the_vllm_backend_s_lines(triton_serv
     assert wait_for(lambda: line in triton_server.log_text(), timeout=10), triton_server.log_tail()
     after = triton_server.log_text().split(line, 1)[1]
     assert "[vllm] Successfully cancelled the request" in after
+    # The log lines follow the abort's request; the request ends (and is counted) at the engine's next
+    # step, which a later test's metric baseline must not straddle.
+    assert wait_for(lambda: _aborted(triton_server) == aborted_before + 1, timeout=30)
 
 
 VLLM_SERIES = [
