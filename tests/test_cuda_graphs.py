@@ -99,15 +99,19 @@ def test_a_padded_step_gives_the_same_logits_and_cache(tiny_target_dir, num_requ
     exact = forward(0, 0)
     # Padding rows (random ids and positions) and empty windows, as a captured step has them.
     padded = forward(next_pow2(len(tokens) + 1), num_requests + 2)
-    torch.testing.assert_close(padded[0], exact[0])
-    torch.testing.assert_close(padded[1], exact[1])
-    # The step's own keys agree to rounding (BLAS may block a matmul differently for more rows); every
+    # Agreement to fp32 rounding, not bit for bit: BLAS may block a matmul differently for more rows, and
+    # a random seed now and then lands an element just past assert_close's default 1e-5 (1.1e-5 seen).
+    torch.testing.assert_close(padded[0], exact[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(padded[1], exact[1], atol=1e-4, rtol=1e-4)
+    # The step's own keys agree to rounding too; every
     # other cache slot is untouched, bit for bit: padding stored nothing.
     written = torch.zeros(cache.k.shape[1] * PAGE, dtype=torch.bool)
     written[AttentionBatch.build(pages, starts, lens, PAGE, True, torch.device("cpu")).slots] = True
     for after_padded, after_exact, untouched in zip(padded[2], exact[2], before, strict=True):
         flat_padded = after_padded.flatten(1, 2)
-        torch.testing.assert_close(flat_padded[:, written], after_exact.flatten(1, 2)[:, written])
+        torch.testing.assert_close(
+            flat_padded[:, written], after_exact.flatten(1, 2)[:, written], atol=1e-4, rtol=1e-4
+        )
         assert torch.equal(flat_padded[:, ~written], untouched.flatten(1, 2)[:, ~written]), "padding wrote"
 
 
