@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dspark import LLM, EngineConfig, SamplingParams
-from dspark.training.data import read_prompts
+from dspark.training.data import encode_prompt, read_prompts
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -49,15 +49,13 @@ def bench_config(model: str, draft_model: str, device: str, max_batch: int, **fi
     )
 
 
-def _prompt_ids(llm: LLM, count: int, texts: list[str] | None = None) -> list[list[int]]:
-    """`count` chat-formatted prompts, cycling through `texts` (default: PROMPTS)."""
-    tok = llm.tokenizer
-    pool = texts or PROMPTS
-    texts = [pool[i % len(pool)] for i in range(count)]
-    return [
-        tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
-        for t in texts
-    ]
+def _prompt_ids(
+    llm: LLM, count: int, prompts: list[str | list[dict[str, str]]] | None = None
+) -> list[list[int]]:
+    """`count` chat-formatted prompts, cycling through `prompts` (user texts or whole conversations;
+    default: PROMPTS)."""
+    pool = prompts or PROMPTS
+    return [encode_prompt(llm.tokenizer, pool[i % len(pool)]) for i in range(count)]
 
 
 def _time_engine(
@@ -263,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         # The engine logs the table it measured (INFO): the planner's plans are read against it.
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    texts = [p.prompt for p in read_prompts(args.prompts)] if args.prompts else None
+    texts = [p.conversation for p in read_prompts(args.prompts)] if args.prompts else None
     base = bench_config(
         args.model,
         args.draft_model,

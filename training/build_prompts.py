@@ -1,325 +1,256 @@
-"""Build the drafter's prompt sets from text that packages on this machine ship.
+"""Build the drafter's prompt sets from text and code that Debian and PyPI packages ship.
 
-    python3 training/build_prompts.py            # writes training/prompts_{train,eval}.jsonl + manifest
+    apt-get update
+    apt-get install -y python3.11-doc wamerican wordnet-base fortunes fortunes-min golang-1.19-src \
+        rust-src ruby3.1 perl-doc perl-modules-5.36 manpages-dev git-doc debian-faq debian-reference-en
+    python3 -m venv /tmp/prompts-venv
+    /tmp/prompts-venv/bin/pip install mathematics-dataset==1.0.1 sympy==1.5.1 numpy==1.23.5
+    /tmp/prompts-venv/bin/python training/build_prompts.py   # prompts_{train,eval}.jsonl + manifest
 
-The training file starts with `--train-per-domain` prompts sampled per domain and goes on with every other
-available training prompt (`--sampled-only` leaves those out).
+(The venv's interpreter must be CPython 3.11: its standard library is a source too; mathematics-dataset
+needs the old sympy and numpy pinned above.)
 
-Sources (each prompt records its own in `source`):
-- the Python documentation's reST sources, Debian package python3.11-doc
-  (/usr/share/doc/python3.11/html/_sources): FAQ questions, glossary terms, prose paragraphs and code
-  examples;
-- the docstrings and source of the Python standard library of the interpreter running this script;
-- the word list of Debian package wamerican (/usr/share/dict/words), through question and writing
-  templates.
+Four domains, each prompt recording its `source`, its `key` (the unit held out) and its `kind`:
+- chat: FAQ entries of Debian, Git and Python (the question alone, or a conversation in `messages`: the
+  question, the FAQ's real answer, a follow-up), WordNet words (questions, and conversations whose answer
+  is the WordNet gloss), fortune quotes (discussed, or an earlier assistant turn), Debian Reference topics;
+- code: one prompt per documented function of the Go, Rust, Ruby, Perl and Python standard libraries and
+  per C man page (write it from its documentation, complete it, explain it, fix a planted bug, translate
+  it, review or test it), perlfaq and Python FAQ conversations, Python documentation examples;
+- prose: paragraphs of the Python documentation, the Debian Reference and the Git user manual, fortunes
+  and WordNet example sentences, as instructions of many kinds (summarize in N words, rewrite formally,
+  list key points, ...) or continuations; writing tasks from dictionary words;
+- math: mathematics_dataset questions (arithmetic, algebra, calculus, comparison, measurement, numbers,
+  polynomials, probability), asked in many ways or after an earlier answered one, and word problems.
 
-Prompts are split by domain (chat, code, prose). The evaluation set is held out by source: a whole
-document, module or word goes to one side only (by a hash of its name), so no training prompt shares a
-paragraph, a function or a word with an evaluation prompt. Output is deterministic for a given machine.
+The evaluation set is held out by source: a whole document, FAQ entry, file, module, word or generator
+module falls on one side only (by a hash of its key), and no prompt (whole conversation) occurs on both
+sides. It has `--eval-per-domain` prompts per domain; the training set is `--train-size` prompts, shared
+between the domains and, within one, between its sources (or languages) so that no source dominates.
+Output is deterministic for a given machine and seed.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import hashlib
 import json
 import random
-import re
 import subprocess
 import sys
 import sysconfig
-import textwrap
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections import Counter
 from pathlib import Path
 
-DOCS = Path("/usr/share/doc/python3.11/html/_sources")
-WORDS = Path("/usr/share/dict/words")
+from prompt_code import library_prompts
+from prompt_common import EVAL_PERCENT, Prompt, held_out
+from prompt_math import MATH_EVAL_PERCENT, generated_prompts, word_problem_prompts
+from prompt_text import (
+    debian_doc_prompts,
+    fortune_prompts,
+    git_doc_prompts,
+    perlfaq_prompts,
+    python_doc_prompts,
+    word_prompts,
+    wordnet_prompts,
+)
+
 HERE = Path(__file__).resolve().parent
-EVAL_PERCENT = 8
-# FAQ files whose questions are general conversation rather than programming.
-CHAT_FAQS = ("faq/general.rst.txt", "faq/installed.rst.txt", "faq/windows.rst.txt")
-# Standard-library areas that are tests, vendored tools or platform glue, not library code.
-SKIP_MODULES = ("test", "idlelib", "lib2to3", "ensurepip", "turtledemo", "tkinter", "site-packages", "__")
-
-CHAT_WORD_TEMPLATES = (
-    "What does the word '{w}' mean?",
-    "Give me three example sentences that use the word '{w}'.",
-    "Where does the word '{w}' come from?",
-    "What are some synonyms and antonyms of '{w}'?",
-    "How would you explain the word '{w}' to a ten-year-old?",
-    "Is '{w}' a formal or an informal word? When would I use it?",
-    "Can you help me remember how to spell '{w}'?",
-    "My friend used the word '{w}' in a message. What did they mean?",
-)
-CODE_FUNCTION_TEMPLATES = (
-    "Write a Python function `{name}{signature}` that does the following: {summary}",
-    "Implement `{name}{signature}` in Python. {summary} Add a short usage example.",
-    "How would I write a function called `{name}` in Python? It should do this: {summary}",
-)
-CODE_SOURCE_TEMPLATES = (
-    "Explain what this Python function does:\n\n```python\n{code}\n```",
-    "Review this Python code and suggest one improvement:\n\n```python\n{code}\n```",
-    "Write a docstring for this Python function:\n\n```python\n{code}\n```",
-)
-CODE_EXAMPLE_TEMPLATES = (
-    "What does this Python code do?\n\n```python\n{code}\n```",
-    "Explain this Python snippet step by step:\n\n```python\n{code}\n```",
-)
-CODE_TERM_TEMPLATES = (
-    "In Python, what is meant by '{term}'? Give a small example.",
-    "Explain the Python concept '{term}' with a code example.",
-)
-PROSE_PARAGRAPH_TEMPLATES = (
-    "Summarize the following paragraph in two sentences:\n\n{text}",
-    "Rewrite the following text in plain language for a beginner:\n\n{text}",
-    "Turn the following notes into a short, friendly paragraph for a newsletter:\n\n{text}",
-)
-PROSE_WORD_TEMPLATES = (
-    "Write a short story about {a} and {b}.",
-    "Write a four-line poem about {a}.",
-    "Write a paragraph describing {a} to someone who has never heard of it.",
-    "Write a short letter to a friend that mentions {a} and {b}.",
-    "Write the opening paragraph of a novel in which {a} plays an important role.",
-)
+DOMAIN_SHARES = {"chat": 0.30, "code": 0.30, "prose": 0.20, "math": 0.20}
+# Within a domain, sources (for code: languages) share by these weights (1 when not listed); a source
+# with fewer prompts than its share gives the rest to the others.
+GROUP_WEIGHTS = {
+    "code": {"python": 0.25, "go": 0.16, "rust": 0.12, "ruby": 0.15, "perl": 0.15, "c": 0.17},
+    "math": {"mathematics-dataset": 3.0},
+}
+DEBIAN_PACKAGES = {
+    "python3.11-doc": "PSF-2.0",
+    "wamerican": "SCOWL (permissive, see /usr/share/doc/wamerican/copyright)",
+    "wordnet-base": "WordNet-3.0 (permissive, BSD-like)",
+    "fortunes": "BSD-4-Clause-UC (fortune-mod; cookie files collected from public postings)",
+    "fortunes-min": "BSD-4-Clause-UC",
+    "golang-1.19-src": "BSD-3-Clause (Go)",
+    "rust-src": "MIT OR Apache-2.0",
+    "ruby3.1": "Ruby OR BSD-2-Clause",
+    "perl-doc": "GPL-1+ OR Artistic",
+    "perl-modules-5.36": "GPL-1+ OR Artistic",
+    "manpages-dev": "Linux man-pages licences (verbatim / GPL, per page)",
+    "git-doc": "GPL-2",
+    "debian-faq": "verbatim and modified copies under the same notice (SPI)",
+    "debian-reference-en": "GPL-2+",
+}
+PIP_PACKAGES = {"mathematics-dataset": "Apache-2.0", "sympy": "BSD-3-Clause", "numpy": "BSD-3-Clause"}
 
 
-@dataclass
-class Prompt:
-    """One prompt with its provenance."""
-
-    id: str
-    domain: str
-    prompt: str
-    source: str
+def eval_percent(key: str) -> int:
+    """Share of units held out: more for the few dozen generator modules and word-problem scenarios."""
+    return MATH_EVAL_PERCENT if key.startswith(("mathematics-dataset:", "word-problem:")) else EVAL_PERCENT
 
 
-def held_out(key: str) -> bool:
-    """Whether everything derived from `key` (a document, module or word) belongs to the evaluation set."""
-    return int(hashlib.sha1(key.encode()).hexdigest(), 16) % 100 < EVAL_PERCENT
+def group(prompt: Prompt) -> str:
+    """What a domain's budget is shared between: the language of a code prompt, else the source package."""
+    if prompt.domain == "code":
+        return prompt.kind.split("/")[1]
+    return prompt.source.split(":")[0]
 
 
-def clean_rst(text: str) -> str:
-    """Plain text of a reST fragment: roles, literals, links and emphasis reduced to their words."""
-    text = re.sub(r":[a-z:]+:`~?([^`<]*?)(?:\s*<[^>]*>)?`", r"\1", text)
-    text = re.sub(r"`([^`<]+?)\s*<[^>]+>`_+", r"\1", text)
-    text = re.sub(r"``([^`]+)``", r"\1", text)
-    text = re.sub(r"\*\*([^*]+)\*\*|\*([^*]+)\*", lambda m: m.group(1) or m.group(2), text)
-    text = re.sub(r"`([^`]+)`_*", r"\1", text)
-    return re.sub(r"\s+", " ", text).strip()
+def allocate(total: int, available: dict[str, int], weights: dict[str, float]) -> dict[str, int]:
+    """Split `total` between groups in proportion to their weights, none given more than it has; what a
+    group cannot take goes to the others."""
+    share = dict.fromkeys(available, 0)
+    open_groups = {g for g, n in available.items() if n > 0}
+    left = total
+    while left > 0 and open_groups:
+        weight = sum(weights.get(g, 1.0) for g in open_groups)
+        given = 0
+        for g in sorted(open_groups):
+            want = max(1, round(left * weights.get(g, 1.0) / weight))
+            take = min(want, available[g] - share[g], left - given)
+            share[g] += take
+            given += take
+        open_groups = {g for g in open_groups if share[g] < available[g]}
+        left -= given
+        if given == 0:
+            break
+    return share
 
 
-def rst_blocks(path: Path) -> Iterator[tuple[str, str]]:
-    """(kind, text) blocks of a reST file: "heading", "paragraph" or "code" (a literal block after ::)."""
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    i = 0
-    literal_next = False
-    while i < len(lines):
-        line = lines[i]
-        if not line.strip():
-            i += 1
+def sample_side(
+    pools: dict[str, dict[str, list[Prompt]]], per_domain: dict[str, int], rng: random.Random
+) -> list[Prompt]:
+    """`per_domain[d]` prompts of each domain, shared between its groups by `allocate`."""
+    chosen: list[Prompt] = []
+    for domain in sorted(pools):
+        by_group = pools[domain]
+        available = {g: len(p) for g, p in by_group.items()}
+        for g, n in sorted(allocate(per_domain[domain], available, GROUP_WEIGHTS.get(domain, {})).items()):
+            chosen += rng.sample(by_group[g], n)
+    rng.shuffle(chosen)
+    return chosen
+
+
+def collect(rng: random.Random) -> list[Prompt]:
+    """Every prompt the sources give, a repeated id (two methods of one name in a file) numbered."""
+    prompts = [
+        *python_doc_prompts(rng),
+        *debian_doc_prompts(rng),
+        *perlfaq_prompts(rng),
+        *git_doc_prompts(rng),
+        *wordnet_prompts(rng),
+        *fortune_prompts(rng),
+        *word_prompts(rng),
+        *library_prompts(rng),
+        *generated_prompts(rng),
+        *word_problem_prompts(rng),
+    ]
+    seen: Counter[str] = Counter()
+    for prompt in prompts:
+        seen[prompt.id] += 1
+        if seen[prompt.id] > 1:
+            prompt.id += f"~{seen[prompt.id]}"
+    return prompts
+
+
+def split(prompts: list[Prompt]) -> dict[str, dict[str, dict[str, list[Prompt]]]]:
+    """side -> domain -> group -> prompts: held out by key; a conversation on both sides, or twice on one,
+    kept once (on the evaluation side)."""
+    sides: dict[str, dict[str, dict[str, list[Prompt]]]] = {"train": {}, "eval": {}}
+    seen: dict[str, set[str]] = {"train": set(), "eval": set()}
+    ordered = sorted(prompts, key=lambda p: not held_out(p.key, eval_percent(p.key)))  # eval side first
+    for prompt in ordered:
+        side = "eval" if held_out(prompt.key, eval_percent(prompt.key)) else "train"
+        text = prompt.text()
+        if text in seen["eval"] or text in seen[side]:
             continue
-        if i + 1 < len(lines) and re.fullmatch(r"([=\-~^*#\"'])\1{2,}", lines[i + 1].strip() or "x"):
-            yield "heading", line.strip()
-            i += 2
-            continue
-        if line.startswith((" ", "\t")):
-            block = []
-            while i < len(lines) and (not lines[i].strip() or lines[i].startswith((" ", "\t"))):
-                block.append(lines[i])
-                i += 1
-            if literal_next:
-                yield "code", textwrap.dedent("\n".join(block)).strip("\n")
-            literal_next = False
-            continue
-        para = []
-        while i < len(lines) and lines[i].strip() and not lines[i].startswith((" ", "\t")):
-            para.append(lines[i])
-            i += 1
-        text = " ".join(p.strip() for p in para)
-        literal_next = text.endswith("::")
-        if not text.startswith(("..", ":", "|", "+", "=", "-", "*", "#")):
-            yield "paragraph", text
+        seen[side].add(text)
+        sides[side].setdefault(prompt.domain, {}).setdefault(group(prompt), []).append(prompt)
+    return sides
 
 
-def doc_prompts(rng: random.Random) -> Iterator[Prompt]:
-    """Prompts from the Python documentation sources."""
-    for path in sorted(DOCS.rglob("*.rst.txt")):
-        rel = path.relative_to(DOCS).as_posix()
-        source = f"python3.11-doc:{DOCS / rel}"
-        blocks = list(rst_blocks(path))
-        for n, (kind, text) in enumerate(blocks):
-            pid = f"{rel}#{n}"
-            if kind == "heading" and rel.startswith("faq/") and text.endswith("?"):
-                yield Prompt(pid, "chat" if rel in CHAT_FAQS else "code", clean_rst(text), source)
-            elif kind == "paragraph" and not rel.startswith(("faq/", "c-api/", "whatsnew/changelog")):
-                plain = clean_rst(text).removesuffix(":")
-                if 250 <= len(plain) <= 1000 and plain.count(" ") > 30:
-                    template = rng.choice(PROSE_PARAGRAPH_TEMPLATES)
-                    yield Prompt(pid, "prose", template.format(text=plain), source)
-            elif kind == "code" and not rel.startswith("c-api/"):
-                code = text.replace("\t", "    ")
-                foreign = code.lstrip().startswith(("$", "C:")) or any(
-                    m in code for m in ("/*", "#include", "doctest:")
-                )
-                if 3 <= code.count("\n") + 1 <= 20 and 60 <= len(code) <= 800 and not foreign:
-                    template = rng.choice(CODE_EXAMPLE_TEMPLATES)
-                    yield Prompt(pid, "code", template.format(code=code), source)
-        if rel == "glossary.rst.txt":
-            yield from glossary_prompts(path, source, rng)
-
-
-def glossary_prompts(path: Path, source: str, rng: random.Random) -> Iterator[Prompt]:
-    """One question per term of the Python glossary."""
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if (
-            line.startswith("   ")
-            and not line.startswith("    ")
-            and line.strip()
-            and not line.strip().startswith("..")
-        ):
-            term = clean_rst(line)
-            if 2 <= len(term) <= 40 and not term.endswith("."):
-                yield Prompt(
-                    f"glossary:{term}", "code", rng.choice(CODE_TERM_TEMPLATES).format(term=term), source
-                )
-
-
-def stdlib_prompts(rng: random.Random) -> Iterator[Prompt]:
-    """Prompts from the standard library: write-this-function from docstrings, explain-this-source."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    version = f"cpython-{sys.version.split()[0]}-stdlib"
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if any(part.startswith(SKIP_MODULES) for part in rel.split("/")[:-1]) or rel.startswith(SKIP_MODULES):
-            continue
-        try:
-            source_text = path.read_text(encoding="utf-8")
-            tree = ast.parse(source_text)
-        except (SyntaxError, UnicodeDecodeError):
-            continue
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            if not doc:
-                continue
-            summary = re.sub(r"\s+", " ", doc.split("\n\n")[0]).strip()
-            pid = f"{rel}:{node.name}:{node.lineno}"
-            where = f"{version}:{rel}:{node.name}"
-            if 40 <= len(summary) <= 300:
-                signature = "(" + ast.unparse(node.args) + ")"
-                template = rng.choice(CODE_FUNCTION_TEMPLATES)
-                yield Prompt(
-                    pid + ":write",
-                    "code",
-                    template.format(name=node.name, signature=signature, summary=summary),
-                    where,
-                )
-            code = ast.get_source_segment(source_text, node) or ""
-            if 4 <= code.count("\n") + 1 <= 25 and len(code) <= 900:
-                template = rng.choice(CODE_SOURCE_TEMPLATES)
-                yield Prompt(pid + ":read", "code", template.format(code=textwrap.dedent(code)), where)
-
-
-def word_prompts(rng: random.Random) -> Iterator[Prompt]:
-    """Chat questions and writing tasks about dictionary words (a pair of words is drawn from one side)."""
-    words = sorted({w for w in WORDS.read_text(encoding="utf-8").split() if re.fullmatch(r"[a-z]{4,12}", w)})
-    sides = {True: [w for w in words if held_out(w)], False: [w for w in words if not held_out(w)]}
-    source = f"wamerican:{WORDS}"
-    for word in rng.sample(words, 6000):
-        yield Prompt(f"word:{word}:chat", "chat", rng.choice(CHAT_WORD_TEMPLATES).format(w=word), source)
-    for a in rng.sample(words, 3000):
-        b = rng.choice(sides[held_out(a)])
-        template = rng.choice(PROSE_WORD_TEMPLATES)
-        yield Prompt(f"word:{a}:{b}:prose", "prose", template.format(a=a, b=b), source)
-
-
-def split_key(prompt: Prompt) -> str:
-    """What a prompt is held out by: its document, its module, or its word(s)."""
-    if prompt.id.startswith("word:"):
-        return prompt.id.split(":")[1]
-    if prompt.id.startswith("glossary:"):
-        return prompt.id
-    return prompt.id.split("#")[0].split(":")[0]
-
-
-def package_versions() -> dict[str, str]:
+def package_versions(names: list[str]) -> dict[str, str]:
     """Debian versions of the packages the sources come from."""
-    try:
-        out = subprocess.run(
-            ["dpkg-query", "-W", "python3.11-doc", "wamerican"], capture_output=True, text=True, check=True
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return {}
+    out = subprocess.run(["dpkg-query", "-W", *names], capture_output=True, text=True).stdout
     return dict(line.split("\t", 1) for line in out.splitlines() if "\t" in line)
+
+
+def pip_versions(names: list[str]) -> dict[str, str]:
+    """Installed versions of PyPI packages (absent ones left out)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in names:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def manifest(seed: int, pools: dict, written: dict[str, list[Prompt]]) -> dict:
+    """Provenance: package versions and licences, held-out rule, counts per side, domain and source."""
+    debian = package_versions(list(DEBIAN_PACKAGES))
+    pip = pip_versions(list(PIP_PACKAGES))
+    counts: dict = {}
+    for side, chosen in written.items():
+        by = Counter((p.domain, group(p)) for p in chosen)
+        counts[side] = {
+            domain: {
+                "written": sum(n for (d, _), n in by.items() if d == domain),
+                "by_source": {
+                    g: {"available": len(pool), "written": by[(domain, g)]}
+                    for g, pool in sorted(pools[side][domain].items())
+                },
+            }
+            for domain in sorted(pools[side])
+        }
+        counts[side]["multi_turn"] = sum(p.messages is not None for p in chosen)
+    kinds = Counter(p.kind for p in written["train"])
+    return {
+        "seed": seed,
+        "eval_percent_by_key": EVAL_PERCENT,
+        "eval_percent_by_key_math": MATH_EVAL_PERCENT,
+        "python": sys.version.split()[0],
+        "stdlib": sysconfig.get_paths()["stdlib"],
+        "debian_packages": {
+            n: {"version": debian.get(n), "licence": lic} for n, lic in DEBIAN_PACKAGES.items()
+        },
+        "pip_packages": {n: {"version": pip.get(n), "licence": lic} for n, lic in PIP_PACKAGES.items()},
+        "counts": counts,
+        "train_kinds": dict(sorted(kinds.items())),
+    }
 
 
 def main() -> int:
     """Build and write the prompt sets."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=HERE)
-    parser.add_argument("--train-per-domain", type=int, default=2000)
+    parser.add_argument("--train-size", type=int, default=28000)
     parser.add_argument("--eval-per-domain", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--sampled-only",
-        action="store_true",
-        help="write only the sampled training prompts, not every other available one after them",
-    )
     args = parser.parse_args()
-    for needed in (DOCS, WORDS):
-        if not needed.exists():
-            sys.exit(f"missing {needed}: apt-get install python3.11-doc wamerican")
+    try:
+        import mathematics_dataset  # noqa: F401
+    except ImportError:
+        sys.exit("missing mathematics_dataset: see this script's docstring for the pip install")
     rng = random.Random(args.seed)
-    prompts = [*doc_prompts(rng), *stdlib_prompts(rng), *word_prompts(rng)]
-    splits: dict[str, dict[str, list[Prompt]]] = {"train": {}, "eval": {}}
-    for prompt in prompts:
-        side = "eval" if held_out(split_key(prompt)) else "train"
-        splits[side].setdefault(prompt.domain, []).append(prompt)
-    # The same text can come from two sources (a method name and docstring shared by two modules).
-    eval_texts = {p.prompt for pool in splits["eval"].values() for p in pool}
-    for domain, pool in splits["train"].items():
-        splits["train"][domain] = [p for p in pool if p.prompt not in eval_texts]
-    manifest: dict = {
-        "seed": args.seed,
-        "eval_percent_by_source": EVAL_PERCENT,
-        "python": sys.version.split()[0],
-        "debian_packages": package_versions(),
-        "paths": {
-            "python3.11-doc": str(DOCS),
-            "wamerican": str(WORDS),
-            "stdlib": sysconfig.get_paths()["stdlib"],
-        },
-        "counts": {},
+    pools = split(collect(rng))
+    train_sizes = {d: round(args.train_size * share) for d, share in DOMAIN_SHARES.items()}
+    written = {
+        "train": sample_side(pools["train"], train_sizes, random.Random(f"{args.seed}/train")),
+        "eval": sample_side(
+            pools["eval"],
+            dict.fromkeys(DOMAIN_SHARES, args.eval_per_domain),
+            random.Random(f"{args.seed}/eval"),
+        ),
     }
-    for side, limit in (("train", args.train_per_domain), ("eval", args.eval_per_domain)):
-        chosen: list[Prompt] = []
-        for domain in sorted(splits[side]):
-            pool = splits[side][domain]
-            chosen += rng.sample(pool, min(limit, len(pool)))
-            manifest["counts"][f"{side}/{domain}"] = {
-                "available": len(pool),
-                "written": len(pool) if side == "train" and not args.sampled_only else min(limit, len(pool)),
-            }
-        if side == "train":
-            rng.shuffle(chosen)
-            if not args.sampled_only:
-                # Every other training prompt follows, in an order of its own generator: the sampled
-                # prompts and the evaluation set stay what they were.
-                taken = {id(p) for p in chosen}
-                rest = [
-                    p for domain in sorted(splits[side]) for p in splits[side][domain] if id(p) not in taken
-                ]
-                random.Random(f"{args.seed}/rest").shuffle(rest)
-                chosen += rest
+    for side, chosen in written.items():
         path = args.out_dir / f"prompts_{side}.jsonl"
         with path.open("w", encoding="utf-8") as f:
             for prompt in chosen:
-                f.write(json.dumps(asdict(prompt), ensure_ascii=False) + "\n")
-        print(f"wrote {len(chosen)} prompts to {path}")
-    (args.out_dir / "prompts_manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+                f.write(json.dumps(prompt.record(), ensure_ascii=False) + "\n")
+        print(f"wrote {len(chosen)} prompts ({path.stat().st_size / 2**20:.2f} MiB) to {path}")
+    (args.out_dir / "prompts_manifest.json").write_text(
+        json.dumps(manifest(args.seed, pools, written), indent=1) + "\n"
+    )
     return 0
 
 

@@ -160,7 +160,7 @@ def tally_run(
 
 def evaluate_acceptance(
     config: EngineConfig,
-    prompts: dict[str, list[str]],
+    prompts: dict[str, list[list[dict[str, str]]]],
     modes: Seq[str],
     temperatures: Seq[float],
     max_tokens: int,

@@ -94,7 +94,7 @@ def _encoded_prompts(
 
     encoded: list[tuple[str, str, list[int]]] = []
     for prompt in prompts:
-        ids = encode_prompt(tokenizer, prompt.prompt)
+        ids = encode_prompt(tokenizer, prompt.conversation)
         if len(ids) <= max_tokens:
             encoded.append((prompt.id, prompt.domain, ids))
         if len(encoded) == wanted:
@@ -340,11 +340,11 @@ def eval_acceptance(argv: list[str]) -> int:
 
     draft_config = DraftConfig.load(args.draft_model)
     block_size = args.block_size or draft_config.block_size
-    by_domain: dict[str, list[str]] = {}
+    by_domain: dict[str, list[list[dict[str, str]]]] = {}
     for prompt in read_prompts(args.prompts):
-        texts = by_domain.setdefault(prompt.domain, [])
-        if len(texts) < args.per_domain:
-            texts.append(prompt.prompt)
+        conversations = by_domain.setdefault(prompt.domain, [])
+        if len(conversations) < args.per_domain:
+            conversations.append(prompt.conversation)
     config = EngineConfig(
         model=args.model,
         draft_model=args.draft_model,

@@ -11,7 +11,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +34,14 @@ class Prompt:
     domain: str
     prompt: str
     source: str = ""
+    # A multi-turn prompt's whole conversation (user and assistant turns, a user turn last); `prompt` is
+    # then its last user turn.
+    messages: list[dict[str, str]] | None = None
+
+    @property
+    def conversation(self) -> list[dict[str, str]]:
+        """The chat messages the prompt stands for: its conversation, or `prompt` as one user turn."""
+        return self.messages or [{"role": "user", "content": self.prompt}]
 
 
 @dataclass
@@ -53,17 +61,22 @@ class DistillRecord:
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:
-    """Prompts from a JSON-lines file with keys id, domain, prompt (and source)."""
+    """Prompts from a JSON-lines file with keys id, domain, prompt (and source, messages; other keys, such
+    as the prompt set's key and kind, are ignored)."""
+    names = {f.name for f in fields(Prompt)}
     with open(path, encoding="utf-8") as f:
-        return [Prompt(**json.loads(line)) for line in f if line.strip()]
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [Prompt(**{k: v for k, v in row.items() if k in names}) for row in rows]
 
 
-def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
-    """Token ids of `text` as a one-turn user message under the model's chat template (plain text when
-    the model has none), exactly as `dspark generate --chat` and the evaluation send it."""
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
+    """Token ids of `prompt`, a user message's text or a whole conversation (a user turn last), under the
+    model's chat template, exactly as `dspark generate --chat` and the evaluation send it; without a
+    template, the turns' texts joined by blank lines."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not tokenizer.chat_template:
-        return tokenizer.encode(text)
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tokenizer.encode("\n\n".join(m["content"] for m in messages))
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
