@@ -53,6 +53,15 @@ def tiny_drafter_dir(tiny_target_dir: Path, tmp_path_factory: pytest.TempPathFac
 
 
 @pytest.fixture(scope="session")
+def two_layer_drafter_dir(tiny_target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random two-layer DSpark drafter (block size 4) for the tiny target."""
+    from tiny_models import write_tiny_drafter
+
+    path = tmp_path_factory.mktemp("two-layer-drafter")
+    return write_tiny_drafter(tiny_target_dir, path, seed=1, num_layers=2)
+
+
+@pytest.fixture(scope="session")
 def triton_server(smollm2_dir, tmp_path_factory):
     """One real tritonserver (`dspark serve` on a repository rendered into tmp with test settings)
     for the whole session, on free ports; stopped at the end, leaving no tritonserver or stub."""

@@ -1,10 +1,14 @@
 """A trained drafter survives the DSpark checkpoint format: save -> load gives identical weights and
-outputs, bf16 files hold the bf16 rounding of the weights, calibrated temperatures are read back."""
+outputs, bf16 files hold the bf16 rounding of the weights, calibrated temperatures are read back, and a
+warm restart from a checkpoint continues from its loss."""
 
 from __future__ import annotations
 
+import copy
+import json
 import random
 
+import pytest
 import torch
 
 from dspark.runner.models.loader import load_target_model
@@ -13,7 +17,14 @@ from dspark.training.calibration import write_temperatures
 from dspark.training.data import distill
 from dspark.training.dense import target_pass
 from dspark.training.draft_forward import block_hidden, confidence_logits
-from dspark.training.trainer import TrainConfig, Trainer, new_drafter, trainable_from_checkpoint
+from dspark.training.trainer import (
+    LOG_FILE,
+    TrainConfig,
+    Trainer,
+    drafter_loss,
+    new_drafter,
+    trainable_from_checkpoint,
+)
 
 
 def _trained(target_dir, tmp_path):
@@ -81,3 +92,40 @@ def test_training_continues_from_a_checkpoint_on_blocks_of_another_length(tiny_t
     trained = Trainer(target, resumed, records, config, tmp_path / "work2", torch.device("cpu")).run()
     save_drafter(trained, tmp_path / "continued")
     assert load_drafter(tmp_path / "continued", torch.float32, "cpu").config.block_size == 2
+
+
+def test_a_warm_restart_starts_from_the_checkpoints_loss_not_a_fresh_drafters(
+    tiny_target_dir, tmp_path
+) -> None:
+    target, drafter = _trained(tiny_target_dir, tmp_path)
+    save_drafter(drafter, tmp_path / "run0", dtype=torch.float32)
+    rng = random.Random(2)
+    prompts = [(str(i), "code", [rng.randrange(1, 8) for _ in range(4)]) for i in range(8)]
+    records = distill(target, prompts, [0.0] * 8, [], 12, 8, seed=0)
+    config = TrainConfig(
+        steps=2,
+        batch_size=4,
+        anchors_per_sequence=2,
+        warmup_steps=1,
+        log_every=1,
+        save_every=100,
+        run_index=1,
+    )
+    trainer = Trainer(
+        target,
+        trainable_from_checkpoint(tmp_path / "run0", 4),
+        records,
+        config,
+        tmp_path / "run1",
+        torch.device("cpu"),
+    )
+    first_batch = next(copy.deepcopy(trainer.sampler))
+    fresh = new_drafter(target.config, 4, 1, 4, 2, seed=0, mask_token_id=1)
+    with torch.no_grad():
+        restored_loss = float(drafter_loss(target, drafter, first_batch, config.weights, False).total)
+        fresh_loss = float(drafter_loss(target, fresh, first_batch, config.weights, False).total)
+    trainer.run()
+    first = json.loads((tmp_path / "run1" / LOG_FILE).read_text().splitlines()[0])
+    assert (first["run"], first["step"]) == (1, 1)
+    assert first["loss"] == pytest.approx(restored_loss, abs=1e-4)
+    assert abs(first["loss"] - fresh_loss) > 0.01

@@ -1,9 +1,11 @@
 """Training computes exactly what serving computes: the dense target pass equals the paged forward,
 dense generation equals the engine's greedy decoding, and the packed training block forward equals
-the drafter's inference path (KV injection + block pass) for the same weights and inputs."""
+the drafter's inference path (KV injection + block pass) for the same weights and inputs, with one drafter
+layer or two."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -65,9 +67,12 @@ def _inference_block(drafter, model, features: torch.Tensor, anchor: int) -> tup
     return proposer, seq
 
 
-def test_training_block_forward_equals_the_inference_block_pass(tiny_target_dir, tiny_drafter_dir) -> None:
+@pytest.mark.parametrize("drafter_dir", ["tiny_drafter_dir", "two_layer_drafter_dir"])
+def test_training_block_forward_equals_the_inference_block_pass(
+    tiny_target_dir, drafter_dir, request
+) -> None:
     model = load_target_model(tiny_target_dir)
-    drafter = load_drafter(tiny_drafter_dir, torch.float32, "cpu")
+    drafter = load_drafter(request.getfixturevalue(drafter_dir), torch.float32, "cpu")
     block_size, mask_id = drafter.config.block_size, drafter.config.mask_token_id
     tokens = torch.tensor([SEQUENCE])
     _, features = target_pass(model, tokens, drafter.config.target_layer_ids)
@@ -89,11 +94,12 @@ def test_training_block_forward_equals_the_inference_block_pass(tiny_target_dir,
         )
 
 
+@pytest.mark.parametrize("drafter_dir", ["tiny_drafter_dir", "two_layer_drafter_dir"])
 def test_training_heads_reproduce_the_proposers_drafts_and_confidences(
-    tiny_target_dir, tiny_drafter_dir
+    tiny_target_dir, drafter_dir, request
 ) -> None:
     model = load_target_model(tiny_target_dir)
-    drafter = load_drafter(tiny_drafter_dir, torch.float32, "cpu")
+    drafter = load_drafter(request.getfixturevalue(drafter_dir), torch.float32, "cpu")
     tokens = torch.tensor([SEQUENCE])
     _, features = target_pass(model, tokens, drafter.config.target_layer_ids)
     hidden = block_hidden(drafter, model.embed_tokens.weight, features, tokens, torch.tensor([ANCHORS]))[0]

@@ -81,12 +81,17 @@ def write_tiny_target(
 
 
 def write_tiny_drafter(
-    target_dir: Path, path: Path, block_size: int = 4, seed: int = 0, std: float = 0.3
+    target_dir: Path, path: Path, block_size: int = 4, seed: int = 0, std: float = 0.3, num_layers: int = 1
 ) -> Path:
     """A randomly initialised DSpark drafter (Markov + confidence heads) for a tiny target."""
     target = ModelConfig.load(target_dir)
     cfg = fresh_draft_config(
-        target, block_size=block_size, num_layers=1, markov_rank=4, mask_token_id=1, num_target_features=2
+        target,
+        block_size=block_size,
+        num_layers=num_layers,
+        markov_rank=4,
+        mask_token_id=1,
+        num_target_features=2,
     )
     save_drafter(create_random_drafter(cfg, seed=seed, std=std), path, dtype=torch.float32)
     return path

@@ -145,6 +145,8 @@ def calibration_report(data: CalibrationData, before: list[float], after: list[f
         "temperatures": after,
     }
     report["measured_survival"] = [round(float(s), 4) for s in data.survival.mean(0)]
+    # Tokens a step would commit on these blocks, teacher forced: the bonus token plus every survival.
+    report["tau_teacher_forced"] = round(1.0 + float(data.survival.mean(0).sum()), 4)
     for name, temps in (("before", before), ("after", after)):
         pred = predicted_survival(data.logits, temps)
         report[f"ece_{name}"] = round(calibration_error(pred, data.survival), 5)

@@ -1,4 +1,5 @@
-"""The training subcommands of `dspark`: distill-data, train-draft, calibrate-draft, eval-acceptance.
+"""The training subcommands of `dspark`: distill-data, train-draft, calibrate-draft, eval-acceptance,
+draft-cost.
 
 `dspark.tools.cli` imports this module only when one of them runs; heavy imports happen inside each command.
 """
@@ -6,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import sys
@@ -29,9 +31,24 @@ def distill_data(argv: list[str]) -> int:
     )
     _target_args(parser)
     parser.add_argument("--prompts", required=True, help="JSON lines with id, domain, prompt")
-    parser.add_argument("--out-dir", required=True, help="writes distill_train.jsonl and distill_val.jsonl")
+    parser.add_argument(
+        "--out-dir",
+        required=True,
+        help="writes distill_train.jsonl, distill_val.jsonl and the same records as shards NAME-000.npz, ...",
+    )
+    parser.add_argument(
+        "--shard-name", default="distill", help="shard file prefix: unique per generation, so shards can pool"
+    )
+    parser.add_argument(
+        "--shard-max-tokens", type=int, default=0, help="stored tokens per shard (0: the default, 4M)"
+    )
     parser.add_argument("--num-prompts", type=int, default=0, help="use this many prompts (0: all)")
-    parser.add_argument("--val-prompts", type=int, default=64, help="held out for calibration")
+    parser.add_argument(
+        "--val-prompts",
+        type=int,
+        default=64,
+        help="held out for calibration: the prompts whose ids hash lowest, the same ones in every run",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     parser.add_argument("--sample-fraction", type=float, default=0.5, help="share answered at temperature 1")
@@ -58,32 +75,53 @@ def distill_data(argv: list[str]) -> int:
 
     from dspark.tokenizer import Tokenizer
     from dspark.training.data import read_prompts, write_records
+    from dspark.training.shards import SHARD_MAX_TOKENS, DistillData, write_shards
 
     tokenizer = Tokenizer.from_dir(args.target)
     rng = random.Random(args.seed)
     prompts = read_prompts(args.prompts)
+    sources = {p.id: p.source for p in prompts}
+    wanted = args.num_prompts or len(prompts)
+    # The held-out prompts do not depend on the seed or the count: every run holds out the same ones,
+    # so shards of separate runs pool without one training on another's held-out prompts.
+    ranked = sorted(prompts, key=lambda p: _stable_hash(p.id))
+    val = min(args.val_prompts, wanted // 2)
+    held = _encoded_prompts(tokenizer, ranked, val, args.max_prompt_tokens) if val > 0 else []
+    held_ids = {p[0] for p in held}
     rng.shuffle(prompts)
-    encoded = _encoded_prompts(tokenizer, prompts, args.num_prompts or len(prompts), args.max_prompt_tokens)
+    rest = [p for p in prompts if p.id not in held_ids]
+    encoded = held + _encoded_prompts(tokenizer, rest, wanted - len(held), args.max_prompt_tokens)
     temperatures = [1.0 if rng.random() < args.sample_fraction else 0.0 for _ in encoded]
     # The held-out prompts come first, one answer each; every training prompt's extra answers follow.
-    val = min(args.val_prompts, len(encoded) // 2)
-    extra = [p for p in encoded[val:] for _ in range(args.responses_per_prompt - 1)]
+    extra = [p for p in encoded[len(held) :] for _ in range(args.responses_per_prompt - 1)]
     jobs, temperatures = encoded + extra, temperatures + [1.0] * len(extra)
     print(f"distill: {len(jobs)} answers to {len(encoded)} prompts", file=sys.stderr, flush=True)
     records = _generate(args, jobs, temperatures, tokenizer.eos_token_ids)
+    for record in records:
+        record.source = sources.get(record.id, "")
+    data = DistillData([r for r in records if r.id not in held_ids], [r for r in records if r.id in held_ids])
     out = Path(args.out_dir)
-    # A prompt dropped at the time limit may move a training prompt into the first `val` records: its
-    # other answers then stay out of training too.
-    held_out = {r.id for r in records[:val]}
-    train = [r for r in records[val:] if r.id not in held_out]
-    write_records(out / "distill_val.jsonl", records[:val])
-    write_records(out / "distill_train.jsonl", train)
-    tokens = sum(len(r.response_ids) for r in records[:val] + train)
+    write_records(out / "distill_val.jsonl", data.held_out)
+    write_records(out / "distill_train.jsonl", data.train)
+    meta = {
+        "prompts": str(args.prompts),
+        "seed": args.seed,
+        "generator": args.generator,
+        "max_new_tokens": args.max_new_tokens,
+        "sample_fraction": args.sample_fraction,
+        "responses_per_prompt": args.responses_per_prompt,
+    }
+    shards = write_shards(out, args.shard_name, data, meta, args.shard_max_tokens or SHARD_MAX_TOKENS)
     print(
-        f"distill: wrote {len(train)} training and {len(records[:val])} held-out responses "
-        f"({tokens} tokens) to {out}"
+        f"distill: wrote {len(data.train)} training and {len(data.held_out)} held-out responses "
+        f"({data.num_tokens} tokens) to {out}: distill_*.jsonl and {', '.join(p.name for p in shards)}"
     )
     return 0
+
+
+def _stable_hash(text: str) -> int:
+    """A hash of `text` that is the same in every process (Python's `hash` is salted per process)."""
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "big")
 
 
 def _encoded_prompts(
@@ -163,20 +201,50 @@ def train_draft(argv: list[str]) -> int:
         prog="dspark train-draft", description="Train a DSpark drafter by self-distillation."
     )
     _target_args(parser)
-    parser.add_argument("--data", required=True, help="distill_train.jsonl from `dspark distill-data`")
-    parser.add_argument("--out", required=True, help="drafter directory to write (DSpark format, bf16)")
+    parser.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        help="shards, folders of shards or distill_train.jsonl files from `dspark distill-data`: trains on "
+        "their union (identical responses once, never a prompt any of them holds out)",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="drafter directory to write (DSpark format, bf16) with train_log.jsonl: --init-draft's log, "
+        "then this run's",
+    )
     parser.add_argument("--work-dir", default=None, help="resumable state and log (default: OUT.work)")
     parser.add_argument("--restart", action="store_true", help="ignore a saved state in the work dir")
     parser.add_argument(
         "--init-draft",
         default=None,
         help="start from this drafter checkpoint's weights instead of a fresh drafter initialised from "
-        "the target (its layers, Markov rank and features; --block-size still sets the block trained)",
+        "the target (its layers, Markov rank and features; --block-size still sets the block trained): a "
+        "warm restart, with fresh optimizer moments, a new warmup and this run's schedule",
+    )
+    parser.add_argument(
+        "--run-index",
+        type=int,
+        default=-1,
+        help="which run of a series this is (logged; sets the data order and the peak LR); -1: one after "
+        "the last run in --init-draft's train_log.jsonl, else 0",
+    )
+    parser.add_argument(
+        "--lr-run-decay",
+        type=float,
+        default=1.0,
+        help="the peak learning rate of run k is --lr times this to the power k",
     )
     parser.add_argument("--block-size", type=int, default=7)
     parser.add_argument("--num-layers", type=int, default=1)
     parser.add_argument("--markov-rank", type=int, default=32)
-    parser.add_argument("--num-target-features", type=int, default=3)
+    parser.add_argument("--num-target-features", type=int, default=3, help="target layers, evenly spread")
+    parser.add_argument(
+        "--target-layers",
+        default="",
+        help="comma-separated target layer ids (overrides --num-target-features)",
+    )
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--max-minutes", type=float, default=defaults.max_minutes, help="0: no time limit")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step")
@@ -196,12 +264,14 @@ def train_draft(argv: list[str]) -> int:
     import torch
 
     from dspark.spec.draft_checkpoint import save_drafter
-    from dspark.training.data import read_records
+    from dspark.training.shards import read_data
     from dspark.training.trainer import (
+        LOG_FILE,
         STATE_FILE,
         Trainer,
         init_from_target,
         new_drafter,
+        next_run_index,
         trainable_from_checkpoint,
     )
 
@@ -211,13 +281,16 @@ def train_draft(argv: list[str]) -> int:
     work_dir = Path(args.work_dir) if args.work_dir else out.with_name(out.name + ".work")
     if args.restart and (work_dir / STATE_FILE).is_file():
         (work_dir / STATE_FILE).unlink()
+    history = Path(args.init_draft) / LOG_FILE if args.init_draft else None
+    run_index = args.run_index if args.run_index >= 0 else next_run_index(history)
     config = TrainConfig(
         steps=args.steps,
         max_minutes=args.max_minutes,
         batch_size=args.batch_size,
         anchors_per_sequence=args.anchors,
         max_length=args.max_length,
-        lr=args.lr,
+        lr=args.lr * args.lr_run_decay**run_index,
+        run_index=run_index,
         warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay,
         seed=args.seed,
@@ -228,6 +301,7 @@ def train_draft(argv: list[str]) -> int:
     if args.init_draft:
         drafter = trainable_from_checkpoint(args.init_draft, args.block_size)
     else:
+        layer_ids = [int(i) for i in args.target_layers.split(",")] if args.target_layers else None
         drafter = new_drafter(
             target.config,
             args.block_size,
@@ -235,19 +309,25 @@ def train_draft(argv: list[str]) -> int:
             args.markov_rank,
             args.num_target_features,
             args.seed,
+            target_layer_ids=layer_ids,
         )
         init_from_target(drafter, target)
-    records = read_records(args.data)
+    records = read_data(args.data).train
+    cfg = drafter.config
     print(
-        f"train: {len(records)} sequences, drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M "
-        f"parameters, {args.num_layers} layer(s), Markov rank {args.markov_rank}, "
-        f"block size {args.block_size}, on {device}",
+        f"train: run {run_index} (peak lr {config.lr:.2e}), {len(records)} sequences, drafter "
+        f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, {cfg.num_hidden_layers} "
+        f"layer(s), target layers {cfg.target_layer_ids}, Markov rank {cfg.markov_rank}, "
+        f"block size {cfg.block_size}, on {device}",
         file=sys.stderr,
         flush=True,
     )
     trained = Trainer(target, drafter, records, config, work_dir, device).run()
     save_drafter(trained, out, dtype=torch.bfloat16)
-    print(f"train: wrote the drafter to {out} (state and log in {work_dir})")
+    # The drafter carries its whole training history: the log it started from, then this run's lines.
+    earlier = history.read_text() if history is not None and history.is_file() else ""
+    (out / LOG_FILE).write_text(earlier + (work_dir / LOG_FILE).read_text())
+    print(f"train: wrote the drafter and its log to {out} (state in {work_dir})")
     return 0
 
 
@@ -259,7 +339,12 @@ def calibrate_draft(argv: list[str]) -> int:
     )
     _target_args(parser)
     parser.add_argument("--draft", required=True, help="drafter directory; its config.json is updated")
-    parser.add_argument("--data", required=True, help="held-out records (distill_val.jsonl)")
+    parser.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        help="held-out records: shards or folders of them (their held-out side), distill_val.jsonl files",
+    )
     parser.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=1024)
@@ -276,14 +361,14 @@ def calibrate_draft(argv: list[str]) -> int:
         fit_temperatures,
         write_temperatures,
     )
-    from dspark.training.data import read_records
+    from dspark.training.shards import read_data
 
     target, device = _load_target(args)
     drafter = load_drafter(args.draft, resolve_dtype(args.dtype, device), device)
     data = collect_calibration_data(
         target,
         drafter,
-        read_records(args.data),
+        read_data(args.data, jsonl_side="held_out").held_out,
         args.anchors,
         args.batch_size,
         args.max_length,
@@ -301,7 +386,7 @@ def calibrate_draft(argv: list[str]) -> int:
         f"ECE {report['ece_before']:.4f} -> {report['ece_after']:.4f}; "
         f"temperatures {[round(t, 3) for t in after]} written to {Path(args.draft) / 'config.json'}"
     )
-    print(f"calibrate: measured survival {report['measured_survival']}")
+    print(f"calibrate: measured survival {report['measured_survival']} (tau {report['tau_teacher_forced']})")
     print(f"calibrate: predicted before  {report['predicted_survival_before']}")
     print(f"calibrate: predicted after   {report['predicted_survival_after']}")
     return 0
@@ -384,6 +469,51 @@ def eval_acceptance(argv: list[str]) -> int:
         if args.markdown:
             Path(args.markdown).write_text(table)
     print(markdown_table(result["rows"], block_size))
+    return 0
+
+
+def draft_cost(argv: list[str]) -> int:
+    """`dspark draft-cost`: the drafter's work per decoding step (KV injection and one greedy block)."""
+    parser = argparse.ArgumentParser(
+        prog="dspark draft-cost", description="Time a drafter's work per decoding step, by batch size."
+    )
+    _target_args(parser)
+    parser.add_argument("--draft-model", required=True, help="drafter directory")
+    parser.add_argument("--batches", default="1,64", help="comma-separated request counts")
+    parser.add_argument("--context", type=int, default=256, help="cached positions before each block")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--no-graphs", action="store_true", help="draft eagerly on a GPU too")
+    parser.add_argument("--out", default=None, help="write the result (JSON) here")
+    args = parser.parse_args(argv)
+
+    from dspark.runner.models.loader import resolve_dtype
+    from dspark.spec.draft_checkpoint import load_drafter
+    from dspark.training.draft_cost import drafter_step_seconds
+
+    target, device = _load_target(args)
+    drafter = load_drafter(args.draft_model, resolve_dtype(args.dtype, device), device)
+    use_graphs = device.type == "cuda" and not args.no_graphs
+    weights = Path(args.draft_model) / "model.safetensors"
+    result = {
+        "draft_model": args.draft_model,
+        "parameters": sum(p.numel() for p in drafter.parameters()),
+        "megabytes": round(weights.stat().st_size / 1e6, 2) if weights.is_file() else None,
+        "block_size": drafter.config.block_size,
+        "context": args.context,
+        "device": str(device),
+        "graphs": use_graphs,
+        "ms_per_step": {},
+    }
+    embedding, lm_head = target.embed_tokens.weight, target.lm_head.weight
+    for batch in (int(b) for b in args.batches.split(",") if b):
+        seconds = drafter_step_seconds(
+            drafter, embedding, lm_head, batch, args.context, args.repeats, use_graphs
+        )
+        result["ms_per_step"][str(batch)] = round(1000 * seconds, 4)
+        print(f"draft-cost: batch {batch}: {1000 * seconds:.3f} ms a step", file=sys.stderr, flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
     return 0
 
 

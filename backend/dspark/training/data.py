@@ -53,6 +53,8 @@ class DistillRecord:
     temperature: float
     prompt_ids: list[int]
     response_ids: list[int]
+    # The prompt's source (document, module, word list), carried into shards for provenance.
+    source: str = ""
 
     @property
     def token_ids(self) -> list[int]:

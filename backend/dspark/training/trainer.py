@@ -3,6 +3,10 @@
 bf16 autocast on CUDA (fp32 master weights), AdamW with warmup and cosine decay, resumable state,
 a progress line with loss and throughput. The schedule runs over `steps`, or over `max_minutes` of
 wall-clock when that comes first, so a run fits a fixed machine budget on any GPU.
+
+A series of runs continues one drafter by warm restarts: each run starts from the last run's weights
+(`trainable_from_checkpoint`) with fresh AdamW moments, re-warms over `warmup_steps` and decays over its
+own schedule, at a peak the caller lowers run by run; `run_index` is logged and sets the data order.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
+    # Which run of a series continuing one drafter this is: logged, and it sets the data order.
+    run_index: int = 0
     log_every: int = 20
     save_every: int = 250
     weights: LossWeights = field(default_factory=LossWeights)
@@ -61,9 +67,18 @@ def new_drafter(
     num_target_features: int,
     seed: int,
     mask_token_id: int | None = None,
+    target_layer_ids: list[int] | None = None,
 ) -> Drafter:
-    """A fresh trainable drafter: small random weights, the Markov correction and confidence start at zero."""
+    """A fresh trainable drafter: small random weights, the Markov correction and confidence start at zero.
+
+    target_layer_ids: the target layers it reads (None: `num_target_features` of them, evenly spread)."""
     cfg = fresh_draft_config(target, block_size, num_layers, markov_rank, mask_token_id, num_target_features)
+    if target_layer_ids is not None:
+        if not target_layer_ids or not all(0 <= i < target.num_layers for i in target_layer_ids):
+            raise ValueError(
+                f"target_layer_ids: need ids in [0, {target.num_layers}), got {target_layer_ids}"
+            )
+        cfg = dataclasses.replace(cfg, target_layer_ids=list(target_layer_ids))
     drafter = create_random_drafter(cfg, seed=seed, std=0.02)
     # W2 = 0 makes the Markov head start as a no-op (the low-rank update grows from there); a zero
     # confidence head starts every confidence at 1/2.
@@ -73,6 +88,18 @@ def new_drafter(
         drafter.confidence.weight.data.zero_()
         drafter.confidence.bias.data.zero_()
     return drafter.train().requires_grad_(True)
+
+
+def next_run_index(log_path: str | Path | None) -> int:
+    """The run index after the last one in a drafter's train_log.jsonl: 0 without a log to continue, 1
+    for a drafter with no log (it was trained once before logs travelled with drafters)."""
+    if log_path is None:
+        return 0
+    path = Path(log_path)
+    if not path.is_file():
+        return 1
+    runs = [json.loads(line).get("run", 0) for line in path.read_text().splitlines() if line.strip()]
+    return max(runs, default=-1) + 1
 
 
 def trainable_from_checkpoint(draft_dir: str | Path, block_size: int) -> Drafter:
@@ -172,8 +199,13 @@ class Trainer:
         self.work_dir = Path(work_dir)
         self.device = device
         self.autocast = device.type == "cuda"
+        # Each run of a series draws the data in its own order (run 0 in the seed's).
         self.sampler = AnchorSampler(
-            records, config.batch_size, config.anchors_per_sequence, config.max_length, config.seed
+            records,
+            config.batch_size,
+            config.anchors_per_sequence,
+            config.max_length,
+            config.seed + 7919 * config.run_index,
         )
         decay, keep = [], []
         for name, param in self.drafter.named_parameters():
@@ -246,6 +278,7 @@ class Trainer:
     def _log_entry(self, parts: LossParts, tokens_per_s: float, seqs_per_s: float) -> dict:
         survival = parts.survival.float().cpu()
         return {
+            "run": self.config.run_index,
             "step": self.step,
             "elapsed_s": round(self.elapsed, 1),
             "lr": self.learning_rate(),

@@ -1,0 +1,117 @@
+"""Self-distillation data accumulates across runs: shards hold exactly the records written, the union of
+several counts each response once and never trains on a prompt any of them holds out, every run holds
+out the same prompts, and a drafter trained on top of another carries the whole training log."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from dspark.runner.models.loader import load_target_model
+from dspark.tools.cli import main as dspark
+from dspark.training.data import DistillRecord, distill, read_records
+from dspark.training.shards import DistillData, read_data, read_shard, write_shard, write_shards
+
+
+@pytest.fixture(scope="module")
+def records(tiny_target_dir) -> list[DistillRecord]:
+    """Twelve responses of the tiny target, half greedy, half sampled, with sources."""
+    rng = random.Random(0)
+    prompts = [
+        (f"p{i}", "chat", [rng.randrange(1, 8) for _ in range(rng.randrange(2, 8))]) for i in range(12)
+    ]
+    out = distill(load_target_model(tiny_target_dir), prompts, [0.0, 1.0] * 6, [], 16, 12, seed=0)
+    for record in out:
+        record.source = f"doc{int(record.id[1:]) % 3}"
+    return out
+
+
+def _write_prompts(path, count: int = 18) -> None:
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for i in range(count):
+            words = " ".join(f"w{rng.randrange(1, 8)}" for _ in range(rng.randrange(2, 7)))
+            f.write(
+                json.dumps({"id": f"q{i}", "domain": "chat", "prompt": words, "source": f"s{i % 4}"}) + "\n"
+            )
+
+
+def test_a_shard_reads_back_the_records_written(records, tmp_path) -> None:
+    # Large token ids too: a shard stores uint16 when every id fits, int32 otherwise.
+    big = DistillRecord("big", "code", 0.7, [70000, 3], [65535, 2**20], "src")
+    path = write_shard(tmp_path / "a.npz", records[2:] + [big], records[:2], {"seed": 3})
+    back = read_shard(path)
+    assert back.train == records[2:] + [big]
+    assert back.held_out == records[:2]
+
+
+def test_shards_split_by_stored_tokens_and_keep_held_out_records_in_the_first(records, tmp_path) -> None:
+    data = DistillData(records[2:], records[:2])
+    limit = max(len(r.token_ids) for r in records) * 3
+    paths = write_shards(tmp_path, "run7", data, {}, max_tokens=limit)
+    assert len(paths) > 2 and [p.name for p in paths][:2] == ["run7-000.npz", "run7-001.npz"]
+    shards = [read_shard(p) for p in paths]
+    assert shards[0].held_out == records[:2] and not any(s.held_out for s in shards[1:])
+    assert [r for s in shards for r in s.train] == records[2:]
+    assert all(sum(len(r.token_ids) for r in s.train + s.held_out) <= limit for s in shards)
+
+
+def test_the_union_of_shards_counts_each_response_once_and_never_trains_on_held_out_prompts(
+    records, tmp_path
+) -> None:
+    first = write_shard(tmp_path / "a" / "first.npz", records[2:8], records[:1], {})
+    # The second run answered some prompts identically (duplicates), one differently (a new response),
+    # and trained on a prompt the first run held out: that response must not be trained on.
+    changed = DistillRecord(**{**records[5].__dict__, "response_ids": [*records[5].response_ids, 7]})
+    leaked = DistillRecord(**{**records[0].__dict__, "temperature": 1.0, "response_ids": [5, 5, 5]})
+    write_shard(tmp_path / "b" / "second.npz", [*records[6:12], changed, leaked], records[1:2], {})
+    union = read_data([first, tmp_path / "b"])
+    key = lambda r: (r.id, r.temperature, r.response_ids)  # noqa: E731
+    assert sorted(map(key, union.train)) == sorted(map(key, [*records[2:12], changed]))
+    assert sorted(map(key, union.held_out)) == sorted(map(key, records[:2]))
+    assert {r.id for r in union.held_out}.isdisjoint(r.id for r in union.train)
+    # The order does not depend on the order of the inputs.
+    assert read_data([tmp_path / "b", first]) == union
+
+
+def test_every_run_holds_out_the_same_prompts_and_writes_them_as_shards(tiny_target_dir, tmp_path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    _write_prompts(prompts)
+    runs = []
+    for seed, count in ((0, 0), (1, 10)):
+        out = tmp_path / f"seed{seed}"
+        command = (
+            f"distill-data --target {tiny_target_dir} --prompts {prompts} --out-dir {out} --max-new-tokens 8 "
+            f"--val-prompts 4 --num-prompts {count} --seed {seed} --shard-name s{seed}"
+        )
+        assert dspark(command.split()) == 0
+        shard = read_shard(out / f"s{seed}-000.npz")
+        assert shard.train == read_records(out / "distill_train.jsonl")
+        assert shard.held_out == read_records(out / "distill_val.jsonl")
+        assert all(r.source == f"s{int(r.id[1:]) % 4}" for r in shard.train + shard.held_out)
+        runs.append(shard)
+    assert len(runs[0].held_out) == 4 and {r.id for r in runs[0].held_out} == {r.id for r in runs[1].held_out}
+    # Another seed, other training prompts first: the runs differ, their held-out prompts do not.
+    assert [r.id for r in runs[0].train][:6] != [r.id for r in runs[1].train][:6]
+
+
+def test_training_on_top_of_a_drafter_continues_its_log_at_a_lower_peak(
+    tiny_target_dir, records, tmp_path
+) -> None:
+    data = write_shard(tmp_path / "data" / "d.npz", records[2:], records[:2], {})
+    target = f"--target {tiny_target_dir}"
+    common = (
+        f"--data {data} --block-size 4 --markov-rank 4 --num-target-features 2 --batch-size 4 --anchors 2"
+    )
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert (
+        dspark(f"train-draft {target} {common} --out {first} --steps 2 --log-every 1 --lr 1e-3".split()) == 0
+    )
+    continued = f"--out {second} --init-draft {first} --steps 3 --log-every 1 --lr 1e-3 --lr-run-decay 0.5"
+    assert dspark(f"train-draft {target} {common} {continued}".split()) == 0
+    log = [json.loads(line) for line in (second / "train_log.jsonl").read_text().splitlines()]
+    assert [(e["run"], e["step"]) for e in log] == [(0, 1), (0, 2), (1, 1), (1, 2), (1, 3)]
+    assert log[:2] == [json.loads(line) for line in (first / "train_log.jsonl").read_text().splitlines()]
+    assert max(e["lr"] for e in log[2:]) <= 0.5e-3
