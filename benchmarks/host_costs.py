@@ -54,7 +54,7 @@ TIMED = [
     (engine.LLMEngine, ["_commit_tokens"]),
     (output_processor.PendingDelta, ["make"]),
     (engine, ["pack_step", "accept", "to_device"]),
-    (step, ["greedy_accept_all"]),
+    (step, ["queue_greedy"]),
     (step._Windows, ["to_step"]),
     (scheduler.Scheduler, ["schedule"]),
     (llama.CausalLM, ["compute_logits"]),

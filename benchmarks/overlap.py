@@ -1,16 +1,19 @@
 """Overlap scheduling on and off, side by side: tokens/s per mode and batch size, and on CUDA the share
 of wall time the GPU is busy during steady decode (issue 20's goals).
 
-Each mode (off, static, compact; drafting on every step) runs as two engines that differ only in
-`overlap_scheduling`; their timed runs are interleaved (e2e.py's `_time_engines`), so a slow spell
-of the machine falls on both. Greedy tokens must be identical with overlap on and off (the engine
-runs the same steps either way); the script stops if they are not, in fp32.
+Each mode (off, static, compact; drafting on every step) runs as one engine per setting: `ahead`
+(`launch_ahead`: step N+1 is launched before step N is accepted, the default), `emit`
+(`overlap_scheduling` alone: step N's text and deltas are made while N+1 runs) and `off` (every step
+waits); their timed runs are interleaved (e2e.py's `_time_engines`), so a slow spell of the machine
+falls on all. Greedy tokens must be identical in every setting; the script stops if they are not, in
+fp32. `--shape qwen3-8b` runs plain decoding of a random-weight model of the Qwen3-8B shape instead.
 
 GPU busy: after the batch's prompts are in and a few decode steps ran, `--busy-steps` engine steps
 run under `torch.profiler`; busy = the union of the GPU kernels' and copies' intervals / the window's
 wall time (the profiler's own cost falls on both engines alike).
 
     .venv/bin/python benchmarks/overlap.py --device cuda --batch-sizes 1,8,64,128 --repeats 3
+    .venv/bin/python benchmarks/overlap.py --device cuda --shape qwen3-8b --batch-sizes 1,8,64
     .venv/bin/python benchmarks/overlap.py --device cpu --batch-sizes 1,4 --max-tokens 32 --modes off
 """
 
@@ -74,14 +77,38 @@ def busy_share(llm: LLM, ids: list[list[int]], steps: int, max_tokens: int) -> f
     return min(busy / wall_us, 1.0)
 
 
+SETTINGS = {
+    # name: (overlap_scheduling, launch_ahead)
+    "ahead": (True, True),  # step N+1 launched before step N is accepted (the default)
+    "emit": (True, False),  # step N's text and deltas made while step N+1 runs
+    "off": (False, False),  # every step waits for its device work
+}
+
+
+def qwen3_8b_checkpoint(work: Path) -> str:
+    """A random-weight Qwen3-8B-shaped bf16 checkpoint (tp_gpu.py's recipe) with a placeholder
+    tokenizer, written once under `work`: the issue's large-model shape, plain decoding only."""
+    import tp_gpu
+    from gpu_e2e import write_placeholder_tokenizer
+
+    checkpoint = tp_gpu.write_checkpoint(work / "qwen3-8b-random", tp_gpu.QWEN3_8B, "bfloat16")
+    write_placeholder_tokenizer(checkpoint, tp_gpu.QWEN3_8B["vocab_size"])
+    return str(checkpoint)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the sweep, print a markdown table, write JSON with --out."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="")
     parser.add_argument("--draft-model", default="")
+    parser.add_argument(
+        "--shape", choices=["", "qwen3-8b"], default="", help="a random-weight model of this shape"
+    )
+    parser.add_argument("--work", type=Path, default=Path("/tmp/dspark-overlap"))
     parser.add_argument("--device", default="auto")
     parser.add_argument("--batch-sizes", default="1,8,64,128")
     parser.add_argument("--modes", default="off,static,compact")
+    parser.add_argument("--settings", default="ahead,emit,off", help=f"of {','.join(SETTINGS)}")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (the median counts)")
     parser.add_argument("--busy-steps", type=int, default=50, help="steps in the GPU-busy window (0: skip)")
@@ -89,52 +116,59 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     modes = args.modes.split(",")
-    base = bench_config(args.model, args.draft_model, args.device, max(batch_sizes))
-    engines = {
-        f"{mode}/{'on' if overlap else 'off'}": LLM(
-            base.replace(spec_mode=mode, adaptive_speculation=False, overlap_scheduling=overlap)
-        )
-        for mode in modes
-        for overlap in (True, False)
-    }
+    settings = args.settings.split(",")
+    model = args.model
+    if args.shape == "qwen3-8b":
+        model, modes = qwen3_8b_checkpoint(args.work), ["off"]  # random weights: no drafter accepts
+    base = bench_config(model, args.draft_model, args.device, max(batch_sizes))
+    engines = {}
+    for mode in modes:
+        for setting in settings:
+            overlap, ahead = SETTINGS[setting]
+            config = base.replace(
+                spec_mode=mode, adaptive_speculation=False, overlap_scheduling=overlap, launch_ahead=ahead
+            )
+            engines[f"{mode}/{setting}"] = LLM(config)
     any_engine = next(iter(engines.values())).engine
     dtype, device = any_engine.limits.dtype, any_engine.limits.device
+    baseline = "off" if "off" in settings else settings[-1]
     rows = []
     for batch in batch_sizes:
         ids = _prompt_ids(next(iter(engines.values())), batch)
         timed = _time_engines(engines, ids, args.max_tokens, None, args.repeats)
         row: dict = {"batch": batch}
         for mode in modes:
-            on, off = timed[f"{mode}/on"], timed[f"{mode}/off"]
-            same = identical_share(off[1], on[1])
-            if same < 1.0 and dtype == torch.float32:
-                raise SystemExit(f"{mode}: overlap changed greedy output at batch {batch}")
-            row[mode] = {
-                "on": on[0],
-                "off": off[0],
-                "ratio": on[0] / off[0],
-                "identical": same,
-                "tau": on[2]["mean_committed_per_step"],
-            }
-            if args.busy_steps:
-                for side in ("on", "off"):
-                    share = busy_share(engines[f"{mode}/{side}"], ids, args.busy_steps, args.max_tokens)
-                    row[mode][f"busy_{side}"] = share
+            base_run = timed[f"{mode}/{baseline}"]
+            row[mode] = {}
+            for setting in settings:
+                run = timed[f"{mode}/{setting}"]
+                same = identical_share(base_run[1], run[1])
+                if same < 1.0 and dtype == torch.float32:
+                    raise SystemExit(f"{mode}: overlap ({setting}) changed greedy output at batch {batch}")
+                row[mode][setting] = {
+                    "tok_s": run[0],
+                    "ratio": run[0] / base_run[0],
+                    "identical": same,
+                    "tau": run[2]["mean_committed_per_step"],
+                }
+                if args.busy_steps:
+                    share = busy_share(engines[f"{mode}/{setting}"], ids, args.busy_steps, args.max_tokens)
+                    row[mode][setting]["busy"] = share
         rows.append(row)
         print(json.dumps(row), flush=True)
-    header = (
-        "| batch | mode | overlap on tok/s | off tok/s | on / off | GPU busy on | GPU busy off | identical |"
-    )
-    lines = [header, "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    cells = " | ".join(f"{s} tok/s | {s} / {baseline} | GPU busy {s}" for s in settings)
+    lines = [f"| batch | mode | {cells} | identical |", "|---:|---|" + "---:|" * (3 * len(settings) + 1)]
     for row in rows:
         for mode in modes:
             r = row[mode]
-            busy_on, busy_off = r.get("busy_on"), r.get("busy_off")
-            lines.append(
-                f"| {row['batch']} | {mode} | {r['on']:.1f} | {r['off']:.1f} | {r['ratio']:.2f} | "
-                f"{'n/a' if busy_on is None else f'{busy_on:.0%}'} | "
-                f"{'n/a' if busy_off is None else f'{busy_off:.0%}'} | {r['identical']:.0%} |"
-            )
+            parts = []
+            for s in settings:
+                busy = r[s].get("busy")
+                parts.append(
+                    f"{r[s]['tok_s']:.1f} | {r[s]['ratio']:.2f} | {'n/a' if busy is None else f'{busy:.0%}'}"
+                )
+            same = min(r[s]["identical"] for s in settings)
+            lines.append(f"| {row['batch']} | {mode} | {' | '.join(parts)} | {same:.0%} |")
     print("\n".join(lines))
     if args.out:
         meta = {
@@ -143,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             "device": str(device),
             "dtype": str(dtype),
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
-            "args": vars(args),
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         }
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 

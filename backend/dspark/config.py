@@ -103,6 +103,13 @@ class EngineConfig:
     # scheduled after the last one's acceptance, so output is the same either way). false: each step
     # waits for its device work before the next one is scheduled and launched.
     overlap_scheduling: bool = True
+    # With overlap_scheduling: launch the next step before the one on the device is accepted, when
+    # every running request allows (greedy, no penalties, stop strings or logprobs; plain steps or
+    # drafts made inside the target step). Each window's start and anchor are completed on the device
+    # from the earlier step's acceptance, so the host schedules, lays out and copies step N+1 while the
+    # device runs step N. Greedy output is the same either way. false: the next step is scheduled
+    # after the last one's acceptance.
+    launch_ahead: bool = True
     # Responses a second the Triton adapter aims at in all: under load a request's next response waits
     # until (requests in flight / this) seconds after its previous one, carrying every token committed
     # meanwhile (its first and final responses never wait). Each response costs the server the same CPU

@@ -21,8 +21,16 @@ import torch
 from dspark.config import SPS_PROFILE, EngineConfig
 from dspark.engine.output_processor import OutputProcessor, PendingDelta
 from dspark.engine.page_allocator import PageAllocator
-from dspark.engine.scheduler import Scheduler, StepSchedule
-from dspark.engine.step import Acceptance, Committed, LaunchedStep, accept, pack_step, verified_drafts
+from dspark.engine.scheduler import InFlight, Scheduler, StepSchedule
+from dspark.engine.step import (
+    Acceptance,
+    Committed,
+    LaunchedStep,
+    accept,
+    pack_step,
+    queue_greedy,
+    verified_drafts,
+)
 from dspark.engine.step_timer import StepTimer
 from dspark.outputs import EngineLoad, RequestDelta, SpecStats, TokenLogprobs
 from dspark.prompts import check_prompt
@@ -35,6 +43,7 @@ from dspark.sampling.penalties import PenaltyState, PenaltyWindow, apply_penalti
 from dspark.sampling.sampler import NON_FINITE_TOKEN
 from dspark.sampling_params import SamplingParams
 from dspark.sequence import Sequence, SequenceStatus
+from dspark.spec.accept import QueuedGreedyAcceptance
 from dspark.spec.draft_checkpoint import load_drafter
 from dspark.spec.drafter import Drafter
 from dspark.spec.drafts import Drafts
@@ -298,10 +307,15 @@ class LLMEngine:
         timer.start()
         failed, self._pending = self._pending, []
         if self.config.overlap_scheduling:
-            done = self._complete(self._in_flight) if self._in_flight is not None else []
+            earlier, launched, done = self._in_flight, None, []
+            if earlier is not None:
+                launched, queued = self._launch_ahead(earlier)
+                done = self._complete(earlier, queued)
             # After the completion: an aborted request's last committed tokens come before its end.
             done += self._apply_aborts()
-            self._in_flight = launched = self._launch()
+            if launched is None:
+                launched = self._launch()
+            self._in_flight = launched
         else:
             done = self._apply_aborts()
             launched = self._launch()
@@ -312,44 +326,104 @@ class LLMEngine:
             timer.finish("emit")
         return deltas
 
-    def _launch(self) -> LaunchedStep | None:
-        """Schedule a step, draft, plan and queue its target work on the device (None: nothing to run)."""
+    def _launch(
+        self, in_flight: InFlight | None = None, earlier: QueuedGreedyAcceptance | None = None
+    ) -> LaunchedStep | None:
+        """Schedule a step, draft, plan and queue its target work on the device (None: nothing to run).
+
+        in_flight, earlier: the step on the device, not yet accepted, and its queued greedy acceptance
+        (`_launch_ahead`); None also when this step cannot go ahead of it after all."""
         timer = self.timer
-        if self.gate is not None:
-            self.gate.start_step()
-        schedule = self.scheduler.schedule()
-        if schedule.empty:
+        began = self.gate.clock() if self.gate is not None else 0.0
+        schedule = self.scheduler.schedule(in_flight)
+        if schedule is None or schedule.empty:
             return None
         timer.lap("schedule")
-        caps = [self._max_verify(seq) for seq in schedule.decode]
+        caps = [self._max_verify(seq, in_flight) for seq in schedule.decode]
         drafts = self._draft(schedule.decode, caps)
         timer.lap("draft")
         plan = VerifyPlan.plain(len(caps)) if drafts is None else self.policy.plan(drafts, caps, self.planner)
         timer.lap("plan")
-        packed = pack_step(schedule, plan, self._capture_layers)
+        packed = pack_step(schedule, plan, self._capture_layers, in_flight, earlier)
         timer.lap("layout")
+        if in_flight is not None and plan.drafts is not None and not self.runner.replays(packed.step):
+            # In-step drafts of a step that runs eagerly are drafted apart, from the host's state of
+            # the requests, which the step in flight has not reached yet.
+            return None
+        if self.gate is not None:
+            self.gate.start_step(began)
         result = self.runner.run(packed.step)
         timer.lap("target")
         return LaunchedStep(schedule, plan, packed, result)
 
-    def _complete(self, launched: LaunchedStep) -> list[PendingDelta]:
+    def _launch_ahead(
+        self, earlier: LaunchedStep
+    ) -> tuple[LaunchedStep | None, QueuedGreedyAcceptance | None]:
+        """Queue the greedy acceptance of `earlier` (on the device, not yet accepted) and launch the next
+        step behind it, when every request allows (`_in_flight_of`); the step launched, or None, and the
+        queued acceptance (None when nothing went ahead)."""
+        in_flight = self._in_flight_of(earlier)
+        if in_flight is None:
+            return None, None
+        queued = queue_greedy(earlier.plan, earlier.drafts, earlier.result)
+        return self._launch(in_flight, queued), queued
+
+    def _in_flight_of(self, earlier: LaunchedStep) -> InFlight | None:
+        """What the next step may assume of `earlier`'s requests before it is accepted; None when the
+        next step must wait for the acceptance: launch_ahead off, tensor parallelism (ranks are sent
+        host tokens), drafts made apart from the step (from the host's state of the requests), or a
+        running request whose next step reads what the host learns from the acceptance (sampling,
+        penalties, stop strings, logprobs)."""
+        if not self.config.launch_ahead or not isinstance(self.runner, ModelRunner):
+            return None
+        if self.proposer is not None and not self._drafts_in_step():
+            return None
+        if not all(_decides_on_the_device(seq) for seq in self.scheduler.running):
+            return None
+        schedule, plan = earlier.schedule, earlier.plan
+        advance: dict[Sequence, int] = {}
+        reach: dict[Sequence, int] = {}
+        decode_index: dict[Sequence, int] = {}
+        sit_out: set[Sequence] = set()
+        room = self.limits.max_model_len - self.scheduler.window_positions
+        for r, seq in enumerate(schedule.decode):
+            most = plan.verify_lens[r] + 1
+            if seq.remaining_tokens <= most or len(seq.token_ids) + most > room:
+                sit_out.add(seq)  # it may end there, or its window may not fit: wait for the acceptance
+                continue
+            advance[seq], reach[seq], decode_index[seq] = 1, plan.verify_lens[r], r
+        for chunk in schedule.prefill:
+            if chunk.samples_first_token:
+                sit_out.add(chunk.seq)  # its anchor is the first token, not yet read
+            else:
+                advance[chunk.seq] = chunk.length
+        return InFlight(advance, reach, frozenset(sit_out), decode_index)
+
+    def _complete(
+        self, launched: LaunchedStep, queued: QueuedGreedyAcceptance | None = None
+    ) -> list[PendingDelta]:
         """Accept a launched step and commit it: every request's tokens go into its sequence (the next
-        schedule sees them); their text and deltas are made by the caller (`PendingDelta.make`)."""
+        schedule sees them); their text and deltas are made by the caller (`PendingDelta.make`).
+        `queued`: its greedy acceptance, queued already (`_launch_ahead`). A request that ended while
+        the step was in flight (launched ahead of its end, or aborted) commits nothing of it."""
         schedule, plan, packed, result = launched.schedule, launched.plan, launched.packed, launched.result
         verified = verified_drafts(plan, result)
         raw_logits = self._adjust_logits(
             schedule, plan, verified, packed.logit_offsets, result.logits, result.argmax
         )
-        acceptance = accept(schedule, plan, verified, result, packed.logit_offsets, self.limits.block_size)
+        acceptance = accept(
+            schedule, plan, verified, result, packed.logit_offsets, self.limits.block_size, queued
+        )
         self.timer.lap("accept")
         committed = self._commit(schedule, plan, verified, acceptance, packed.logit_offsets)
         # Read off the device now: a launched step's graph replay reuses the logits buffer.
         logprobs = self._committed_logprobs(committed, raw_logits)
         done = [self._commit_tokens(c.seq, list(c.tokens), logprobs.get(c.seq.request_id)) for c in committed]
-        if self.gate is not None and not schedule.prefill:
+        if self.gate is not None:
             # Decode-only steps are comparable; a prefill chunk would charge its own cost to the kind.
             num_tokens = sum(len(pending.tokens) for pending in done)
-            self.gate.finish_step(len(schedule.decode), plan.drafts is not None, num_tokens)
+            num_decode = 0 if schedule.prefill else len(schedule.decode)
+            self.gate.finish_step(num_decode, plan.drafts is not None, num_tokens)
         self.timer.lap("emit")  # committing counts with making the deltas, whenever that comes
         return done
 
@@ -371,14 +445,16 @@ class LLMEngine:
             return InStepDrafts(self.proposer, decode)
         return self.proposer.propose(decode)
 
-    def _max_verify(self, seq: Sequence) -> int:
-        """Most drafts this request may verify: block size, its own cap, tokens and context left."""
+    def _max_verify(self, seq: Sequence, in_flight: InFlight | None = None) -> int:
+        """Most drafts this request may verify: block size, its own cap, tokens and context left (once
+        the step in flight, if any, has committed the least it can)."""
         own = seq.params.num_draft_tokens
+        ahead = 1 if in_flight is not None and seq in in_flight.decode_index else 0
         cap = min(
             self.limits.block_size,
             self.limits.block_size if own is None else own,
-            seq.remaining_tokens - 1,
-            self.limits.max_model_len - len(seq.token_ids),
+            seq.remaining_tokens - ahead - 1,
+            self.limits.max_model_len - len(seq.token_ids) - ahead,
         )
         return max(cap, 0)
 
@@ -434,10 +510,14 @@ class LLMEngine:
         drafted = drafts.drafted(self.limits.block_size) if drafts is not None else [0] * len(decode)
         committed = []
         for r, (seq, window) in enumerate(zip(decode, acceptance.windows, strict=True)):
+            if seq.finished:
+                continue
             seq.spec_stats.record_step(drafted[r], plan.verify_lens[r], window.accepted)
             seq.num_cached += window.accepted + 1
             committed.append(Committed(seq, window.tokens, logit_offsets[r]))
         for i, (chunk, token) in enumerate(zip(schedule.prefill, acceptance.first_tokens, strict=True)):
+            if chunk.seq.finished:
+                continue
             chunk.seq.num_cached += chunk.length
             if token is not None:
                 committed.append(Committed(chunk.seq, (token,), logit_offsets[len(decode) + i]))
@@ -538,3 +618,17 @@ class LLMEngine:
             done.append(PendingDelta(processor, (), "abort", text=""))
         self._aborts.clear()
         return done
+
+
+def _decides_on_the_device(seq: Sequence) -> bool:
+    """Whether the request's next window can be laid out before its last one is accepted: its tokens
+    are decided on the device alone (greedy; no penalties or min_tokens, which read the host's counts;
+    no stop strings, which read the text; no logprobs, read off a logits buffer the next step reuses)."""
+    params = seq.params
+    return (
+        params.greedy
+        and not params.penalized
+        and not params.min_tokens
+        and not params.stop
+        and params.logprobs is None
+    )

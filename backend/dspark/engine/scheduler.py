@@ -42,6 +42,26 @@ class StepSchedule:
         return not self.decode and not self.prefill
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """What a launched step that is not yet accepted will have done to its requests, for scheduling
+    the next step before accepting it (overlap scheduling: `LLMEngine._launch_ahead`).
+
+    advance: positions it caches at least, per request (a verify window: its anchor; a prefill chunk:
+    its length); reach: positions past those it may cache too (the window's drafts, if accepted);
+    sit_out: requests the next step leaves out (a first token still to be read, or too close to an end
+    for a window whose start is not known); decode_index: each decoding request's window in it."""
+
+    advance: dict[Sequence, int]
+    reach: dict[Sequence, int]
+    sit_out: frozenset[Sequence]
+    decode_index: dict[Sequence, int]
+
+    def cached(self, seq: Sequence) -> int:
+        """Positions of `seq` cached once the step is accepted, at least."""
+        return seq.num_cached + self.advance.get(seq, 0)
+
+
 @dataclass
 class _Building:
     """A schedule while `Scheduler.schedule` builds it (preemption takes requests out again)."""
@@ -92,26 +112,39 @@ class Scheduler:
         """Target tokens a decode step of `seq` may take (its whole admissible window)."""
         return min(self.window_positions, max(seq.remaining_tokens, 1))
 
-    def schedule(self) -> StepSchedule:
-        """Choose this step's decode windows and prefill chunks."""
+    def schedule(self, in_flight: InFlight | None = None) -> StepSchedule | None:
+        """Choose this step's decode windows and prefill chunks.
+
+        With `in_flight` (a step launched and not yet accepted) the requests are scheduled from where
+        that step leaves them at least, and nobody is preempted: None, with nothing scheduled but pages
+        reserved, when a decoding request's window does not fit (schedule again once it is accepted)."""
         plan = _Building()
         budget = self.max_num_batched_tokens
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.in_prefill or seq.status is not SequenceStatus.RUNNING:
+        running = sorted(self.running, key=lambda s: s.arrival)
+        if in_flight is not None:
+            running = [seq for seq in running if seq not in in_flight.sit_out]
+        cached = in_flight.cached if in_flight is not None else _cached
+        for seq in running:
+            if cached(seq) < seq.prefill_target or seq.status is not SequenceStatus.RUNNING:
                 continue
             need = self.decode_tokens(seq)
             if need > budget:
                 continue
-            if not self._reserve_or_preempt(seq, plan):
+            if in_flight is not None:
+                # The window may start as late as everything in flight reaches, and reserves from there.
+                positions = cached(seq) + in_flight.reach.get(seq, 0) + self.window_positions
+                if not self.allocator.try_reserve(seq, positions):
+                    return None
+            elif not self._reserve_or_preempt(seq, plan):
                 continue
             plan.decode.append(seq)
             budget -= need
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.in_prefill and budget > 0:
-                budget -= self._schedule_prefill(seq, budget, plan)
+        for seq in running:
+            if cached(seq) < seq.prefill_target and budget > 0:
+                budget -= self._schedule_prefill(seq, budget, plan, cached(seq))
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            chunk = self._schedule_prefill(seq, budget, plan)
+            chunk = self._schedule_prefill(seq, budget, plan, seq.num_cached)
             if chunk == 0:
                 break
             self.waiting.popleft()
@@ -120,11 +153,11 @@ class Scheduler:
             budget -= chunk
         return StepSchedule(tuple(plan.decode), tuple(plan.prefill))
 
-    def _schedule_prefill(self, seq: Sequence, budget: int, plan: _Building) -> int:
-        length = min(seq.prefill_target - seq.num_cached, budget)
-        if length <= 0 or not self.allocator.try_reserve(seq, seq.num_cached + length):
+    def _schedule_prefill(self, seq: Sequence, budget: int, plan: _Building, cached: int) -> int:
+        length = min(seq.prefill_target - cached, budget)
+        if length <= 0 or not self.allocator.try_reserve(seq, cached + length):
             return 0
-        plan.prefill.append(PrefillChunk(seq, seq.num_cached, length))
+        plan.prefill.append(PrefillChunk(seq, cached, length))
         return length
 
     def _reserve_or_preempt(self, seq: Sequence, plan: _Building) -> bool:
@@ -148,3 +181,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+
+def _cached(seq: Sequence) -> int:
+    return seq.num_cached

@@ -18,11 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.engine.scheduler import StepSchedule
+from dspark.engine.scheduler import InFlight, StepSchedule
+from dspark.runner.deferred_inputs import DeferredInputs
 from dspark.runner.model_runner import TargetResult, TargetStep
 from dspark.sampling.sampler import choose_tokens
 from dspark.sequence import Sequence
-from dspark.spec.accept import GreedyAcceptance, greedy_accept_all, rejection_accept_all
+from dspark.spec.accept import (
+    GreedyAcceptance,
+    QueuedGreedyAcceptance,
+    queue_greedy_accept,
+    rejection_accept_all,
+)
 from dspark.spec.drafts import Drafts
 from dspark.spec.step_draft import InStepDrafts
 from dspark.spec.verify_policy import VerifyPlan
@@ -38,20 +44,43 @@ class PackedStep:
     logit_offsets: tuple[int, ...]
 
 
-def pack_step(schedule: StepSchedule, plan: VerifyPlan, capture_layers: tuple[int, ...]) -> PackedStep:
+def pack_step(
+    schedule: StepSchedule,
+    plan: VerifyPlan,
+    capture_layers: tuple[int, ...],
+    in_flight: InFlight | None = None,
+    earlier: QueuedGreedyAcceptance | None = None,
+) -> PackedStep:
     """Lay the schedule's windows out back to back as the runner (and every TP rank) takes them.
 
     Verify windows hold their anchor and placeholders: the drafts are packed in where they are
     (`VerifyDrafts.pack`), so nothing waits here to read them back. Verify windows want the logits of
-    every row, a prefill chunk that ends its prompt those of its last row, other chunks none."""
+    every row, a prefill chunk that ends its prompt those of its last row, other chunks none.
+
+    `in_flight`, `earlier`: the step before, launched and not yet accepted, and its greedy acceptance
+    queued on the device. A request decoding in it starts here where it leaves it at least, and its
+    start and anchor are completed on the device (`DeferredInputs`)."""
     windows = _Windows()
-    for seq, num_drafts in zip(schedule.decode, plan.verify_lens, strict=True):
-        windows.add(seq, [seq.anchor] + [0] * num_drafts, seq.num_cached, logits="all")
+    following: list[tuple[int, int, int]] = []  # (window, anchor row, window in the earlier step)
+    for r, (seq, num_drafts) in enumerate(zip(schedule.decode, plan.verify_lens, strict=True)):
+        start = seq.num_cached
+        if in_flight is not None:
+            start = in_flight.cached(seq)
+            earlier_window = in_flight.decode_index.get(seq)
+            if earlier_window is not None:
+                following.append((r, len(windows.tokens), earlier_window))
+        windows.add(seq, [seq.anchor] + [0] * num_drafts, start, logits="all")
     for chunk in schedule.prefill:
         seq = chunk.seq
         tokens = seq.token_ids[chunk.start : chunk.start + chunk.length]
         windows.add(seq, tokens, chunk.start, logits="last" if chunk.samples_first_token else "none")
-    return PackedStep(windows.to_step(capture_layers, plan.drafts), tuple(windows.logit_offsets))
+    deferred = None
+    if following:
+        assert earlier is not None, "windows follow a step whose acceptance is not queued"
+        index = torch.tensor(following, dtype=torch.long).T.contiguous()
+        deferred = DeferredInputs(index, earlier.accepted, earlier.bonus)
+    step = windows.to_step(capture_layers, plan.drafts, deferred)
+    return PackedStep(step, tuple(windows.logit_offsets))
 
 
 @dataclass(frozen=True)
@@ -62,6 +91,11 @@ class LaunchedStep:
     plan: VerifyPlan
     packed: PackedStep
     result: TargetResult
+
+    @property
+    def drafts(self) -> Drafts | None:
+        """The drafts it verifies (`verified_drafts`)."""
+        return verified_drafts(self.plan, self.result)
 
 
 def verified_drafts(plan: VerifyPlan, result: TargetResult) -> Drafts | None:
@@ -90,6 +124,13 @@ class Acceptance:
     first_tokens: tuple[int | None, ...]
 
 
+def queue_greedy(plan: VerifyPlan, drafts: Drafts | None, result: TargetResult) -> QueuedGreedyAcceptance:
+    """The greedy acceptance of every verify window, queued on the device (`accept` reads it)."""
+    assert result.argmax is not None
+    tokens = drafts.tokens if drafts is not None else None
+    return queue_greedy_accept(plan.verify_lens, plan.commit_caps, tokens, result.argmax)
+
+
 def accept(
     schedule: StepSchedule,
     plan: VerifyPlan,
@@ -97,17 +138,17 @@ def accept(
     result: TargetResult,
     logit_offsets: Seq[int],
     block_size: int,
+    queued: QueuedGreedyAcceptance | None = None,
 ) -> Acceptance:
     """Decide the committed tokens of every window: greedy requests by the argmax, sampling requests
     by rejection sampling (both on the runner's device, one copy to the host each), and the first
     token of every prefill chunk that ends its prompt. Random numbers are drawn in a fixed order:
-    the sampling windows' (in request order), then the first tokens'."""
+    the sampling windows' (in request order), then the first tokens'. `queued`: the greedy
+    acceptance, queued already (`queue_greedy`)."""
     logits, argmax = result.logits, result.argmax
     assert logits is not None and argmax is not None
     decode = schedule.decode
-    greedy = greedy_accept_all(
-        plan.verify_lens, plan.commit_caps, drafts.tokens if drafts is not None else None, argmax
-    )
+    greedy = (queued or queue_greedy(plan, drafts, result)).result()
     sampled = _sampled_accept(decode, plan, drafts, greedy, logits, logit_offsets, block_size)
     windows = []
     for r, seq in enumerate(decode):
@@ -195,7 +236,12 @@ class _Windows:
         elif logits == "last":
             self.logit_rows.append(first + len(tokens) - 1)
 
-    def to_step(self, capture_layers: tuple[int, ...], drafts: Drafts | InStepDrafts | None) -> TargetStep:
+    def to_step(
+        self,
+        capture_layers: tuple[int, ...],
+        drafts: Drafts | InStepDrafts | None,
+        deferred: DeferredInputs | None = None,
+    ) -> TargetStep:
         """The packed batch as the runner (and every TP rank) takes it."""
         rows = torch.arange(self.num_leading_rows)
         if self.logit_rows:
@@ -210,4 +256,5 @@ class _Windows:
             capture_layers=capture_layers,
             host_logits=False,
             drafts=drafts,
+            deferred=deferred,
         )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.kernels import ops
+from dspark.runner.deferred_inputs import DeferredInputs
 from dspark.runner.host_to_device import to_device
 
 
@@ -45,6 +46,8 @@ class AttentionBatch:
         device: torch.device,
         num_tokens: int = 0,
         num_requests: int = 0,
+        token_ids: torch.Tensor | None = None,
+        deferred: DeferredInputs | None = None,
     ) -> AttentionBatch:
         """Lay out windows: request r's window covers positions [window_starts[r], +window_lens[r]).
 
@@ -52,7 +55,9 @@ class AttentionBatch:
         its end. num_tokens / num_requests (0: exact) pad the layout to a fixed size, as a captured
         step needs: padding tokens get slot -1 (never stored), padding windows are empty with no keys.
         The page table is built on the host; slots, boundaries and key counts on `device`
-        (`ops.build_window_layout`: the layout kernel on a GPU).
+        (`ops.build_window_layout`: the layout kernel on a GPU). `deferred`: what the windows take from
+        an earlier step not yet accepted, applied to the device copy of the starts and to `token_ids`
+        (the step's token ids on `device`) before the layout is computed.
         """
         count = len(window_lens)
         num_requests = max(num_requests, count)
@@ -63,6 +68,9 @@ class AttentionBatch:
         num_tokens = max(num_tokens, int(lens.sum()))
         table = to_device(build_page_table(pages, num_requests), device)
         bounds = to_device(torch.stack([starts, lens]), device)
+        if deferred is not None:
+            assert token_ids is not None, "a deferred step's token ids take their anchors here"
+            deferred.apply(token_ids, bounds[0])
         positions, slots, cu, kv_lens = ops.build_window_layout(
             bounds[0], bounds[1], table, page_size, num_tokens
         )

@@ -29,6 +29,7 @@ import torch
 from dspark.kernels import ops
 from dspark.parallel.distributed import SINGLE, TensorParallel
 from dspark.runner.attention_batch import AttentionBatch, build_page_table
+from dspark.runner.deferred_inputs import DeferredInputs
 from dspark.runner.host_to_device import copy_to_device
 from dspark.runner.kv_cache import PagedKVCache
 from dspark.runner.models.llama import CausalLM
@@ -185,10 +186,12 @@ class StaticLayout:
         window_starts: list[int],
         window_lens: list[int],
         num_verify: int = 0,
+        deferred: DeferredInputs | None = None,
     ) -> None:
         """Copy a step (host tensors and lists) in: one copy of the token ids and windows (every window
         past its own is empty, so that any tier reads padding there) and one of the page table. The
-        first `num_verify` windows are flagged as verify windows."""
+        first `num_verify` windows are flagged as verify windows. `deferred`: what the windows take
+        from an earlier step not yet accepted, applied on the device after the copy."""
         count = len(window_lens)
         host = torch.zeros(self._inputs.shape, dtype=torch.long)
         host[: len(token_ids)] = token_ids
@@ -196,6 +199,8 @@ class StaticLayout:
         bounds[:2, :count] = torch.tensor([window_starts, window_lens], dtype=torch.long)
         bounds[2, :num_verify] = 1
         copy_to_device(self._inputs, host)
+        if deferred is not None:
+            deferred.apply(self.token_ids, self.window_starts)
         if count:
             # Columns past a step's widest row keep older pages: no key of a shorter row reaches them.
             table = build_page_table(pages, count)
@@ -432,16 +437,23 @@ class CudaGraphs:
         window_starts: list[int],
         window_lens: list[int],
         num_verify: int = 0,
+        deferred: DeferredInputs | None = None,
     ) -> tuple[int, int] | None:
         """Copy a step into the static inputs (`StaticLayout.fill`: the first `num_verify` windows are
         flagged as verify windows) and return the (tokens, requests) tier it replays at; None, with
         nothing copied, when it does not fit. Whatever else the step writes into the static token ids
         (its verify windows' drafts) goes there between this and `replay`."""
-        tiers = step_tiers(len(token_ids), len(window_lens), self.token_tiers, self.max_requests)
-        if tiers is None or not self.layout.holds(pages):
+        tiers = self.tiers_of(len(token_ids), pages)
+        if tiers is None:
             return None
-        self.layout.fill(token_ids, pages, window_starts, window_lens, num_verify)
+        self.layout.fill(token_ids, pages, window_starts, window_lens, num_verify, deferred)
         return tiers
+
+    def tiers_of(self, num_tokens: int, pages: list[list[int]]) -> tuple[int, int] | None:
+        """The (tokens, requests) tier a step of `num_tokens` tokens over these windows' pages replays
+        at; None when none holds it."""
+        tiers = step_tiers(num_tokens, len(pages), self.token_tiers, self.max_requests)
+        return tiers if tiers is not None and self.layout.holds(pages) else None
 
     def replay(
         self, tiers: tuple[int, int], num_tokens: int, capture_layers: tuple[int, ...]

@@ -29,6 +29,7 @@ from dspark.parallel.distributed import (
 from dspark.parallel.tp_worker import WorkerGroup, collective_timeout_s
 from dspark.runner.attention_batch import AttentionBatch
 from dspark.runner.cuda_graphs import CaptureOutcome, CudaGraphs, FeatureSink
+from dspark.runner.deferred_inputs import DeferredInputs
 from dspark.runner.host_to_device import to_device
 from dspark.runner.kv_cache import PagedKVCache
 from dspark.runner.models.hf_config import ModelConfig
@@ -63,10 +64,14 @@ class TargetStep:
     # placeholders): packed in where the step runs, made inside it first if they are still to be made
     # (`VerifyDrafts`); None: token_ids are complete.
     drafts: VerifyDrafts | None = None
+    # What the first windows take from the step before, not yet accepted when this one was packed
+    # (their starts and anchors, on the device); None: the windows are complete.
+    deferred: DeferredInputs | None = None
 
     def with_host_tokens(self) -> tuple[TargetStep, object]:
         """This step with every token id on the host (what other ranks are sent), the verify windows'
         drafts made if need be and packed in; and the drafts made doing so (None if none were)."""
+        assert self.deferred is None, "a step whose inputs are still on the device stays on one rank"
         if self.drafts is None:
             return self, None
         token_ids = self.token_ids.clone()
@@ -170,6 +175,10 @@ class ModelRunner:
         """Full (embedding, LM head) weights [vocab, hidden], which the drafter shares."""
         return self.model.embed_tokens.weight, self.model.lm_head.weight
 
+    def replays(self, step: TargetStep) -> bool:
+        """Whether the step replays a captured graph (else it runs eagerly)."""
+        return self.graphs is not None and self.graphs.tiers_of(len(step.token_ids), step.pages) is not None
+
     def run(self, step: TargetStep) -> TargetResult:
         """Forward the step's windows; logits only at `logit_rows`."""
         result = self.forward(step)
@@ -194,7 +203,7 @@ class ModelRunner:
         if self.graphs is not None:
             num_verify = drafts.num_windows if drafts is not None else 0
             tiers = self.graphs.fill(
-                step.token_ids, step.pages, step.window_starts, step.window_lens, num_verify
+                step.token_ids, step.pages, step.window_starts, step.window_lens, num_verify, step.deferred
             )
             if tiers is not None:
                 made = None
@@ -203,11 +212,21 @@ class ModelRunner:
                 replayed = self.graphs.replay(tiers, len(step.token_ids), step.capture_layers)
                 logits = self.model.compute_logits(replayed.hidden[logit_rows])
                 return TargetResult(logits, replayed.features, replayed.slots, drafts=made)
+        # A copy even on the host: deferred inputs write the anchors into it.
+        token_ids = to_device(step.token_ids, self.device)
+        if step.deferred is not None and token_ids is step.token_ids:
+            token_ids = token_ids.clone()
         batch = AttentionBatch.build(
-            step.pages, step.window_starts, step.window_lens, self.cache.page_size, True, self.device
+            step.pages,
+            step.window_starts,
+            step.window_lens,
+            self.cache.page_size,
+            True,
+            self.device,
+            token_ids=token_ids,
+            deferred=step.deferred,
         )
         positions = batch.positions if step.positions is None else to_device(step.positions, self.device)
-        token_ids = to_device(step.token_ids, self.device)
         made = None
         if drafts is not None:
             made = drafts.pack(step.token_ids, step.window_lens, token_ids, False)

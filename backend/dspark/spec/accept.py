@@ -110,8 +110,40 @@ class GreedyAcceptance:
 def greedy_accept_all(
     verify_lens: Sequence[int], commit_caps: Sequence[int], drafts: torch.Tensor | None, argmax: torch.Tensor
 ) -> GreedyAcceptance:
+    """Greedy acceptance of every verify window (`queue_greedy_accept`), read on the host at once."""
+    return queue_greedy_accept(verify_lens, commit_caps, drafts, argmax).result()
+
+
+@dataclass(frozen=True)
+class QueuedGreedyAcceptance:
+    """Greedy acceptance queued on the device, its copy to the host under way: per verify window the
+    drafts accepted and the token after them on the device (`accepted`, `bonus`: what a step launched
+    before this one is accepted reads, see `dspark.engine.step.DeferredInputs`), and `result()`,
+    which waits for the copy."""
+
+    accepted: torch.Tensor
+    bonus: torch.Tensor
+    _host: torch.Tensor  # accepted, bonus, the verified drafts, the rest: on the host once `_ready`
+    _ready: torch.cuda.Event | None
+    verify_lens: tuple[int, ...]
+    width: int
+
+    def result(self) -> GreedyAcceptance:
+        """The acceptance on the host (waits for the device to get there)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        host = self._host.tolist()
+        num, width = len(self.verify_lens), self.width
+        flat = host[2 * num : 2 * num + num * width]
+        verified = [flat[r * width : r * width + n] if width else [] for r, n in enumerate(self.verify_lens)]
+        return GreedyAcceptance(host[:num], host[num : 2 * num], verified, host[2 * num + num * width :])
+
+
+def queue_greedy_accept(
+    verify_lens: Sequence[int], commit_caps: Sequence[int], drafts: torch.Tensor | None, argmax: torch.Tensor
+) -> QueuedGreedyAcceptance:
     """Greedy acceptance of every verify window where the argmax is (`ops.greedy_accept`: the accept
-    kernel on a GPU), then one copy to the host of what the step commits.
+    kernel on a GPU), and the copy to the host of what the step commits, queued: nothing waits here.
 
     verify_lens, commit_caps: per window, the drafts verified and the most that may be kept; drafts:
     [windows, >= max verify_lens] the drafts (any device; None: nothing was drafted); argmax: [rows]
@@ -120,9 +152,10 @@ def greedy_accept_all(
     with no gather; the rows after them are the prefill chunks' last rows. Sampling requests' windows
     are judged too and their results ignored."""
     num = len(verify_lens)
-    if num == 0:
-        return GreedyAcceptance([], [], [], argmax.tolist())
     device = argmax.device
+    if num == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return _queue_copy(empty, empty, argmax, (), 0)
     lens = torch.tensor(verify_lens, dtype=torch.long)
     cu = torch.zeros(num + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(lens + 1, 0)
@@ -138,8 +171,19 @@ def greedy_accept_all(
         width = max(verify_lens)
     accepted, bonus = ops.greedy_accept(drafts, argmax[:window_rows], cu_d, lens_d, caps_d)
     # The verified drafts come back in the same copy (the host emits the accepted ones).
-    rest = argmax[window_rows:]
-    host = torch.cat([accepted, bonus, drafts[:, :width].flatten(), rest]).tolist()
-    flat = host[2 * num : 2 * num + num * width]
-    verified = [flat[r * width : r * width + n] if width else [] for r, n in enumerate(verify_lens)]
-    return GreedyAcceptance(host[:num], host[num : 2 * num], verified, host[2 * num + num * width :])
+    both = torch.cat([accepted, bonus, drafts[:, :width].flatten(), argmax[window_rows:]])
+    return _queue_copy(accepted, bonus, both, tuple(verify_lens), width)
+
+
+def _queue_copy(
+    accepted: torch.Tensor, bonus: torch.Tensor, both: torch.Tensor, verify_lens: tuple[int, ...], width: int
+) -> QueuedGreedyAcceptance:
+    """Start the copy of `both` to the host: into pinned memory behind an event on a GPU (the host
+    reads it once the event has passed), as it is elsewhere."""
+    if both.device.type != "cuda":
+        return QueuedGreedyAcceptance(accepted, bonus, both, None, verify_lens, width)
+    host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+    host.copy_(both, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return QueuedGreedyAcceptance(accepted, bonus, host, ready, verify_lens, width)

@@ -13,6 +13,7 @@ distribution, but which steps speculated, and so its exact stream, then depends 
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +48,10 @@ class SpeculationGate:
         """clock: seconds, monotonic (tests pass their own)."""
         self.clock = clock
         self._tiers: dict[int, _TierStats] = {}
-        self._started: float | None = None
+        # Launch times of the steps not yet finished, oldest first (with overlap scheduling a step is
+        # launched before the one before it is accepted), and when the last one finished.
+        self._started: collections.deque[float] = collections.deque()
+        self._last_finish = float("-inf")
 
     def should_speculate(self, num_requests: int) -> bool:
         """Whether a step with this many decoding requests should draft."""
@@ -62,16 +66,21 @@ class SpeculationGate:
         winner = spec_rate >= plain_rate
         return not winner if stats.steps % PROBE_INTERVAL == 0 else winner
 
-    def start_step(self) -> None:
-        """Mark the start of an engine step."""
-        self._started = self.clock()
+    def start_step(self, at: float | None = None) -> None:
+        """Mark the launch of an engine step, begun `at` (the clock's time; None: now). Each launched
+        step is finished, in launch order."""
+        self._started.append(self.clock() if at is None else at)
 
     def finish_step(self, num_requests: int, speculative: bool, committed_tokens: int) -> None:
-        """Record a decode-only step (prefill chunks would skew its rate): requests, kind, tokens."""
-        if self._started is None or num_requests == 0:
+        """Record the oldest launched step, finished: requests, kind, tokens (a step with prefill chunks
+        passes 0 requests: they would skew its rate). Its time is from its launch, or from the finish
+        of the step before when that came later (steps overlap): the wall time it added."""
+        now = self.clock()
+        started = self._started.popleft() if self._started else None
+        previous, self._last_finish = self._last_finish, now
+        if started is None or num_requests == 0:
             return
-        seconds = max(self.clock() - self._started, 1e-9)
-        self._started = None
+        seconds = max(now - max(started, previous), 1e-9)
         self._tiers.setdefault(next_pow2(num_requests), _TierStats()).record(
             speculative, committed_tokens / seconds
         )

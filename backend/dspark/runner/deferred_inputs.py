@@ -1,0 +1,43 @@
+"""DeferredInputs: the inputs a step takes from the step before it, which is not yet accepted.
+
+With overlap scheduling the engine may launch step N+1 before it has read step N's acceptance back
+(`LLMEngine._launch_ahead`). A request decoding in both then has two unknowns when N+1 is packed: how
+many drafts N accepted (its N+1 window starts that much later) and the token N committed last (N+1's
+anchor). Both are on the device, where N's acceptance ran; N+1 is packed as if N accepted nothing,
+and the runner adds the difference on the device right after copying the step in and before anything
+reads the layout (the target graphs' `compute`, an in-step draft block, the eager layout), so the host
+never waits for N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.runner.host_to_device import to_device
+
+
+@dataclass(frozen=True)
+class DeferredInputs:
+    """For the windows of a step that follow a window of the step before it: which windows, their
+    anchor rows, and that earlier step's acceptance of the window they follow.
+
+    index: [3, k] int64 on the host: this step's window, the packed row of its anchor, and the window
+    of the earlier step it follows; accepted, last_tokens: per window of the earlier step, on the
+    device: the drafts it accepted and the token it committed last (the queued greedy acceptance)."""
+
+    index: torch.Tensor
+    accepted: torch.Tensor
+    last_tokens: torch.Tensor
+
+    def _device_index(self, device: torch.device) -> torch.Tensor:
+        return to_device(self.index, device)
+
+    def apply(self, token_ids: torch.Tensor, window_starts: torch.Tensor) -> None:
+        """Move each following window's start on by the drafts accepted before it, and write its
+        anchor, in the device copies of the step (`token_ids` [tokens], `window_starts` [windows])."""
+        index = self._device_index(token_ids.device)
+        windows, rows, earlier = index[0], index[1], index[2]
+        window_starts[windows] += self.accepted[earlier].to(window_starts.dtype)
+        token_ids[rows] = self.last_tokens[earlier].to(token_ids.dtype)

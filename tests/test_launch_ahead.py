@@ -1,0 +1,184 @@
+"""launch_ahead: with overlap scheduling, step N+1 is scheduled, laid out and launched before step N is
+accepted; each window's start and anchor are completed on the device from N's acceptance
+(`DeferredInputs`). Greedy output must be what the engine gives when every step waits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny_models import tiny_engine_config
+
+from dspark import LLMEngine, SamplingParams
+from dspark.config import EngineConfig
+from dspark.runner.cuda_graphs import CudaGraphs
+from dspark.spec.gate import SpeculationGate
+
+PAGE = 4
+
+
+def _count_launched_ahead(engine: LLMEngine) -> list[int]:
+    """Wrap the engine's launch: the returned list counts the steps launched before the one on the
+    device was accepted."""
+    count = [0]
+    launch = engine._launch
+
+    def counted(in_flight=None, earlier=None):  # noqa: ANN001, ANN202 - the engine's own signature
+        launched = launch(in_flight, earlier)
+        if in_flight is not None and launched is not None:
+            count[0] += 1
+        return launched
+
+    engine._launch = counted  # type: ignore[method-assign]
+    return count
+
+
+def _run(engine: LLMEngine, prompts, params, abort_after: dict[str, int] | None = None) -> dict[str, tuple]:
+    """Each request's (tokens, text, finish reason), the engine stepped until nothing is left;
+    `abort_after`: request id -> the call after which it is aborted."""
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    texts = {key: "" for key in tokens}
+    reasons: dict[str, str | None] = {key: None for key in tokens}
+    calls = 0
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            assert reasons[delta.request_id] is None, "a delta after the request's end"
+            assert delta.error is None, delta.error
+            tokens[delta.request_id] += delta.new_token_ids
+            texts[delta.request_id] += delta.new_text
+            if delta.finished:
+                reasons[delta.request_id] = delta.finish_reason
+        calls += 1
+        for request_id, after in (abort_after or {}).items():
+            if calls == after:
+                engine.abort_request(request_id)
+    return {key: (tuple(tokens[key]), texts[key], reasons[key]) for key in tokens}
+
+
+def _greedy_requests(rng: random.Random, count: int, vocab: int = 8) -> tuple[list[list[int]], list]:
+    """Prompts of every length (some longer than a step's token budget: chunked prefill) and greedy
+    requests that end by length or at EOS, some early."""
+    prompts = [[rng.randrange(1, vocab) for _ in range(rng.randrange(1, 30))] for _ in range(count)]
+    params = [
+        SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=rng.random() < 0.5) for _ in range(count)
+    ]
+    return prompts, params
+
+
+@pytest.mark.parametrize("spec_mode", ["off", "static"])
+def test_steps_launched_ahead_give_the_tokens_of_steps_that_wait(
+    tiny_target_dir, tiny_drafter_dir, spec_mode
+) -> None:
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    prompts, params = _greedy_requests(rng, 12)
+    config = tiny_engine_config(
+        tiny_target_dir, tiny_drafter_dir, spec_mode=spec_mode, num_kv_pages=96, max_num_batched_tokens=24
+    )
+    waiting = _run(LLMEngine(config.replace(overlap_scheduling=False)), prompts, params)
+    engine = LLMEngine(config)
+    ahead = _count_launched_ahead(engine)
+    assert _run(engine, prompts, params) == waiting
+    assert engine.allocator.num_used == 0
+    if spec_mode == "off":  # eager `static` drafts apart, from the host: those steps wait
+        assert ahead[0] > 10, ahead
+    # Without launch_ahead, no step goes ahead, and the output is the same.
+    engine = LLMEngine(config.replace(launch_ahead=False))
+    none_ahead = _count_launched_ahead(engine)
+    assert _run(engine, prompts, params) == waiting
+    assert none_ahead[0] == 0
+
+
+def _emulated_graphs_engine(target_dir, drafter_dir, **changes) -> LLMEngine:
+    """An engine whose target steps replay emulated graphs (32 tokens, 4 requests), and whose `static`
+    drafts are made inside the target step, from its layout: the path of a GPU, on the CPU."""
+    config = EngineConfig(
+        model=str(target_dir),
+        draft_model=str(drafter_dir),
+        num_kv_pages=256,
+        kv_page_size=PAGE,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        adaptive_speculation=False,
+    ).replace(**changes)
+    engine = LLMEngine(config)
+    runner = engine.runner
+    runner.use_graphs(CudaGraphs(runner.model, runner.cache, runner.device, 32, 4, emulate=True))
+    if engine.proposer is not None:
+        engine.proposer.use_graphs(config.max_num_seqs, max_pages=64, emulate=True)
+    engine._capture_graphs()
+    return engine
+
+
+@pytest.mark.parametrize("spec_mode", ["off", "static"])
+def test_graph_steps_launched_ahead_complete_their_windows_on_the_device(
+    tiny_target_dir, tiny_drafter_dir, spec_mode
+) -> None:
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    prompts, params = _greedy_requests(rng, 9)
+    waiting = _run(
+        _emulated_graphs_engine(
+            tiny_target_dir, tiny_drafter_dir, spec_mode=spec_mode, overlap_scheduling=False
+        ),
+        prompts,
+        params,
+    )
+    engine = _emulated_graphs_engine(tiny_target_dir, tiny_drafter_dir, spec_mode=spec_mode)
+    ahead = _count_launched_ahead(engine)
+    out = _run(engine, prompts, params)
+    assert out == waiting
+    assert engine.allocator.num_used == 0
+    # `static` drafts inside the step from the completed layout: its anchors and starts must be right
+    # for the drafts to be accepted as often as when steps wait (wrong ones would still be lossless).
+    assert ahead[0] > 10, ahead
+    if spec_mode == "static":
+        assert engine.total_spec_stats.accepted_tokens > 0
+
+
+def test_a_request_with_sampling_makes_steps_wait_until_it_ends(tiny_target_dir) -> None:
+    rng = random.Random(7)
+    prompts, params = _greedy_requests(rng, 5)
+    params[2] = SamplingParams(max_tokens=30, temperature=0.9, seed=11, ignore_eos=True)
+    config = tiny_engine_config(tiny_target_dir, spec_mode="off")
+    waiting = _run(LLMEngine(config.replace(overlap_scheduling=False)), prompts, params)
+    engine = LLMEngine(config)
+    _count_launched_ahead(engine)
+    assert _run(engine, prompts, params) == waiting
+
+
+def test_an_abort_of_a_request_launched_ahead_ends_it_alone(tiny_target_dir) -> None:
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [2, 2]]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True)] * 3
+    config = tiny_engine_config(tiny_target_dir, spec_mode="off")
+    full = _run(LLMEngine(config.replace(overlap_scheduling=False)), prompts, params)
+    engine = LLMEngine(config)
+    ahead = _count_launched_ahead(engine)
+    out = _run(engine, prompts, params, abort_after={"r1": 6})
+    assert ahead[0] > 0
+    tokens, _, reason = out["r1"]
+    assert reason == "abort"
+    assert 0 < len(tokens) < 30 and tokens == full["r1"][0][: len(tokens)]
+    assert out["r0"] == full["r0"] and out["r2"] == full["r2"]
+    assert engine.allocator.num_used == 0
+
+
+def test_the_gate_times_overlapping_steps_by_the_wall_time_each_adds() -> None:
+    now = [0.0]
+    gate = SpeculationGate(lambda: now[0])
+    # Step 1 launched at 0; step 2 launched at 1 ms, before step 1 finishes at 2 ms; step 2 finishes
+    # at 5 ms: it added 3 ms (from step 1's finish), not the 4 ms since its launch.
+    gate.start_step()
+    now[0] = 0.001
+    gate.start_step()
+    now[0] = 0.002
+    gate.finish_step(4, False, 4)
+    now[0] = 0.005
+    gate.finish_step(4, True, 12)
+    plain, speculative = gate.rates(4)
+    assert plain == pytest.approx(4 / 0.002)
+    assert speculative == pytest.approx(12 / 0.003)
