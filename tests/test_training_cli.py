@@ -11,13 +11,13 @@ from dspark.tools.cli import main as dspark
 
 
 def _write_prompts(path) -> None:
+    """18 prompts, two of each key."""
     rng = random.Random(0)
     with path.open("w") as f:
         for i in range(18):
             words = " ".join(f"w{rng.randrange(1, 8)}" for _ in range(rng.randrange(2, 7)))
-            f.write(
-                json.dumps({"id": str(i), "domain": ("chat", "code", "prose")[i % 3], "prompt": words}) + "\n"
-            )
+            domain = ("chat", "code", "prose")[i % 3]
+            f.write(json.dumps({"id": str(i), "domain": domain, "prompt": words, "key": f"k{i // 2}"}) + "\n")
 
 
 def test_training_commands_produce_a_calibrated_drafter_the_engine_serves(tiny_target_dir, tmp_path) -> None:
@@ -37,11 +37,12 @@ def test_training_commands_produce_a_calibrated_drafter_the_engine_serves(tiny_t
     for command in commands:
         assert dspark(command.split()) == 0, command
 
-    # 6 held-out prompts answered once; the other 12 twice, the second answer sampled.
+    # 6 held-out prompts (3 whole keys) answered once; the other 12 twice, the second answer sampled.
     val = [json.loads(line) for line in (data / "distill_val.jsonl").read_text().splitlines()]
     train = [json.loads(line) for line in (data / "distill_train.jsonl").read_text().splitlines()]
     assert len(val) == 6 and len(train) == 24
-    assert {r["id"] for r in val}.isdisjoint(r["id"] for r in train)
+    assert all(r["key"] == f"k{int(r['id']) // 2}" for r in val + train)
+    assert {r["key"] for r in val}.isdisjoint(r["key"] for r in train)
     assert sorted(r["id"] for r in train) == sorted(2 * [r["id"] for r in train[:12]])
     assert all(r["temperature"] == 1.0 for r in train[12:])
     config = json.loads((drafter / "config.json").read_text())

@@ -1,12 +1,17 @@
-"""Self-distillation data accumulates across runs: shards hold exactly the records written, the union of
-several counts each response once and never trains on a prompt any of them holds out, every run holds
-out the same prompts, and a drafter trained on top of another carries the whole training log."""
+"""Self-distillation data accumulates across runs: shards hold exactly the records written (older shards
+without keys still load), the union of several counts each response once and never trains on a prompt or
+key any of them holds out, every run holds out the same prompts, whole keys, and a drafter trained on top
+of another carries the whole training log."""
 
 from __future__ import annotations
 
 import json
 import random
+import zipfile
+from dataclasses import replace
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dspark.runner.models.loader import load_target_model
@@ -29,22 +34,48 @@ def records(tiny_target_dir) -> list[DistillRecord]:
 
 
 def _write_prompts(path, count: int = 18) -> None:
+    """Prompts q0.. of sources s0..s3; the first 15 in five keys of three prompts, the rest without a key."""
     rng = random.Random(0)
     with path.open("w") as f:
         for i in range(count):
             words = " ".join(f"w{rng.randrange(1, 8)}" for _ in range(rng.randrange(2, 7)))
-            f.write(
-                json.dumps({"id": f"q{i}", "domain": "chat", "prompt": words, "source": f"s{i % 4}"}) + "\n"
-            )
+            row = {"id": f"q{i}", "domain": "chat", "prompt": words, "source": f"s{i % 4}"}
+            f.write(json.dumps({**row, "key": f"k{i % 5}"} if i < 15 else row) + "\n")
+
+
+def _prompt_key(prompt_id: str) -> str:
+    """The key `_write_prompts` gives a prompt: k0..k4, or its id."""
+    i = int(prompt_id[1:])
+    return f"k{i % 5}" if i < 15 else prompt_id
+
+
+def _as_version_1(path: Path) -> None:
+    """Rewrite a shard as format 1 wrote it: no prompt keys."""
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {name: z[name] for name in z.files if name != "prompt_key"}
+    arrays["format_version"] = np.array(1, dtype=np.int32)
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_LZMA) as archive:
+        for name, array in arrays.items():
+            with archive.open(name + ".npy", "w") as f:
+                np.lib.format.write_array(f, array, allow_pickle=False)
 
 
 def test_a_shard_reads_back_the_records_written(records, tmp_path) -> None:
     # Large token ids too: a shard stores uint16 when every id fits, int32 otherwise.
-    big = DistillRecord("big", "code", 0.7, [70000, 3], [65535, 2**20], "src")
+    big = DistillRecord("big", "code", 0.7, [70000, 3], [65535, 2**20], "src", "src#key")
     path = write_shard(tmp_path / "a.npz", records[2:] + [big], records[:2], {"seed": 3})
     back = read_shard(path)
-    assert back.train == records[2:] + [big]
+    assert back.train == records[2:] + [big] and back.train[-1].key == "src#key"
     assert back.held_out == records[:2]
+
+
+def test_a_shard_without_keys_reads_back_with_ids_as_keys(records, tmp_path) -> None:
+    keyed = [replace(r, key=f"doc-{r.id}") for r in records]
+    path = write_shard(tmp_path / "old.npz", keyed[2:], keyed[:2], {})
+    _as_version_1(path)
+    back = read_shard(path)
+    assert back.train == records[2:] and back.held_out == records[:2]
+    assert all(r.key == r.id for r in back.train + back.held_out)
 
 
 def test_shards_split_by_stored_tokens_and_keep_held_out_records_in_the_first(records, tmp_path) -> None:
@@ -76,6 +107,23 @@ def test_the_union_of_shards_counts_each_response_once_and_never_trains_on_held_
     assert read_data([tmp_path / "b", first]) == union
 
 
+def test_the_union_never_trains_on_a_key_any_input_holds_out(records, tmp_path) -> None:
+    doc = [replace(r, key="doc") for r in records[:3]]
+    other = [replace(r, key=f"other{i}") for i, r in enumerate(records[3:6])]
+    first = write_shard(tmp_path / "first.npz", other, doc[:1], {})
+    # Another call trained on the held-out prompt's document (other prompts of its key): dropped.
+    second = write_shard(tmp_path / "second.npz", doc[1:], [], {})
+    # A shard without keys held out records[6]; a later call knows its key and trained on that key.
+    old = write_shard(tmp_path / "old.npz", [], records[6:7], {})
+    _as_version_1(old)
+    later = [replace(r, key="doc6") for r in (records[6], records[7])]
+    third = write_shard(tmp_path / "third.npz", [*later, records[8]], [], {})
+    union = read_data([first, second, old, third])
+    assert sorted(r.id for r in union.train) == sorted(r.id for r in [*other, records[8]])
+    assert {r.key for r in union.held_out} == {"doc", "doc6"}
+    assert {r.key for r in union.held_out}.isdisjoint(r.key for r in union.train)
+
+
 def test_every_run_holds_out_the_same_prompts_and_writes_them_as_shards(tiny_target_dir, tmp_path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     _write_prompts(prompts)
@@ -91,10 +139,37 @@ def test_every_run_holds_out_the_same_prompts_and_writes_them_as_shards(tiny_tar
         assert shard.train == read_records(out / "distill_train.jsonl")
         assert shard.held_out == read_records(out / "distill_val.jsonl")
         assert all(r.source == f"s{int(r.id[1:]) % 4}" for r in shard.train + shard.held_out)
+        assert all(r.key == _prompt_key(r.id) for r in shard.train + shard.held_out)
         runs.append(shard)
-    assert len(runs[0].held_out) == 4 and {r.id for r in runs[0].held_out} == {r.id for r in runs[1].held_out}
+    # At least 4 prompts held out, as whole keys: every prompt of a held-out key, none of it trained on.
+    held_keys = {r.key for r in runs[0].held_out}
+    assert len(runs[0].held_out) >= 4
+    assert sorted(r.id for r in runs[0].held_out) == sorted(
+        f"q{i}" for i in range(18) if _prompt_key(f"q{i}") in held_keys
+    )
+    assert {r.id for r in runs[0].held_out} == {r.id for r in runs[1].held_out}
     # Another seed, other training prompts first: the runs differ, their held-out prompts do not.
     assert [r.id for r in runs[0].train][:6] != [r.id for r in runs[1].train][:6]
+
+
+def test_no_key_has_prompts_on_both_sides(tiny_target_dir, tmp_path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    _write_prompts(prompts)
+    for val in (1, 5):
+        out = tmp_path / f"val{val}"
+        command = (
+            f"distill-data --target {tiny_target_dir} --prompts {prompts} --out-dir {out} --max-new-tokens 4 "
+            f"--val-prompts {val} --responses-per-prompt 2"
+        )
+        assert dspark(command.split()) == 0
+        # The prompt file's keys, not the ones the records carry: those could be wrong too.
+        sides = [
+            {_prompt_key(json.loads(line)["id"]) for line in (out / name).read_text().splitlines()}
+            for name in ("distill_train.jsonl", "distill_val.jsonl")
+        ]
+        assert sides[0] and sides[1] and sides[0].isdisjoint(sides[1]), (val, sides)
+        union = read_data([out])
+        assert {_prompt_key(r.id) for r in union.held_out}.isdisjoint(_prompt_key(r.id) for r in union.train)
 
 
 def test_training_on_top_of_a_drafter_continues_its_log_at_a_lower_peak(

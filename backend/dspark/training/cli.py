@@ -47,7 +47,8 @@ def distill_data(argv: list[str]) -> int:
         "--val-prompts",
         type=int,
         default=64,
-        help="held out for calibration: the prompts whose ids hash lowest, the same ones in every run",
+        help="held out for calibration: at least this many prompts, whole keys (source documents), those "
+        "whose keys hash lowest, the same ones in every run",
     )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
@@ -80,17 +81,19 @@ def distill_data(argv: list[str]) -> int:
     tokenizer = Tokenizer.from_dir(args.target)
     rng = random.Random(args.seed)
     prompts = read_prompts(args.prompts)
-    sources = {p.id: p.source for p in prompts}
+    by_id = {p.id: p for p in prompts}
     wanted = args.num_prompts or len(prompts)
     # The held-out prompts do not depend on the seed or the count: every run holds out the same ones,
-    # so shards of separate runs pool without one training on another's held-out prompts.
-    ranked = sorted(prompts, key=lambda p: _stable_hash(p.id))
+    # so shards of separate runs pool without one training on another's held-out prompts. They are
+    # whole keys, so no training prompt shares a source document with a held-out one.
     val = min(args.val_prompts, wanted // 2)
-    held = _encoded_prompts(tokenizer, ranked, val, args.max_prompt_tokens) if val > 0 else []
-    held_ids = {p[0] for p in held}
+    held, held_keys = _held_out_prompts(tokenizer, prompts, val, args.max_prompt_tokens)
     rng.shuffle(prompts)
-    rest = [p for p in prompts if p.id not in held_ids]
-    encoded = held + _encoded_prompts(tokenizer, rest, wanted - len(held), args.max_prompt_tokens)
+    rest = [p for p in prompts if p.key not in held_keys]
+    # A key may hold more prompts than asked for; the training side keeps its count.
+    train_count = wanted - min(len(held), val)
+    encoded = held + _encoded_prompts(tokenizer, rest, train_count, args.max_prompt_tokens)
+    print(f"distill: {len(held)} held-out prompts of {len(held_keys)} keys", file=sys.stderr, flush=True)
     temperatures = [1.0 if rng.random() < args.sample_fraction else 0.0 for _ in encoded]
     # The held-out prompts come first, one answer each; every training prompt's extra answers follow.
     extra = [p for p in encoded[len(held) :] for _ in range(args.responses_per_prompt - 1)]
@@ -98,8 +101,10 @@ def distill_data(argv: list[str]) -> int:
     print(f"distill: {len(jobs)} answers to {len(encoded)} prompts", file=sys.stderr, flush=True)
     records = _generate(args, jobs, temperatures, tokenizer.eos_token_ids)
     for record in records:
-        record.source = sources.get(record.id, "")
-    data = DistillData([r for r in records if r.id not in held_ids], [r for r in records if r.id in held_ids])
+        record.source, record.key = by_id[record.id].source, by_id[record.id].key
+    data = DistillData(
+        [r for r in records if r.key not in held_keys], [r for r in records if r.key in held_keys]
+    )
     out = Path(args.out_dir)
     write_records(out / "distill_val.jsonl", data.held_out)
     write_records(out / "distill_train.jsonl", data.train)
@@ -124,6 +129,24 @@ def _stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "big")
 
 
+def _held_out_prompts(
+    tokenizer: Tokenizer, prompts: list[Prompt], wanted: int, max_tokens: int
+) -> tuple[list[tuple[str, str, list[int]]], set[str]]:
+    """The held-out prompts, (id, domain, token ids) of at most `max_tokens` tokens, and their keys: whole
+    keys, those whose keys hash lowest, until at least `wanted` prompts; the same whatever the seed."""
+    by_key: dict[str, list[Prompt]] = {}
+    for prompt in sorted(prompts, key=lambda p: p.id):
+        by_key.setdefault(prompt.key, []).append(prompt)
+    held: list[tuple[str, str, list[int]]] = []
+    keys: set[str] = set()
+    for key in sorted(by_key, key=lambda k: (_stable_hash(k), k)):
+        if len(held) >= wanted:
+            break
+        keys.add(key)
+        held += _encoded_prompts(tokenizer, by_key[key], len(by_key[key]), max_tokens)
+    return held, keys
+
+
 def _encoded_prompts(
     tokenizer: Tokenizer, prompts: list[Prompt], wanted: int, max_tokens: int
 ) -> list[tuple[str, str, list[int]]]:
@@ -131,6 +154,8 @@ def _encoded_prompts(
     from dspark.training.data import encode_prompt
 
     encoded: list[tuple[str, str, list[int]]] = []
+    if wanted <= 0:
+        return encoded
     for prompt in prompts:
         ids = encode_prompt(tokenizer, prompt.conversation)
         if len(ids) <= max_tokens:

@@ -37,6 +37,11 @@ class Prompt:
     # A multi-turn prompt's whole conversation (user and assistant turns, a user turn last); `prompt` is
     # then its last user turn.
     messages: list[dict[str, str]] | None = None
+    # The unit the prompt set holds out whole (its source document, file, word); the id when none is given.
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.id
 
     @property
     def conversation(self) -> list[dict[str, str]]:
@@ -55,6 +60,11 @@ class DistillRecord:
     response_ids: list[int]
     # The prompt's source (document, module, word list), carried into shards for provenance.
     source: str = ""
+    # The prompt's key (`Prompt.key`: the unit held out whole); the id when none is known.
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.id
 
     @property
     def token_ids(self) -> list[int]:
@@ -63,8 +73,8 @@ class DistillRecord:
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:
-    """Prompts from a JSON-lines file with keys id, domain, prompt (and source, messages; other keys, such
-    as the prompt set's key and kind, are ignored)."""
+    """Prompts from a JSON-lines file with keys id, domain, prompt (and source, messages, key; other keys,
+    such as the prompt set's kind, are ignored)."""
     names = {f.name for f in fields(Prompt)}
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
