@@ -37,10 +37,12 @@ def test_training_commands_produce_a_calibrated_drafter_the_engine_serves(tiny_t
     for command in commands:
         assert dspark(command.split()) == 0, command
 
-    # 6 held-out prompts (3 whole keys) answered once; the other 12 twice, the second answer sampled.
+    # 6 held-out prompts (whole keys, 2 of each domain) answered once; the other 12 twice, the second
+    # answer sampled.
     val = [json.loads(line) for line in (data / "distill_val.jsonl").read_text().splitlines()]
     train = [json.loads(line) for line in (data / "distill_train.jsonl").read_text().splitlines()]
     assert len(val) == 6 and len(train) == 24
+    assert sorted(r["domain"] for r in val) == ["chat", "chat", "code", "code", "prose", "prose"]
     assert all(r["key"] == f"k{int(r['id']) // 2}" for r in val + train)
     assert {r["key"] for r in val}.isdisjoint(r["key"] for r in train)
     assert sorted(r["id"] for r in train) == sorted(2 * [r["id"] for r in train[:12]])

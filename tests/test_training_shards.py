@@ -1,10 +1,11 @@
 """Self-distillation data accumulates across runs: shards hold exactly the records written (older shards
 without keys still load), the union of several counts each response once and never trains on a prompt or
-key any of them holds out, every run holds out the same prompts, whole keys, and a drafter trained on top
-of another carries the whole training log."""
+key any of them holds out, every run holds out the same prompts, whole keys, each domain its share, and a
+drafter trained on top of another carries the whole training log."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import zipfile
@@ -170,6 +171,57 @@ def test_no_key_has_prompts_on_both_sides(tiny_target_dir, tmp_path) -> None:
         assert sides[0] and sides[1] and sides[0].isdisjoint(sides[1]), (val, sides)
         union = read_data([out])
         assert {_prompt_key(r.id) for r in union.held_out}.isdisjoint(_prompt_key(r.id) for r in union.train)
+
+
+def _write_domain_prompts(path: Path, seed: int) -> dict[str, tuple[str, str]]:
+    """24 prompts in a shuffled order: chat 12 of one-prompt keys, code 6 in 3 keys, math 6 in 2 keys (as
+    the real set's few large math modules); {id: (domain, key)}."""
+    layout = [("chat", f"chat{i}") for i in range(12)]
+    layout += [("code", f"code{i // 2}") for i in range(6)] + [("math", f"math{i // 3}") for i in range(6)]
+    rng = random.Random(seed)
+    words = [f"w{rng.randrange(1, 8)} w{i % 7 + 1}" for i in range(len(layout))]
+    rows = [
+        {"id": f"{domain}-{i}", "domain": domain, "prompt": words[i], "key": key}
+        for i, (domain, key) in enumerate(layout)
+    ]
+    rng.shuffle(rows)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {row["id"]: (row["domain"], row["key"]) for row in rows}
+
+
+def test_every_domain_holds_out_its_lowest_hash_keys_up_to_its_share(tiny_target_dir, tmp_path) -> None:
+    # The 4 keys of lowest hash overall hold no code prompt; each domain choosing its own holds out some.
+    def key_hash(key: str) -> tuple[int, str]:
+        return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big"), key
+
+    held = []
+    for seed, count in ((0, 0), (1, 12)):
+        prompts, out = tmp_path / f"prompts{seed}.jsonl", tmp_path / f"seed{seed}"
+        layout = _write_domain_prompts(prompts, seed)
+        command = (
+            f"distill-data --target {tiny_target_dir} --prompts {prompts} --out-dir {out} --max-new-tokens 4 "
+            f"--val-prompts 4 --num-prompts {count} --seed {seed}"
+        )
+        assert dspark(command.split()) == 0
+        sides = [
+            [layout[json.loads(line)["id"]] for line in (out / name).read_text().splitlines()]
+            for name in ("distill_train.jsonl", "distill_val.jsonl")
+        ]
+        train_keys, held_keys = ({key for _, key in side} for side in sides)
+        assert train_keys.isdisjoint(held_keys)
+        # Whole keys: every prompt of a held-out key is held out.
+        assert sorted(sides[1]) == sorted(v for v in layout.values() if v[1] in held_keys)
+        assert {domain for domain, _ in sides[1]} == {"chat", "code", "math"}
+        # Shares of 4 by prompt count: chat 2, code 1, math 1 (a key of 3, larger than its share, whole).
+        per_domain = {d: sum(domain == d for domain, _ in sides[1]) for d in ("chat", "code", "math")}
+        assert per_domain == {"chat": 2, "code": 2, "math": 3}
+        for domain in per_domain:
+            keys = sorted({key for d, key in layout.values() if d == domain}, key=key_hash)
+            chosen = [key for key in keys if key in held_keys]
+            assert chosen == keys[: len(chosen)], (domain, chosen, keys)
+        held.append(sorted(held_keys))
+    # Another seed, prompt count and file order: the same keys.
+    assert held[0] == held[1]
 
 
 def test_training_on_top_of_a_drafter_continues_its_log_at_a_lower_peak(

@@ -11,6 +11,7 @@ import hashlib
 import json
 import random
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,8 +48,8 @@ def distill_data(argv: list[str]) -> int:
         "--val-prompts",
         type=int,
         default=64,
-        help="held out for calibration: at least this many prompts, whole keys (source documents), those "
-        "whose keys hash lowest, the same ones in every run",
+        help="held out for calibration: at least this many prompts, whole keys (source documents); in each "
+        "domain those whose keys hash lowest until its share (at least one prompt); the same in every run",
     )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
@@ -85,7 +86,8 @@ def distill_data(argv: list[str]) -> int:
     wanted = args.num_prompts or len(prompts)
     # The held-out prompts do not depend on the seed or the count: every run holds out the same ones,
     # so shards of separate runs pool without one training on another's held-out prompts. They are
-    # whole keys, so no training prompt shares a source document with a held-out one.
+    # whole keys, so no training prompt shares a source document with a held-out one, and every domain
+    # holds out its share.
     val = min(args.val_prompts, wanted // 2)
     held, held_keys = _held_out_prompts(tokenizer, prompts, val, args.max_prompt_tokens)
     rng.shuffle(prompts)
@@ -133,18 +135,29 @@ def _held_out_prompts(
     tokenizer: Tokenizer, prompts: list[Prompt], wanted: int, max_tokens: int
 ) -> tuple[list[tuple[str, str, list[int]]], set[str]]:
     """The held-out prompts, (id, domain, token ids) of at most `max_tokens` tokens, and their keys: whole
-    keys, those whose keys hash lowest, until at least `wanted` prompts; the same whatever the seed."""
+    keys, in each domain those whose keys hash lowest until it holds at least its share of `wanted`
+    (proportional to its prompts, at least one); the same whatever the seed, count or file order."""
+    if wanted <= 0 or not prompts:
+        return [], set()
     by_key: dict[str, list[Prompt]] = {}
     for prompt in sorted(prompts, key=lambda p: p.id):
         by_key.setdefault(prompt.key, []).append(prompt)
-    held: list[tuple[str, str, list[int]]] = []
-    keys: set[str] = set()
-    for key in sorted(by_key, key=lambda k: (_stable_hash(k), k)):
-        if len(held) >= wanted:
-            break
-        keys.add(key)
-        held += _encoded_prompts(tokenizer, by_key[key], len(by_key[key]), max_tokens)
-    return held, keys
+    order = sorted(by_key, key=lambda k: (_stable_hash(k), k))
+    sizes = Counter(p.domain for p in prompts)
+    held_by_key: dict[str, list[tuple[str, str, list[int]]]] = {}
+    held_per_domain: Counter[str] = Counter()
+    for domain in sorted(sizes):
+        share = max(1, -(-wanted * sizes[domain] // len(prompts)))
+        # A key counts toward every domain its prompts are in; a key larger than the share still goes whole.
+        for key in order:
+            if held_per_domain[domain] >= share:
+                break
+            if key in held_by_key or all(p.domain != domain for p in by_key[key]):
+                continue
+            held_by_key[key] = _encoded_prompts(tokenizer, by_key[key], len(by_key[key]), max_tokens)
+            held_per_domain.update(d for _, d, _ in held_by_key[key])
+    held = [encoded for key in order if key in held_by_key for encoded in held_by_key[key]]
+    return held, set(held_by_key)
 
 
 def _encoded_prompts(
