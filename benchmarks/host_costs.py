@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import sys
 import time
 from collections.abc import Callable
 
@@ -127,6 +128,45 @@ def _alone(llm: LLM, device: torch.device) -> None:
     print(f"  pinned to_device of 200 ints: {(time.perf_counter_ns() - start) / 200e3:.1f} us host")
 
 
+def _tiny_llm(mode: str, batch: int) -> LLM:
+    """A 2-layer random target (vocabulary 512) and drafter on the CPU whose steps replay emulated CUDA
+    graphs (`static` drafting inside the target step), so the pieces timed are the GPU path's host
+    work plus a small model's CPU forward."""
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny_models import write_tiny_drafter, write_tiny_target
+
+    from dspark.config import EngineConfig
+    from dspark.runner.cuda_graphs import CudaGraphs
+
+    work = Path(tempfile.mkdtemp(prefix="host-costs-"))
+    target = write_tiny_target(work / "target", vocab_size=512, hidden=64)
+    drafter = write_tiny_drafter(target, work / "drafter", block_size=3)
+    config = EngineConfig(
+        model=str(target),
+        draft_model=str(drafter) if mode != "off" else "",
+        spec_mode=mode,
+        device="cpu",
+        num_kv_pages=8192,
+        kv_page_size=16,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, batch * 8),
+        adaptive_speculation=False,
+    )
+    llm = LLM(config)
+    engine = llm.engine
+    runner = engine.runner
+    runner.use_graphs(
+        CudaGraphs(runner.model, runner.cache, runner.device, 4 * batch + 64, batch, emulate=True)
+    )
+    if engine.proposer is not None:
+        engine.proposer.use_graphs(batch, max_pages=64, emulate=True)
+    engine._capture_graphs()
+    return llm
+
+
 def main(argv: list[str] | None = None) -> None:
     """Time each mode's pieces and print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -136,14 +176,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--modes", default="off,static")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a tiny random target and drafter on the CPU, through emulated CUDA graphs: the host's "
+        "share of a GPU step (layout fills, in-step drafts, acceptance, emission) on any machine",
+    )
     args = parser.parse_args(argv)
     _wrap_all()
     for mode in args.modes.split(","):
-        config = bench_config(
-            args.model, args.draft_model, args.device, args.batch, spec_mode=mode, adaptive_speculation=False
-        )
-        llm = LLM(config)
-        ids = _prompt_ids(llm, args.batch)
+        if args.tiny:
+            llm = _tiny_llm(mode, args.batch)
+            ids = [[(7 * i + j) % 500 + 1 for j in range(24)] for i in range(args.batch)]
+        else:
+            config = bench_config(
+                args.model,
+                args.draft_model,
+                args.device,
+                args.batch,
+                spec_mode=mode,
+                adaptive_speculation=False,
+            )
+            llm = LLM(config)
+            ids = _prompt_ids(llm, args.batch)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         llm.generate(params=params, prompt_token_ids=ids)  # warm-up
         NANOSECONDS.clear()

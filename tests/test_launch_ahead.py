@@ -43,6 +43,7 @@ def _run(engine: LLMEngine, prompts, params, abort_after: dict[str, int] | None 
     reasons: dict[str, str | None] = {key: None for key in tokens}
     calls = 0
     while engine.has_unfinished_requests():
+        assert calls < 5000, "the engine stopped making progress"
         for delta in engine.step():
             assert reasons[delta.request_id] is None, "a delta after the request's end"
             assert delta.error is None, delta.error

@@ -10,6 +10,8 @@ from tiny_models import tiny_engine_config
 
 from dspark import LLMEngine, SamplingParams
 
+MAX_CALLS = 5000  # far more steps than any of these runs takes: more is a livelock, not slowness
+
 
 def _params(count: int, rng: random.Random, vocab: int = 8) -> list[SamplingParams]:
     """A mix of what a step can commit: greedy to a length, stop ids, stop strings, logprobs,
@@ -34,6 +36,7 @@ def _deltas_by_request(engine: LLMEngine, prompts, params, abort_after: dict[str
     out: dict[str, list[tuple]] = {f"r{i}": [] for i in range(len(prompts))}
     calls = 0
     while engine.has_unfinished_requests():
+        assert calls < MAX_CALLS, "the engine stopped making progress"
         for d in engine.step():
             logprobs = [dict(entry) for entry in d.logprobs] if d.logprobs is not None else None
             out[d.request_id].append(
@@ -63,6 +66,23 @@ def test_overlap_gives_every_request_the_same_deltas(tiny_target_dir, tiny_draft
     assert engine.allocator.num_used == 0
     if mode == "off":  # (speculative modes reserve their windows differently)
         assert engine.scheduler.num_preemptions > 0, "the cache was meant to be too small for the batch"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_preempted_for_a_window_is_not_prefilled_in_the_same_step(tiny_target_dir, overlap) -> None:
+    """Seed 2 of this file's mix preempts the two youngest decoding requests for older ones' windows;
+    the step's prefill pass must not then schedule a chunk of either (a snapshot of the running
+    requests taken before the preemptions once did: the request ran while waiting, and the engine
+    never finished)."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 8) for _ in range(rng.randrange(2, 14))] for _ in range(14)]
+    params = _params(len(prompts), rng)
+    config = tiny_engine_config(tiny_target_dir, spec_mode="off", num_kv_pages=40, max_num_batched_tokens=24)
+    engine = LLMEngine(config.replace(overlap_scheduling=overlap))
+    out = _deltas_by_request(engine, prompts, params)
+    assert all(deltas and deltas[-1][2] for deltas in out.values())
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.allocator.num_used == 0
 
 
 def test_a_call_returns_with_the_next_step_launched(tiny_target_dir) -> None:

@@ -120,11 +120,8 @@ class Scheduler:
         reserved, when a decoding request's window does not fit (schedule again once it is accepted)."""
         plan = _Building()
         budget = self.max_num_batched_tokens
-        running = sorted(self.running, key=lambda s: s.arrival)
-        if in_flight is not None:
-            running = [seq for seq in running if seq not in in_flight.sit_out]
         cached = in_flight.cached if in_flight is not None else _cached
-        for seq in running:
+        for seq in self._by_arrival(in_flight):
             if cached(seq) < seq.prefill_target or seq.status is not SequenceStatus.RUNNING:
                 continue
             need = self.decode_tokens(seq)
@@ -139,7 +136,8 @@ class Scheduler:
                 continue
             plan.decode.append(seq)
             budget -= need
-        for seq in running:
+        # Afresh: the decode windows' reservations may have preempted some of the requests.
+        for seq in self._by_arrival(in_flight):
             if cached(seq) < seq.prefill_target and budget > 0:
                 budget -= self._schedule_prefill(seq, budget, plan, cached(seq))
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -152,6 +150,13 @@ class Scheduler:
             self.running.append(seq)
             budget -= chunk
         return StepSchedule(tuple(plan.decode), tuple(plan.prefill))
+
+    def _by_arrival(self, in_flight: InFlight | None) -> list[Sequence]:
+        """The running requests, oldest first (less those sitting the step out)."""
+        running = sorted(self.running, key=lambda s: s.arrival)
+        if in_flight is None:
+            return running
+        return [seq for seq in running if seq not in in_flight.sit_out]
 
     def _schedule_prefill(self, seq: Sequence, budget: int, plan: _Building, cached: int) -> int:
         length = min(seq.prefill_target - cached, budget)
