@@ -383,7 +383,7 @@ class LLMEngine:
         schedule, plan = earlier.schedule, earlier.plan
         advance: dict[Sequence, int] = {}
         reach: dict[Sequence, int] = {}
-        decode_index: dict[Sequence, int] = {}
+        follows: dict[Sequence, int] = {}
         sit_out: set[Sequence] = set()
         room = self.limits.max_model_len - self.scheduler.window_positions
         for r, seq in enumerate(schedule.decode):
@@ -391,13 +391,21 @@ class LLMEngine:
             if seq.remaining_tokens <= most or len(seq.token_ids) + most > room:
                 sit_out.add(seq)  # it may end there, or its window may not fit: wait for the acceptance
                 continue
-            advance[seq], reach[seq], decode_index[seq] = 1, plan.verify_lens[r], r
-        for chunk in schedule.prefill:
-            if chunk.samples_first_token:
-                sit_out.add(chunk.seq)  # its anchor is the first token, not yet read
-            else:
-                advance[chunk.seq] = chunk.length
-        return InFlight(advance, reach, frozenset(sit_out), decode_index)
+            advance[seq], reach[seq], follows[seq] = 1, plan.verify_lens[r], r
+        # A chunk that ends its prompt samples the first token from its logit row, which comes after
+        # every verify window's rows (the acceptance's `rest`): that token is the next anchor.
+        window_rows = sum(plan.verify_lens) + len(plan.verify_lens)
+        offsets = earlier.packed.logit_offsets[len(schedule.decode) :]
+        for chunk, offset in zip(schedule.prefill, offsets, strict=True):
+            seq = chunk.seq
+            advance[seq] = chunk.length
+            if not chunk.samples_first_token:
+                continue
+            if seq.remaining_tokens <= 1 or len(seq.token_ids) + 1 > room:
+                sit_out.add(seq)
+                continue
+            reach[seq], follows[seq] = 0, len(schedule.decode) + offset - window_rows
+        return InFlight(advance, reach, frozenset(sit_out), follows)
 
     def _complete(
         self, launched: LaunchedStep, queued: QueuedGreedyAcceptance | None = None
@@ -449,7 +457,7 @@ class LLMEngine:
         """Most drafts this request may verify: block size, its own cap, tokens and context left (once
         the step in flight, if any, has committed the least it can)."""
         own = seq.params.num_draft_tokens
-        ahead = 1 if in_flight is not None and seq in in_flight.decode_index else 0
+        ahead = 1 if in_flight is not None and seq in in_flight.follows else 0
         cap = min(
             self.limits.block_size,
             self.limits.block_size if own is None else own,

@@ -49,13 +49,14 @@ class InFlight:
 
     advance: positions it caches at least, per request (a verify window: its anchor; a prefill chunk:
     its length); reach: positions past those it may cache too (the window's drafts, if accepted);
-    sit_out: requests the next step leaves out (a first token still to be read, or too close to an end
-    for a window whose start is not known); decode_index: each decoding request's window in it."""
+    sit_out: requests the next step leaves out (too close to an end for a window whose start is not
+    known); follows: per request whose next anchor that step commits, which of its outputs gives it
+    (its verify windows in order, then its prefill chunks' first tokens)."""
 
     advance: dict[Sequence, int]
     reach: dict[Sequence, int]
     sit_out: frozenset[Sequence]
-    decode_index: dict[Sequence, int]
+    follows: dict[Sequence, int]
 
     def cached(self, seq: Sequence) -> int:
         """Positions of `seq` cached once the step is accepted, at least."""

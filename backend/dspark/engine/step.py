@@ -58,17 +58,18 @@ def pack_step(
     every row, a prefill chunk that ends its prompt those of its last row, other chunks none.
 
     `in_flight`, `earlier`: the step before, launched and not yet accepted, and its greedy acceptance
-    queued on the device. A request decoding in it starts here where it leaves it at least, and its
-    start and anchor are completed on the device (`DeferredInputs`)."""
+    queued on the device. A request whose next anchor it commits (a verify window's last token, a
+    prompt's first) starts here where it leaves it at least, and its start and anchor are completed on
+    the device (`DeferredInputs`)."""
     windows = _Windows()
     following: list[tuple[int, int, int]] = []  # (window, anchor row, window in the earlier step)
     for r, (seq, num_drafts) in enumerate(zip(schedule.decode, plan.verify_lens, strict=True)):
         start = seq.num_cached
         if in_flight is not None:
             start = in_flight.cached(seq)
-            earlier_window = in_flight.decode_index.get(seq)
-            if earlier_window is not None:
-                following.append((r, len(windows.tokens), earlier_window))
+            earlier_output = in_flight.follows.get(seq)
+            if earlier_output is not None:
+                following.append((r, len(windows.tokens), earlier_output))
         windows.add(seq, [seq.anchor] + [0] * num_drafts, start, logits="all")
     for chunk in schedule.prefill:
         seq = chunk.seq
@@ -78,7 +79,10 @@ def pack_step(
     if following:
         assert earlier is not None, "windows follow a step whose acceptance is not queued"
         index = torch.tensor(following, dtype=torch.long).T.contiguous()
-        deferred = DeferredInputs(index, earlier.accepted, earlier.bonus)
+        # The earlier step's outputs: its verify windows (accepted drafts, the token after them), then
+        # its prefill chunks' last rows (nothing accepted, the first token).
+        accepted = torch.cat([earlier.accepted, torch.zeros_like(earlier.rest)])
+        deferred = DeferredInputs(index, accepted, torch.cat([earlier.bonus, earlier.rest]))
     step = windows.to_step(capture_layers, plan.drafts, deferred)
     return PackedStep(step, tuple(windows.logit_offsets))
 

@@ -123,6 +123,7 @@ class QueuedGreedyAcceptance:
 
     accepted: torch.Tensor
     bonus: torch.Tensor
+    rest: torch.Tensor  # the argmax of the logit rows after the windows (prefill chunks' last rows)
     _host: torch.Tensor  # accepted, bonus, the verified drafts, the rest: on the host once `_ready`
     _ready: torch.cuda.Event | None
     verify_lens: tuple[int, ...]
@@ -155,7 +156,7 @@ def queue_greedy_accept(
     device = argmax.device
     if num == 0:
         empty = torch.zeros(0, dtype=torch.long, device=device)
-        return _queue_copy(empty, empty, argmax, (), 0)
+        return _queue_copy(empty, empty, argmax, argmax, (), 0)
     lens = torch.tensor(verify_lens, dtype=torch.long)
     cu = torch.zeros(num + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(lens + 1, 0)
@@ -171,19 +172,25 @@ def queue_greedy_accept(
         width = max(verify_lens)
     accepted, bonus = ops.greedy_accept(drafts, argmax[:window_rows], cu_d, lens_d, caps_d)
     # The verified drafts come back in the same copy (the host emits the accepted ones).
-    both = torch.cat([accepted, bonus, drafts[:, :width].flatten(), argmax[window_rows:]])
-    return _queue_copy(accepted, bonus, both, tuple(verify_lens), width)
+    rest = argmax[window_rows:]
+    both = torch.cat([accepted, bonus, drafts[:, :width].flatten(), rest])
+    return _queue_copy(accepted, bonus, rest, both, tuple(verify_lens), width)
 
 
 def _queue_copy(
-    accepted: torch.Tensor, bonus: torch.Tensor, both: torch.Tensor, verify_lens: tuple[int, ...], width: int
+    accepted: torch.Tensor,
+    bonus: torch.Tensor,
+    rest: torch.Tensor,
+    both: torch.Tensor,
+    verify_lens: tuple[int, ...],
+    width: int,
 ) -> QueuedGreedyAcceptance:
     """Start the copy of `both` to the host: into pinned memory behind an event on a GPU (the host
     reads it once the event has passed), as it is elsewhere."""
     if both.device.type != "cuda":
-        return QueuedGreedyAcceptance(accepted, bonus, both, None, verify_lens, width)
+        return QueuedGreedyAcceptance(accepted, bonus, rest, both, None, verify_lens, width)
     host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
     host.copy_(both, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
-    return QueuedGreedyAcceptance(accepted, bonus, host, ready, verify_lens, width)
+    return QueuedGreedyAcceptance(accepted, bonus, rest, host, ready, verify_lens, width)
