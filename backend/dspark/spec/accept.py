@@ -192,5 +192,5 @@ def _queue_copy(
     host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
     host.copy_(both, non_blocking=True)
     ready = torch.cuda.Event()
-    ready.record()
+    ready.record(torch.cuda.current_stream(both.device))  # the copy's stream, whatever device is current
     return QueuedGreedyAcceptance(accepted, bonus, rest, host, ready, verify_lens, width)
