@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from tiny_models import tiny_engine_config
 
 from dspark import LLMEngine, SamplingParams
@@ -183,3 +184,41 @@ def test_the_gate_times_overlapping_steps_by_the_wall_time_each_adds() -> None:
     plain, speculative = gate.rates(4)
     assert plain == pytest.approx(4 / 0.002)
     assert speculative == pytest.approx(12 / 0.003)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("spec_mode", ["off", "static"])
+def test_steps_launched_ahead_on_the_gpu_through_cuda_graphs(
+    tiny_target_dir, tiny_drafter_dir, spec_mode
+) -> None:
+    """The real GPU path: captured target graphs (`static` drafting inside them), the acceptance's copy
+    to pinned memory behind an event, the deferred starts and anchors written into the graphs' static
+    inputs. fp32 on a tiny model with clear greedy choices: the tokens of steps that wait."""
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    prompts, params = _greedy_requests(rng, 12)
+    config = EngineConfig(
+        model=str(tiny_target_dir),
+        draft_model=str(tiny_drafter_dir),
+        spec_mode=spec_mode,
+        device="cuda",
+        dtype="float32",
+        num_kv_pages=256,
+        kv_page_size=PAGE,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        adaptive_speculation=False,
+    )
+    waiting = _run(LLMEngine(config.replace(overlap_scheduling=False)), prompts, params)
+    engine = LLMEngine(config)
+    assert engine.runner.graphs is not None and engine.runner.graphs.captured
+    ahead = _count_launched_ahead(engine)
+    assert _run(engine, prompts, params) == waiting
+    assert ahead[0] > 10, ahead
+    assert engine.allocator.num_used == 0
+    engine.close()
