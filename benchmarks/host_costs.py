@@ -136,10 +136,9 @@ def _tiny_llm(mode: str, batch: int) -> LLM:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from tiny_models import write_tiny_drafter, write_tiny_target
+    from tiny_models import use_emulated_graphs, write_tiny_drafter, write_tiny_target
 
     from dspark.config import EngineConfig
-    from dspark.runner.cuda_graphs import CudaGraphs
 
     work = Path(tempfile.mkdtemp(prefix="host-costs-"))
     target = write_tiny_target(work / "target", vocab_size=512, hidden=64)
@@ -156,14 +155,7 @@ def _tiny_llm(mode: str, batch: int) -> LLM:
         adaptive_speculation=False,
     )
     llm = LLM(config)
-    engine = llm.engine
-    runner = engine.runner
-    runner.use_graphs(
-        CudaGraphs(runner.model, runner.cache, runner.device, 4 * batch + 64, batch, emulate=True)
-    )
-    if engine.proposer is not None:
-        engine.proposer.use_graphs(batch, max_pages=64, emulate=True)
-    engine._capture_graphs()
+    use_emulated_graphs(llm.engine, tokens=4 * batch + 64, requests=batch)
     return llm
 
 

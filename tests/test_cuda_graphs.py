@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_models import emulated_graphs_config
 
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.runner.attention_batch import AttentionBatch
@@ -123,20 +124,6 @@ def test_padded_layout_marks_padding_tokens_and_windows() -> None:
     assert batch.page_table.shape == (4, 2)
 
 
-def _emulated_engine_config(target_dir, drafter_dir, **changes) -> EngineConfig:
-    """The tiny engine whose steps fit emulated graphs of 32 tokens and 4 requests, drafting every step."""
-    config = EngineConfig(
-        model=str(target_dir),
-        draft_model=str(drafter_dir),
-        num_kv_pages=256,
-        kv_page_size=PAGE,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        adaptive_speculation=False,
-    )
-    return config.replace(**changes)
-
-
 @pytest.mark.parametrize("spec_mode", ["off", "static", "compact"])
 def test_engine_through_emulated_graphs_gives_the_eager_tokens(
     tiny_target_dir, tiny_drafter_dir, spec_mode
@@ -145,7 +132,7 @@ def test_engine_through_emulated_graphs_gives_the_eager_tokens(
     # logic of a replay is exercised on any machine, with every kind of step (prefill chunks, mixed).
     rng = random.Random(3)
     prompts = [[rng.randrange(1, 8) for _ in range(rng.randrange(2, 30))] for _ in range(7)]
-    config = _emulated_engine_config(tiny_target_dir, tiny_drafter_dir, spec_mode=spec_mode)
+    config = emulated_graphs_config(tiny_target_dir, tiny_drafter_dir, spec_mode=spec_mode)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     eager = LLM(config).generate(params=params, prompt_token_ids=prompts)
     for draft_graphs in (False, True):
@@ -173,7 +160,7 @@ def test_engine_through_emulated_graphs_gives_the_eager_tokens(
 
 def test_graphs_captured_at_start_up_serve_every_step(tiny_target_dir, tiny_drafter_dir) -> None:
     # Start-up capture covers every tier a step or a draft block can take: generation captures nothing.
-    config = _emulated_engine_config(tiny_target_dir, tiny_drafter_dir)
+    config = emulated_graphs_config(tiny_target_dir, tiny_drafter_dir)
     llm = LLM(config)
     engine = llm.engine
     runner = engine.runner

@@ -8,11 +8,10 @@ import random
 
 import pytest
 import torch
-from tiny_models import tiny_engine_config
+from tiny_models import emulated_graphs_config, tiny_engine_config, use_emulated_graphs
 
 from dspark import LLMEngine, SamplingParams
 from dspark.config import EngineConfig
-from dspark.runner.cuda_graphs import CudaGraphs
 from dspark.spec.gate import SpeculationGate
 
 PAGE = 4
@@ -97,22 +96,7 @@ def test_steps_launched_ahead_give_the_tokens_of_steps_that_wait(
 def _emulated_graphs_engine(target_dir, drafter_dir, **changes) -> LLMEngine:
     """An engine whose target steps replay emulated graphs (32 tokens, 4 requests), and whose `static`
     drafts are made inside the target step, from its layout: the path of a GPU, on the CPU."""
-    config = EngineConfig(
-        model=str(target_dir),
-        draft_model=str(drafter_dir),
-        num_kv_pages=256,
-        kv_page_size=PAGE,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        adaptive_speculation=False,
-    ).replace(**changes)
-    engine = LLMEngine(config)
-    runner = engine.runner
-    runner.use_graphs(CudaGraphs(runner.model, runner.cache, runner.device, 32, 4, emulate=True))
-    if engine.proposer is not None:
-        engine.proposer.use_graphs(config.max_num_seqs, max_pages=64, emulate=True)
-    engine._capture_graphs()
-    return engine
+    return use_emulated_graphs(LLMEngine(emulated_graphs_config(target_dir, drafter_dir, **changes)))
 
 
 @pytest.mark.parametrize("spec_mode", ["off", "static"])

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dspark.config import EngineConfig
+from dspark.engine.llm_engine import LLMEngine
 from dspark.runner.models.hf_config import ModelConfig
 from dspark.spec.draft_checkpoint import create_random_drafter, fresh_draft_config, save_drafter
 
@@ -110,3 +111,36 @@ def tiny_engine_config(target_dir: Path, draft_dir: Path | None = None, **change
         adaptive_speculation=False,
     )
     return base.replace(**changes)
+
+
+def emulated_graphs_config(
+    target_dir: Path, draft_dir: Path | None = None, **changes: object
+) -> EngineConfig:
+    """The tiny engine whose steps fit emulated graphs of 32 tokens and 4 requests (pages of 4), drafting
+    every step (`use_emulated_graphs`)."""
+    base = EngineConfig(
+        model=str(target_dir),
+        draft_model=str(draft_dir or ""),
+        num_kv_pages=256,
+        kv_page_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        adaptive_speculation=False,
+    )
+    return base.replace(**changes)
+
+
+def use_emulated_graphs(
+    engine: LLMEngine, tokens: int = 32, requests: int = 4, capture: bool = True
+) -> LLMEngine:
+    """Make the engine's target steps (and its drafter's blocks, `static` ones inside the target step)
+    replay emulated CUDA graphs: the GPU path's buffers, padding and tiers, run eagerly on any device."""
+    from dspark.runner.cuda_graphs import CudaGraphs
+
+    runner = engine.runner
+    runner.use_graphs(CudaGraphs(runner.model, runner.cache, runner.device, tokens, requests, emulate=True))
+    if engine.proposer is not None:
+        engine.proposer.use_graphs(engine.config.max_num_seqs, max_pages=64, emulate=True)
+    if capture:
+        engine._capture_graphs()
+    return engine
