@@ -21,7 +21,8 @@ look ready, and `dspark serve` restarts the server when a backend process dies (
 
 The interface is Triton's vLLM backend's (text_input, stream, sampling_parameters,
 exclude_input_in_output, return_* flags; text_output, finish_reason, num_*_tokens) plus input_ids,
-output_ids, return_spec_stats/spec_stats and cancel_request_id; see dspark.serving.triton_config.
+output_ids, return_spec_stats/spec_stats and cancel_request_id; see dspark.serving.triton_config
+(the tensors) and dspark.serving.request_inputs (how a request's inputs become engine values).
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dspark import EngineConfig, InvalidParameterError, SamplingParams
+from dspark import EngineConfig, InvalidParameterError
 from dspark.engine.async_engine import AsyncEngine, EngineDeadError
 from dspark.outputs import RequestDelta, merge_deltas
 from dspark.sampling.logprobs import logprobs_json
-from dspark.sampling_params import MAX_INT, parse_json_object
 from dspark.serving.engine_process import EngineProcess
 from dspark.serving.metrics import Metrics, TritonMetrics, vllm_max_model_len
+from dspark.serving.request_inputs import describe, generate_inputs, string_input
 from dspark.serving.send_queue import SendQueue
 from dspark.serving.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
 
@@ -55,19 +56,6 @@ SEND_THREADS = 4  # threads sending responses (a request's always on the same on
 CANCEL_POLL_BUDGET = 32  # senders asked about cancellation per poll
 DEATH_GRACE_S = 1.0  # after the engine died: time for the error responses to go out before exiting
 CANCEL_ALL = "*"  # cancel_request_id that cancels every request in flight (dspark serve does, to stop)
-RETURN_FLAGS = (
-    "return_finish_reason",
-    "return_num_input_tokens",
-    "return_num_output_tokens",
-    "return_spec_stats",
-    "return_logprobs",
-    "return_cumulative_logprob",
-)
-ENGINE_FIELDS = {"prompt": "text_input", "prompt_token_ids": "input_ids"}
-# Triton's vLLM backend's words (its enabled_stream client test compares them exactly).
-STREAMED_PROMPT_REFUSED = (
-    "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
-)
 
 
 @dataclass
@@ -177,13 +165,13 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                cancel_id = _string_input(request, "cancel_request_id")
+                cancel_id = string_input(request, "cancel_request_id")
                 if cancel_id is not None:
                     self._cancel_by_id(cancel_id, sender)
                 else:
                     self._submit(request, sender)
             except InvalidParameterError as exc:
-                self._reply_error(sender, _describe(exc), pb_utils.TritonError.INVALID_ARG, "invalid")
+                self._reply_error(sender, describe(exc), pb_utils.TritonError.INVALID_ARG, "invalid")
             except EngineDeadError as exc:
                 self._reply_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE, "error")
             except Exception as exc:  # a request must never take the model down
@@ -202,26 +190,17 @@ class TritonPythonModel:
     # execute(): hand over ----------------------------------------------------------------------
 
     def _submit(self, request, sender) -> None:
-        text = _string_input(request, "text_input")
-        token_ids = _ids_input(request)
-        if text is None and token_ids is None:
-            raise InvalidParameterError("text_input", "required (or input_ids)")
-        if text is not None and token_ids is not None:
-            raise InvalidParameterError("input_ids", "give text_input or input_ids, not both")
-        stream = bool(_bool_input(request, "stream"))
-        exclude = _bool_input(request, "exclude_input_in_output")
-        if stream and exclude is False:
-            raise InvalidParameterError("exclude_input_in_output", STREAMED_PROMPT_REFUSED)
-        params = _sampling_params(request)
+        inputs = generate_inputs(request)
+        text, token_ids, params = inputs.text, inputs.token_ids, inputs.params
         prefix = ""
-        if not stream and not exclude:
+        if not inputs.stream and not inputs.exclude_input:
             prefix = text if text is not None else self._engine.tokenizer.decode(token_ids)
         live = _Live(
             engine_id=f"req-{next(self._next_id)}",
             triton_id=request.request_id(),
             sender=sender,
-            stream=stream,
-            returns=frozenset(name for name in RETURN_FLAGS if _bool_input(request, name)),
+            stream=inputs.stream,
+            returns=inputs.returns,
             prefix=prefix,
             arrived=time.monotonic(),
         )
@@ -505,68 +484,7 @@ class TritonPythonModel:
             return Metrics()
 
 
-# Request inputs -----------------------------------------------------------------------------------
-
-
-def _string_input(request, name: str) -> str | None:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return None
-    value = tensor.as_numpy().reshape(-1)[0]
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidParameterError(name, "must be UTF-8 text") from None
-    return str(value)
-
-
-def _bool_input(request, name: str) -> bool | None:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else bool(tensor.as_numpy().reshape(-1)[0])
-
-
-def _ids_input(request) -> list[int] | None:
-    """The `input_ids` tensor as Python ints, each in [0, MAX_INT] (the vocabulary is checked later)."""
-    tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
-    if tensor is None:
-        return None
-    array = tensor.as_numpy()
-    if array.dtype.kind not in "iu":
-        raise InvalidParameterError("input_ids", f"must be integer token ids, got {array.dtype}")
-    ids = array.reshape(-1).tolist()  # exact Python ints, whatever the integer width
-    for token_id in ids:
-        if not 0 <= token_id <= MAX_INT:
-            raise InvalidParameterError("input_ids", f"token ids must be in [0, {MAX_INT}], got {token_id}")
-    return ids
-
-
-def _sampling_params(request) -> SamplingParams:
-    """From the `sampling_parameters` JSON input, else from the request parameters (as vLLM's backend)."""
-    tensor = pb_utils.get_input_tensor_by_name(request, "sampling_parameters")
-    try:
-        if tensor is not None:
-            return SamplingParams.from_json(_string_input(request, "sampling_parameters"))
-        values = parse_json_object(request.parameters() or "{}", "parameters")
-        values.pop("id", None)  # the generate endpoint copies the request id into the parameters
-        return SamplingParams.from_dict(values)
-    except InvalidParameterError as exc:
-        if exc.field in ("sampling_parameters", "parameters"):
-            raise
-        source = "sampling_parameters" if tensor is not None else "parameters"
-        raise InvalidParameterError(f"{source}.{exc.field}", _message(exc)) from None
-
-
-def _describe(exc: InvalidParameterError) -> str:
-    """The error text, naming the request's own input rather than the engine's field (the vLLM
-    backend's own sentence where its clients compare the text, and it names the input too)."""
-    if _message(exc) == STREAMED_PROMPT_REFUSED:
-        return STREAMED_PROMPT_REFUSED
-    return f"{ENGINE_FIELDS.get(exc.field, exc.field)}: {_message(exc)}"
-
-
-def _message(exc: InvalidParameterError) -> str:
-    return str(exc).removeprefix(f"{exc.field}: ")
+# Responses ----------------------------------------------------------------------------------------
 
 
 def _cancelled():
@@ -577,4 +495,5 @@ def _cancelled():
 
 
 def _strings(name: str, values: list[str]):
+    """A string output tensor, UTF-8 encoded."""
     return pb_utils.Tensor(name, np.array([value.encode("utf-8") for value in values], dtype=np.object_))
