@@ -118,16 +118,10 @@ def emulated_graphs_config(
 ) -> EngineConfig:
     """The tiny engine whose steps fit emulated graphs of 32 tokens and 4 requests (pages of 4), drafting
     every step (`use_emulated_graphs`)."""
-    base = EngineConfig(
-        model=str(target_dir),
-        draft_model=str(draft_dir or ""),
-        num_kv_pages=256,
-        kv_page_size=4,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        adaptive_speculation=False,
+    config = tiny_engine_config(
+        target_dir, draft_dir, num_kv_pages=256, max_num_seqs=4, max_num_batched_tokens=32
     )
-    return base.replace(**changes)
+    return config.replace(**changes)
 
 
 def use_emulated_graphs(
