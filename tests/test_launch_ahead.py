@@ -60,11 +60,13 @@ def _run(engine: LLMEngine, prompts, params, abort_after: dict[str, int] | None 
 
 def _greedy_requests(rng: random.Random, count: int, vocab: int = 8) -> tuple[list[list[int]], list]:
     """Prompts of every length (some longer than a step's token budget: chunked prefill) and greedy
-    requests that end by length or at EOS, some early."""
+    requests that end by length or at EOS, some early; the first one runs 40 tokens, so that every
+    draw has steps to launch ahead."""
     prompts = [[rng.randrange(1, vocab) for _ in range(rng.randrange(1, 30))] for _ in range(count)]
     params = [
         SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=rng.random() < 0.5) for _ in range(count)
     ]
+    params[0] = SamplingParams(max_tokens=40, ignore_eos=True)
     return prompts, params
 
 
