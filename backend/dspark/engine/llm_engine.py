@@ -392,9 +392,8 @@ class LLMEngine:
                 sit_out.add(seq)  # it may end there, or its window may not fit: wait for the acceptance
                 continue
             advance[seq], reach[seq], follows[seq] = 1, plan.verify_lens[r], r
-        # A chunk that ends its prompt samples the first token from its logit row, which comes after
-        # every verify window's rows (the acceptance's `rest`): that token is the next anchor.
-        window_rows = sum(plan.verify_lens) + len(plan.verify_lens)
+        # A chunk that ends its prompt samples the first token from its logit row, one of the rows
+        # after every verify window's (the acceptance's `rest`, as `accept` reads it): the next anchor.
         offsets = earlier.packed.logit_offsets[len(schedule.decode) :]
         for chunk, offset in zip(schedule.prefill, offsets, strict=True):
             seq = chunk.seq
@@ -404,7 +403,7 @@ class LLMEngine:
             if seq.remaining_tokens <= 1 or len(seq.token_ids) + 1 > room:
                 sit_out.add(seq)
                 continue
-            reach[seq], follows[seq] = 0, len(schedule.decode) + offset - window_rows
+            reach[seq], follows[seq] = 0, len(schedule.decode) + offset - offsets[0]
         return InFlight(advance, reach, frozenset(sit_out), follows)
 
     def _complete(

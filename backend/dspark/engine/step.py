@@ -62,7 +62,7 @@ def pack_step(
     prompt's first) starts here where it leaves it at least, and its start and anchor are completed on
     the device (`DeferredInputs`)."""
     windows = _Windows()
-    following: list[tuple[int, int, int]] = []  # (window, anchor row, window in the earlier step)
+    following: list[tuple[int, int, int]] = []  # (window, anchor row, output of the earlier step)
     for r, (seq, num_drafts) in enumerate(zip(schedule.decode, plan.verify_lens, strict=True)):
         start = seq.num_cached
         if in_flight is not None:
@@ -79,10 +79,7 @@ def pack_step(
     if following:
         assert earlier is not None, "windows follow a step whose acceptance is not queued"
         index = torch.tensor(following, dtype=torch.long).T.contiguous()
-        # The earlier step's outputs: its verify windows (accepted drafts, the token after them), then
-        # its prefill chunks' last rows (nothing accepted, the first token).
-        accepted = torch.cat([earlier.accepted, torch.zeros_like(earlier.rest)])
-        deferred = DeferredInputs(index, accepted, torch.cat([earlier.bonus, earlier.rest]))
+        deferred = DeferredInputs(index, *earlier.per_output())
     step = windows.to_step(capture_layers, plan.drafts, deferred)
     return PackedStep(step, tuple(windows.logit_offsets))
 

@@ -20,24 +20,22 @@ from dspark.runner.host_to_device import to_device
 
 @dataclass(frozen=True)
 class DeferredInputs:
-    """For the windows of a step that follow a window of the step before it: which windows, their
-    anchor rows, and that earlier step's acceptance of the window they follow.
+    """For the windows of a step that follow an output of the step before it: which windows, their
+    anchor rows, and what that earlier step accepted and committed there.
 
-    index: [3, k] int64 on the host: this step's window, the packed row of its anchor, and the window
-    of the earlier step it follows; accepted, last_tokens: per window of the earlier step, on the
-    device: the drafts it accepted and the token it committed last (the queued greedy acceptance)."""
+    index: [3, k] int64 on the host: this step's window, the packed row of its anchor, and the output
+    of the earlier step it follows; accepted, last_tokens: per output of the earlier step, on the
+    device: the drafts it accepted and the token it committed last
+    (`QueuedGreedyAcceptance.per_output`)."""
 
     index: torch.Tensor
     accepted: torch.Tensor
     last_tokens: torch.Tensor
 
-    def _device_index(self, device: torch.device) -> torch.Tensor:
-        return to_device(self.index, device)
-
     def apply(self, token_ids: torch.Tensor, window_starts: torch.Tensor) -> None:
         """Move each following window's start on by the drafts accepted before it, and write its
         anchor, in the device copies of the step (`token_ids` [tokens], `window_starts` [windows])."""
-        index = self._device_index(token_ids.device)
+        index = to_device(self.index, token_ids.device)
         windows, rows, earlier = index[0], index[1], index[2]
         window_starts[windows] += self.accepted[earlier].to(window_starts.dtype)
         token_ids[rows] = self.last_tokens[earlier].to(token_ids.dtype)

@@ -117,9 +117,8 @@ def greedy_accept_all(
 @dataclass(frozen=True)
 class QueuedGreedyAcceptance:
     """Greedy acceptance queued on the device, its copy to the host under way: per verify window the
-    drafts accepted and the token after them on the device (`accepted`, `bonus`: what a step launched
-    before this one is accepted reads, see `dspark.engine.step.DeferredInputs`), and `result()`,
-    which waits for the copy."""
+    drafts accepted and the token after them on the device (`accepted`, `bonus`), the argmax of the
+    rows after the windows (`rest`), and `result()`, which waits for the copy."""
 
     accepted: torch.Tensor
     bonus: torch.Tensor
@@ -128,6 +127,13 @@ class QueuedGreedyAcceptance:
     _ready: torch.cuda.Event | None
     verify_lens: tuple[int, ...]
     width: int
+
+    def per_output(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per output of the step, on the device: its verify windows, then the rows after them (a
+        prefill chunk's last row, nothing accepted): (drafts accepted, the token committed last), what
+        a step launched before this one is read takes (`dspark.runner.deferred_inputs`)."""
+        accepted = torch.cat([self.accepted, torch.zeros_like(self.rest)])
+        return accepted, torch.cat([self.bonus, self.rest])
 
     def result(self) -> GreedyAcceptance:
         """The acceptance on the host (waits for the device to get there)."""
