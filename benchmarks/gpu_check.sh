@@ -18,6 +18,10 @@
 #   6. benchmarks/serving_overhead.py: the offline engine against the same engine behind the server;
 #   7. benchmarks/stress.py: the CUDA-graph stress and regression run through tritonserver (fresh-start
 #      captures, four servers under 5 minutes of mixed gRPC traffic, checks, compute-sanitizer);
+#   (between 4 and 5) gpu_e2e.py --parts profile: where the Qwen3-8B-shaped step's time goes (kernels by
+#      category, GEMM bandwidth against the copy bandwidth and F.linear alone, gaps; batch 1, 8, 64 and
+#      batch 1 window 8; chrome traces of batch 1) in $OUT/step-profile/ (STEP_PROFILE_S, default 0:
+#      skipped; the run is told to start nothing 20 s before it; STEP_PROFILE_ARGS);
 #   (between 4 and 5) benchmarks/overlap.py: overlap scheduling on and off, tokens/s per mode and batch
 #      size and the GPU's busy share of steady decode (OVERLAP_S, default 0: skipped; OVERLAP_ARGS).
 # Limits (seconds): TESTS_S (default 420; 0 skips them), PROFILE_S and E2E_S (default 0: skipped, the
@@ -37,7 +41,8 @@
 # zope.interface brotli into .carry/, the pytriton wheel split in two (`split -n 2 -d -a 2 WHEEL
 # WHEEL.part-`), and park them in /tmp/carry over calls as the GGUF parts (64 MiB a call).
 # TEST_FILES and PARTS (gpu_e2e.py --parts) narrow a call down. Results: $OUT/gpu-tests.log,
-# $OUT/gpu-tests-big-memory.log, $OUT/profile/<mode>-b64.txt, $OUT/e2e/results.{json,md}, $OUT/e2e.log.
+# $OUT/gpu-tests-big-memory.log, $OUT/profile/<mode>-b64.txt, $OUT/e2e/results.{json,md}, $OUT/e2e.log,
+# $OUT/step-profile/{results.json,results.md,trace-*.json.gz}, $OUT/step-profile.log.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -132,6 +137,18 @@ else
     > "$OUT/e2e.log" 2>&1
   echo "gpu_e2e exit $?"
   grep -v "^step \|Loading" "$OUT/e2e.log" | tail -40
+fi
+
+echo "=== gpu_e2e.py --parts profile (where a target step's time goes)"
+if [[ "${STEP_PROFILE_S:-0}" == 0 ]]; then
+  echo "skipped (STEP_PROFILE_S=0)"
+else
+  # shellcheck disable=SC2086  # STEP_PROFILE_ARGS is a list of arguments
+  timeout "$STEP_PROFILE_S" python3 benchmarks/gpu_e2e.py --out "$OUT/step-profile" --parts profile --trace \
+    --budget-s "$((STEP_PROFILE_S > 40 ? STEP_PROFILE_S - 20 : STEP_PROFILE_S / 2))" ${STEP_PROFILE_ARGS:-} \
+    > "$OUT/step-profile.log" 2>&1
+  echo "step profile exit $?"
+  grep "^batch \|^profile \|FAILED\|Error" "$OUT/step-profile.log" | tail -30
 fi
 
 echo "=== benchmarks/overlap.py (overlap scheduling on and off: tokens/s and GPU busy share)"

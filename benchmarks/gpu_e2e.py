@@ -3,6 +3,8 @@ by side (dspark off / static / compact and Hugging Face transformers `generate()
 
     python3 benchmarks/gpu_e2e.py --out $OUT/e2e --parts step,e2e8b    # Qwen3-8B shape, random bf16
     python3 benchmarks/gpu_e2e.py --out $OUT/e2e --parts smollm2       # the embedded default + drafter
+    python3 benchmarks/gpu_e2e.py --out $OUT/prof --parts profile --trace --budget-s 400
+    python3 benchmarks/gpu_e2e.py --out /tmp/prof --parts profile --device cpu --shape tiny --context 32
 
 Parts:
 - `step`: one target forward of `batch` windows of `window` tokens (1 = decode, 2..8 = verify), each
@@ -15,9 +17,21 @@ Parts:
   whatever the target says, so speculation does its real work at a chosen acceptance length. Only the
   speed means something there; the serving path never does this.
 - `smollm2`: end to end on SmolLM2-135M-Instruct with its shipped drafter (benchmarks/e2e.py's run).
+- `profile`: where the step's time goes (benchmarks/step_profile.py), for each --profile-configs
+  (batch x window, default 1x1,8x1,64x1,1x8) with --context cached tokens a request: the step (forward
+  + argmax) replayed from its CUDA graph and timed with CUDA events; an eager torch.profiler run whose
+  kernels are grouped by category (each GEMM by its projection: qkv, o, gate_up, down, lm_head;
+  attention and its split combine, rmsnorm, rotary_store_kv, silu_mul, embedding, layout, sampling,
+  copies, other), their sum against the replay (the rest is gaps between kernels) and each category's
+  excess over its share of the floor; the replay profiled too, where the profiler sees inside graphs;
+  each GEMM's achieved bandwidth against the copy bandwidth and against F.linear alone at its shape
+  (M = every config's token count). --trace adds gzipped chrome traces of the first batch-1 config
+  (eager and replay). `--device cpu --shape tiny` runs it on the CPU (tests/test_step_profile.py),
+  where the profiler sees CPU ops and there are no graphs.
 
-Writes results.json and results.md to --out; every part writes what it measured even if a later one
-fails or the --budget-s runs out.
+--shape picks the random checkpoint (qwen3-8b, or tiny: 2 layers, hidden 64) of step, e2e8b and
+profile. Writes results.json and results.md to --out; every part writes what it measured even if a
+later one fails, and no part (no profile piece) starts after --budget-s (0: no limit).
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 
@@ -38,11 +53,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import e2e  # noqa: E402
+import step_profile  # noqa: E402
 import tp_gpu  # noqa: E402
 
 from dspark import LLM, EngineConfig  # noqa: E402
 from dspark.runner.model_runner import ModelRunner  # noqa: E402
 from dspark.spec.drafts import Drafts  # noqa: E402
+
+# --shape: the random checkpoint's architecture and its name in the tables.
+SHAPES = {"qwen3-8b": (tp_gpu.QWEN3_8B, "Qwen3-8B"), "tiny": (tp_gpu.TINY, "tiny (2 layers, hidden 64)")}
 
 
 def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 2 << 30) -> float:
@@ -51,10 +70,10 @@ def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 2 << 30) -> float
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(8):
-        torch.cuda.synchronize()
+        step_profile.synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
-        torch.cuda.synchronize()
+        step_profile.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * src.numel() * src.element_size() / best / 1e9
 
@@ -131,6 +150,68 @@ def part_step(args: argparse.Namespace, checkpoint: Path, report: dict) -> None:
             print("step", json.dumps(row), flush=True)
     del runner, graphs
     torch.cuda.empty_cache()
+
+
+def part_profile(
+    args: argparse.Namespace,
+    checkpoint: Path,
+    report: dict,
+    save: Callable[[], None],
+    deadline: float | None,
+) -> None:
+    """Where the step's time goes per --profile-configs (step_profile.run_profile), in report["profile"]."""
+    device = torch.device(args.device)
+    # A CPU copy of 2 GiB would take long for nothing: the tiny CPU run only needs a figure.
+    bandwidth = copy_bandwidth_gbs(device, 2 << 30 if device.type == "cuda" else 64 << 20)
+    report.setdefault("copy_bandwidth_GBs", bandwidth)
+    configs = step_profile.parse_configs(args.profile_configs)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    max_tokens = max(b * w for b, w in configs)
+    max_batch = max(b for b, _ in configs)
+    max_window = max(w for _, w in configs)
+    config = EngineConfig(
+        model=str(checkpoint),
+        spec_mode="off",
+        dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+        device=device.type,
+        num_kv_pages=max_batch * -(-(args.context + max_window) // 16),
+        max_num_seqs=max_batch,
+        max_num_batched_tokens=max_tokens,
+        cuda_graph_max_tokens=max_tokens,
+    )
+    runner = ModelRunner.create(config, device, dtype)
+    if args.emulate_graphs:  # the graph-replay path on the CPU, for its test
+        from dspark.runner.cuda_graphs import CudaGraphs
+
+        runner.use_graphs(CudaGraphs(runner.model, runner.cache, device, max_tokens, max_batch, emulate=True))
+    vocab = runner.model_config.vocab_size
+    section = report.setdefault("profile", {})
+    section.update(
+        shape=args.shape,
+        dtype=str(dtype).removeprefix("torch."),
+        context=args.context,
+        device=report["device"],
+        copy_bandwidth_GBs=bandwidth,
+    )
+    try:
+        step_profile.run_profile(
+            runner,
+            configs,
+            lambda batch, window: make_step(batch, window, args.context, 16, vocab, batch * 31 + window),
+            args.context,
+            bandwidth,
+            section,
+            report["errors"],
+            save,
+            repeats=args.repeats,
+            steps=args.profile_steps,
+            trace_dir=args.out if args.trace else None,
+            deadline=deadline,
+        )
+    finally:
+        del runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 class ForcedAcceptance:
@@ -280,6 +361,7 @@ def part_smollm2(args: argparse.Namespace, report: dict) -> None:
 
 def markdown(report: dict) -> str:
     lines = [f"# GPU engine on {report['device']} ({report['date']})", ""]
+    shape = SHAPES.get(report["args"].get("shape", "qwen3-8b"), (None, "?"))[1]
     if "copy_bandwidth_GBs" in report:
         lines.append(
             f"Device-to-device copy bandwidth (read + write): {report['copy_bandwidth_GBs']:.0f} GB/s."
@@ -287,7 +369,7 @@ def markdown(report: dict) -> str:
         lines.append("")
     if report.get("step"):
         lines += [
-            f"## One target step, Qwen3-8B shape, bf16, {report['args']['context']} cached tokens a request",
+            f"## One target step, {shape} shape, bf16, {report['args']['context']} cached tokens a request",
             "",
             "| batch | window | tokens | floor ms | graph ms | eager ms | graph / floor |",
             "|---:|---:|---:|---:|---:|---:|---:|",
@@ -298,8 +380,10 @@ def markdown(report: dict) -> str:
                 f"| {r['eager_ms']:.2f} | {r['graph_vs_floor']:.2f} |"
             )
         lines.append("")
+    if report.get("profile"):
+        lines += step_profile.markdown(report["profile"])
     for key, title in (
-        ("e2e8b", "Qwen3-8B shape, random weights, forced acceptance"),
+        ("e2e8b", f"{shape} shape, random weights, forced acceptance"),
         ("smollm2", "SmolLM2"),
     ):
         if not report.get(key):
@@ -359,12 +443,33 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def save_report(out: Path, report: dict) -> None:
+    """results.json and results.md as they stand."""
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    (out / "results.md").write_text(markdown(report))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--parts", default="step,e2e8b,smollm2")
     parser.add_argument("--work", default="/tmp/dspark-gpu-e2e")
-    parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/dspark-qwen3-8b-random"))
+    parser.add_argument(
+        "--checkpoint", type=Path, default=None, help="default /tmp/dspark-qwen3-8b-random, or under --work"
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    parser.add_argument("--device", default="cuda", help="profile only: cpu runs it without a GPU")
+    parser.add_argument("--budget-s", type=float, default=0.0, help="start no part or piece after this")
+    parser.add_argument(
+        "--profile-configs", default="1x1,8x1,64x1,1x8", help="profile: batch x window, comma-separated"
+    )
+    parser.add_argument("--profile-steps", type=int, default=3, help="profile: steps per profiler run")
+    parser.add_argument("--trace", action="store_true", help="profile: chrome traces of batch 1 (gzipped)")
+    parser.add_argument(
+        "--emulate-graphs",
+        action="store_true",
+        help="profile on the CPU: the graph path, run eagerly (tests)",
+    )
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--step-batches", default="1,8,32,128,256")
     parser.add_argument("--step-windows", default="1,2,4,8")
@@ -384,23 +489,32 @@ def main(argv: list[str] | None = None) -> int:
         "--e2e-repeats", type=int, default=3, help="smollm2: timed runs per figure (the median counts)"
     )
     args = parser.parse_args(argv)
+    started_all = time.monotonic()
+    deadline = started_all + args.budget_s if args.budget_s > 0 else None
+    if args.checkpoint is None:
+        default = Path("/tmp/dspark-qwen3-8b-random") if args.shape == "qwen3-8b" else None
+        args.checkpoint = default or Path(args.work) / f"dspark-{args.shape}-random"
     Path(args.work).mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    on_gpu = args.device.startswith("cuda") and torch.cuda.is_available()
     report: dict = {
         "date": date.today().isoformat(),
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if on_gpu else args.device,
         "torch": torch.__version__,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "errors": {},
     }
     parts = args.parts.split(",")
     checkpoint = None
-    if {"step", "e2e8b"} & set(parts):
+    if {"step", "e2e8b", "profile"} & set(parts):
         started = time.perf_counter()
-        checkpoint = tp_gpu.write_checkpoint(args.checkpoint, tp_gpu.QWEN3_8B, "bfloat16")
+        checkpoint = tp_gpu.write_checkpoint(args.checkpoint, SHAPES[args.shape][0], "bfloat16")
         print(f"checkpoint ready in {time.perf_counter() - started:.0f} s", flush=True)
     for part in parts:
         started = time.perf_counter()
+        if deadline is not None and time.monotonic() > deadline:
+            report["errors"][part] = "skipped: --budget-s ran out"
+            continue
         try:
             if part == "step":
                 part_step(args, checkpoint, report)
@@ -408,14 +522,16 @@ def main(argv: list[str] | None = None) -> int:
                 part_e2e8b(args, checkpoint, report)
             elif part == "smollm2":
                 part_smollm2(args, report)
+            elif part == "profile":
+                part_profile(args, checkpoint, report, lambda: save_report(args.out, report), deadline)
             else:
                 raise ValueError(f"unknown part {part}")
         except BaseException:  # noqa: BLE001 - keep what the other parts measured
             report["errors"][part] = traceback.format_exc()
             print(report["errors"][part], flush=True)
         print(f"part {part}: {time.perf_counter() - started:.0f} s", flush=True)
-        (args.out / "results.json").write_text(json.dumps(report, indent=1))
-        (args.out / "results.md").write_text(markdown(report))
+        save_report(args.out, report)
+    save_report(args.out, report)
     print(markdown(report))
     return 0
 
