@@ -5,14 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark.kernels import ops
 from dspark.parallel.distributed import SINGLE
 from dspark.runner.attention_batch import AttentionBatch
 from dspark.runner.kv_cache import PagedKVCache
-from dspark.runner.models.layers import RMSNorm, rotary_cos_sin
+from dspark.runner.models.layers import RMSNorm, linear, rotary_cos_sin
 from dspark.runner.models.llama import DecoderLayer
 from dspark.spec.draft_config import DraftConfig
 
@@ -36,18 +35,18 @@ class BlockHeads:
 
     def project_all(self) -> None:
         """Project every block position now, in one GEMM."""
-        self.projected = F.linear(self.hidden, self.lm_head)
+        self.projected = linear(self.hidden, self.lm_head)
 
     def logits_at(self, position: int) -> torch.Tensor:
         """U_k, the base logits of block position `position`: [R, vocab] fp32."""
         if self.projected is not None:
             return self.projected[:, position].float()
-        return F.linear(self.hidden[:, position], self.lm_head).float()
+        return linear(self.hidden[:, position], self.lm_head).float()
 
     @property
     def base_logits(self) -> torch.Tensor:
         """U for every position: [R, block_size, vocab] fp32."""
-        return F.linear(self.hidden, self.lm_head).float()
+        return linear(self.hidden, self.lm_head).float()
 
 
 class Drafter(nn.Module):
@@ -97,7 +96,7 @@ class Drafter(nn.Module):
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
-            kv = F.linear(ctx, attn.qkv_proj.weight[q_size:])
+            kv = linear(ctx, attn.qkv_proj.weight[q_size:])
             k, v = kv.split([kv_size, kv_size], dim=-1)
             k_cache, v_cache = cache.layer(index)
             ops.inject_kv(

@@ -18,6 +18,36 @@ from dspark.parallel.distributed import SINGLE, TensorParallel
 Loader = Callable[[torch.Tensor, torch.Tensor, str | None], None]
 
 
+# Rows up to which a CPU linear multiplies the weight by the transposed input (see `linear`).
+CPU_FEW_ROWS = 16
+# Weights from this many elements up take one row on a CPU as two (see `linear`).
+CPU_LARGE_WEIGHT = 1 << 22
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, computed as (W x^T)^T for a few rows on a CPU.
+
+    The CPU BLAS reads a weight at GEMV speed for one row but runs a GEMM of 2-16 rows (a verify
+    window, a draft block's vocabulary projection) at about a third of that; W x^T keeps the weight
+    as the long operand and costs little more than one row. One row against a large weight (an LM
+    head) goes as two equal rows: its GEMV ran at 16 GB/s on this project's CPU machine, W x^T of two
+    columns at 40. Other shapes and devices: F.linear.
+    """
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.device.type != "cpu" or not 0 < rows <= CPU_FEW_ROWS:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        if weight.numel() < CPU_LARGE_WEIGHT:
+            return F.linear(x, weight, bias)
+        y = torch.mm(weight, flat.repeat(2, 1).t())[:, :1].t().contiguous()
+    else:
+        y = torch.mm(weight, flat.t()).t().contiguous()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def _attach(param: nn.Parameter, load: Loader) -> nn.Parameter:
     param.load = load  # type: ignore[attr-defined]
     return param
@@ -55,7 +85,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[num_tokens, input] -> [num_tokens, local output]."""
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -77,7 +107,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[num_tokens, local input] -> [num_tokens, output], summed over ranks."""
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
@@ -125,7 +155,7 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, vocab] full logits on every rank."""
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(linear(hidden, self.weight))
         return logits[:, : self.vocab_size]
 
 
