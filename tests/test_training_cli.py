@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.tools.cli import main as dspark
+from dspark.training.shards import read_shard
 
 
 def _write_prompts(path) -> None:
@@ -27,26 +29,25 @@ def test_training_commands_produce_a_calibrated_drafter_the_engine_serves(tiny_t
     commands = [
         f"distill-data {target} --prompts {prompts} --out-dir {data} --max-new-tokens 16 --val-prompts 6 "
         "--responses-per-prompt 2",
-        f"train-draft {target} --data {data}/distill_train.jsonl --out {drafter} --block-size 4 "
+        f"train-draft {target} --data {data} --out {drafter} --block-size 4 "
         "--markov-rank 4 --num-target-features 2 --steps 4 --batch-size 4 --anchors 2",
-        f"calibrate-draft {target} --draft {drafter} --data {data}/distill_val.jsonl --anchors 3 "
-        f"--report {tmp_path}/cal.json",
+        f"calibrate-draft {target} --draft {drafter} --data {data} --anchors 3 --report {tmp_path}/cal.json",
         f"eval-acceptance --model {tiny_target_dir} --draft-model {drafter} --prompts {prompts} "
         f"--per-domain 2 --max-tokens 8 --block-size 4 --num-kv-pages 128 --out {tmp_path}/eval.json",
     ]
     for command in commands:
         assert dspark(command.split()) == 0, command
 
-    # 6 held-out prompts (whole keys, 2 of each domain) answered once; the other 12 twice, the second
+    # 6 held-out prompts (whole keys, 2 of each domain) answered once; the other 12 twice, the extra
     # answer sampled.
-    val = [json.loads(line) for line in (data / "distill_val.jsonl").read_text().splitlines()]
-    train = [json.loads(line) for line in (data / "distill_train.jsonl").read_text().splitlines()]
+    shard = read_shard(data / "distill-000.npz")
+    val, train = shard.held_out, shard.train
     assert len(val) == 6 and len(train) == 24
-    assert sorted(r["domain"] for r in val) == ["chat", "chat", "code", "code", "prose", "prose"]
-    assert all(r["key"] == f"k{int(r['id']) // 2}" for r in val + train)
-    assert {r["key"] for r in val}.isdisjoint(r["key"] for r in train)
-    assert sorted(r["id"] for r in train) == sorted(2 * [r["id"] for r in train[:12]])
-    assert all(r["temperature"] == 1.0 for r in train[12:])
+    assert sorted(r.domain for r in val) == ["chat", "chat", "code", "code", "prose", "prose"]
+    assert all(r.key == f"k{int(r.id) // 2}" for r in val + train)
+    assert {r.key for r in val}.isdisjoint(r.key for r in train)
+    assert sorted(Counter(r.id for r in train).values()) == [2] * 12
+    assert all(max(r.temperature for r in train if r.id == i) == 1.0 for i in {r.id for r in train})
     config = json.loads((drafter / "config.json").read_text())
     report = json.loads((tmp_path / "cal.json").read_text())
     assert config["confidence_temperatures"] == [round(t, 6) for t in report["temperatures"]]

@@ -1,24 +1,38 @@
 """Self-distillation data accumulates across runs: shards hold exactly the records written (older shards
-without keys still load), the union of several counts each response once and never trains on a prompt or
-key any of them holds out, every run holds out the same prompts, whole keys, each domain its share, and a
-drafter trained on top of another carries the whole training log."""
+without keys, older JSON-lines files and the shards of earlier runs still load), the union of several counts
+each response once and never trains on a prompt or key any of them holds out, every run holds out the same
+prompts, whole keys, each domain its share, and a drafter trained on top of another carries the whole
+training log. distill-data writes its shards while it runs (a run killed keeps them) and ends by its
+deadline."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import subprocess
+import sys
+import time
 import zipfile
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from dspark.runner.models.loader import load_target_model
 from dspark.tools.cli import main as dspark
-from dspark.training.data import DistillRecord, distill, read_records
-from dspark.training.shards import DistillData, read_data, read_shard, write_shard, write_shards
+from dspark.training.data import DistillRecord, distill, write_records
+from dspark.training.shards import (
+    DistillData,
+    ShardWriter,
+    read_data,
+    read_shard,
+    write_shard,
+    write_shards,
+)
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +150,9 @@ def test_every_run_holds_out_the_same_prompts_and_writes_them_as_shards(tiny_tar
             f"--val-prompts 4 --num-prompts {count} --seed {seed} --shard-name s{seed}"
         )
         assert dspark(command.split()) == 0
+        # One shard, and nothing else: the responses are in no JSON-lines file any more.
+        assert sorted(p.name for p in out.iterdir()) == [f"s{seed}-000.npz"]
         shard = read_shard(out / f"s{seed}-000.npz")
-        assert shard.train == read_records(out / "distill_train.jsonl")
-        assert shard.held_out == read_records(out / "distill_val.jsonl")
         assert all(r.source == f"s{int(r.id[1:]) % 4}" for r in shard.train + shard.held_out)
         assert all(r.key == _prompt_key(r.id) for r in shard.train + shard.held_out)
         runs.append(shard)
@@ -149,8 +163,8 @@ def test_every_run_holds_out_the_same_prompts_and_writes_them_as_shards(tiny_tar
         f"q{i}" for i in range(18) if _prompt_key(f"q{i}") in held_keys
     )
     assert {r.id for r in runs[0].held_out} == {r.id for r in runs[1].held_out}
-    # Another seed, other training prompts first: the runs differ, their held-out prompts do not.
-    assert [r.id for r in runs[0].train][:6] != [r.id for r in runs[1].train][:6]
+    # Another seed, other training prompts: the runs differ, their held-out prompts do not.
+    assert {r.id for r in runs[0].train} != {r.id for r in runs[1].train}
 
 
 def test_no_key_has_prompts_on_both_sides(tiny_target_dir, tmp_path) -> None:
@@ -164,10 +178,8 @@ def test_no_key_has_prompts_on_both_sides(tiny_target_dir, tmp_path) -> None:
         )
         assert dspark(command.split()) == 0
         # The prompt file's keys, not the ones the records carry: those could be wrong too.
-        sides = [
-            {_prompt_key(json.loads(line)["id"]) for line in (out / name).read_text().splitlines()}
-            for name in ("distill_train.jsonl", "distill_val.jsonl")
-        ]
+        shard = read_shard(out / "distill-000.npz")
+        sides = [{_prompt_key(r.id) for r in side} for side in (shard.train, shard.held_out)]
         assert sides[0] and sides[1] and sides[0].isdisjoint(sides[1]), (val, sides)
         union = read_data([out])
         assert {_prompt_key(r.id) for r in union.held_out}.isdisjoint(_prompt_key(r.id) for r in union.train)
@@ -203,10 +215,8 @@ def test_every_domain_holds_out_its_lowest_hash_keys_up_to_its_share(tiny_target
             f"--val-prompts 4 --num-prompts {count} --seed {seed}"
         )
         assert dspark(command.split()) == 0
-        sides = [
-            [layout[json.loads(line)["id"]] for line in (out / name).read_text().splitlines()]
-            for name in ("distill_train.jsonl", "distill_val.jsonl")
-        ]
+        shard = read_shard(out / "distill-000.npz")
+        sides = [[layout[r.id] for r in side] for side in (shard.train, shard.held_out)]
         train_keys, held_keys = ({key for _, key in side} for side in sides)
         assert train_keys.isdisjoint(held_keys)
         # Whole keys: every prompt of a held-out key is held out.
@@ -242,3 +252,158 @@ def test_training_on_top_of_a_drafter_continues_its_log_at_a_lower_peak(
     assert [(e["run"], e["step"]) for e in log] == [(0, 1), (0, 2), (1, 1), (1, 2), (1, 3)]
     assert log[:2] == [json.loads(line) for line in (first / "train_log.jsonl").read_text().splitlines()]
     assert max(e["lr"] for e in log[2:]) <= 0.5e-3
+
+
+def _wait_for(condition, seconds: float = 20.0) -> None:
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_shard_writer_writes_complete_shards_while_records_still_come(records, tmp_path) -> None:
+    limit = max(len(r.token_ids) for r in records) * 3
+    writer = ShardWriter(
+        tmp_path / "live", "run", {"seed": 1}, max_tokens=limit, every_seconds=0.0, log=False
+    )
+    for record in records[:2]:
+        writer.add(record, held_out=True)
+    writer.add(records[2])
+    # Before the writer is closed, a complete shard holds everything added.
+    _wait_for(lambda: writer.num_written == 3)
+    first = read_shard(tmp_path / "live" / "run-000.npz")
+    assert first.held_out == records[:2] and first.train == records[2:3]
+    for record in records[3:]:
+        writer.add(record)
+    paths = writer.close()
+    assert [p.name for p in paths] == [f"run-{i:03d}.npz" for i in range(len(paths))] and len(paths) > 2
+    assert not list((tmp_path / "live").glob("*.tmp"))
+    # The same shards as written at once (held-out records first, then in order), array for array where
+    # no held-out record changes the order of a file's responses.
+    at_once = write_shards(
+        tmp_path / "once", "run", DistillData(records[2:], records[:2]), {"seed": 1}, limit
+    )
+    assert [p.name for p in at_once] == [p.name for p in paths]
+    assert [read_shard(p) for p in paths] == [read_shard(p) for p in at_once]
+    for mine, theirs in zip(paths[1:], at_once[1:], strict=True):
+        with np.load(mine) as a, np.load(theirs) as b:
+            assert a.files == b.files
+            assert all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def test_a_shard_writer_rewrites_the_open_shard_at_most_every_so_often(records, tmp_path) -> None:
+    writer = ShardWriter(tmp_path, "slow", {}, every_seconds=3600.0, log=False)
+    for record in records:
+        writer.add(record)
+    time.sleep(0.3)
+    assert not (tmp_path / "slow-000.npz").exists()
+    assert writer.close_seconds() > 0
+    assert writer.close() == [tmp_path / "slow-000.npz"]
+    assert read_shard(tmp_path / "slow-000.npz").train == records
+    # Nothing added: one empty shard, as a run that answered nothing has always left.
+    assert read_shard(ShardWriter(tmp_path, "none", {}, log=False).close()[0]) == DistillData([], [])
+
+
+def test_a_shard_writer_that_fails_says_so(records, tmp_path) -> None:
+    (tmp_path / "taken").write_text("a file where the shards' folder should be")
+    writer = ShardWriter(tmp_path / "taken", "x", {}, every_seconds=0.0, log=False)
+    writer.add(records[0])
+    with pytest.raises(RuntimeError, match="writing x failed"):
+        _wait_for(lambda: writer._error is not None)
+        writer.add(records[1])
+    with pytest.raises(RuntimeError, match="writing x failed"):
+        writer.close()
+
+
+def test_older_json_lines_data_still_reads(records, tmp_path) -> None:
+    write_records(tmp_path / "old" / "distill_train.jsonl", records[2:])
+    write_records(tmp_path / "old" / "distill_val.jsonl", records[:2])
+    union = read_data([tmp_path / "old"])
+    key = lambda r: (r.id, r.temperature, r.response_ids)  # noqa: E731
+    assert sorted(map(key, union.train)) == sorted(map(key, records[2:]))
+    assert sorted(map(key, union.held_out)) == sorted(map(key, records[:2]))
+
+
+CARRIED = sorted((Path(__file__).resolve().parents[1] / ".carry" / "distill").glob("*.npz"))
+
+
+@pytest.mark.skipif(not CARRIED, reason="no shards of earlier runs in .carry/distill")
+def test_the_shards_of_earlier_runs_still_load() -> None:
+    data = read_data(CARRIED)
+    assert data.train and data.held_out
+    assert {r.temperature for r in data.train} == {0.0, 1.0}
+    assert all(r.response_ids and r.prompt_ids for r in data.train[:1000])
+
+
+def _distill_command(target, prompts, out, *extra: str) -> list[str]:
+    return [
+        "distill-data",
+        "--target",
+        str(target),
+        "--prompts",
+        str(prompts),
+        "--out-dir",
+        str(out),
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "48",
+        "--batch-size",
+        "8",
+        "--val-prompts",
+        "6",
+        "--phase-answers",
+        "16",
+        *extra,
+    ]
+
+
+def test_a_killed_distill_run_keeps_the_shards_it_wrote(tiny_target_dir, tmp_path) -> None:
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out"
+    _write_prompts(prompts, 4000)
+    command = _distill_command(
+        tiny_target_dir, prompts, out, "--checkpoint-seconds", "0.2", "--shard-max-tokens", "3000"
+    )
+    run = "import sys; from dspark.tools.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see test_training_feed's one_thread
+    process = subprocess.Popen([sys.executable, "-c", run, *command], stderr=subprocess.DEVNULL, env=env)
+    try:
+        # Killed without warning once a second shard is there (the first one full and closed).
+        _wait_for(lambda: (out / "distill-001.npz").exists() or process.poll() is not None, 120.0)
+        assert process.poll() is None, "the run ended before it was killed: give it more work"
+        process.kill()
+        process.wait()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    data = read_data([out])
+    shards = sorted(out.glob("*.npz"))
+    assert len(shards) >= 2 and all(read_shard(p) for p in shards)
+    # The held-out prompts went first; the training answers came as they were answered, both kinds.
+    assert len(data.held_out) >= 6 and len(data.train) > 50
+    assert {r.temperature for r in data.train} == {0.0, 1.0}
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread while a test times things (see test_training_feed's one_thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_distill_data_ends_by_its_deadline_with_its_shards_written(
+    tiny_target_dir, tmp_path, one_thread
+) -> None:
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out"
+    _write_prompts(prompts, 4000)
+    began = time.monotonic()
+    # 6 s, the engine's start and the last shard's write included; unbounded, the run would take minutes.
+    assert dspark(_distill_command(tiny_target_dir, prompts, out, "--max-minutes", "0.1")) == 0
+    assert time.monotonic() - began < 6.0 + 0.5
+    shard = read_shard(out / "distill-000.npz")
+    assert len(shard.held_out) >= 6 and 100 < len(shard.train) < 4000 - 6
+    # About half of the training answers sampled (--sample-fraction 0.5), within a phase.
+    sampled = sum(r.temperature == 1.0 for r in shard.train)
+    assert abs(sampled - len(shard.train) / 2) <= 16 + 0.1 * len(shard.train)

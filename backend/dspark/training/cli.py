@@ -11,7 +11,9 @@ import hashlib
 import json
 import random
 import sys
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,10 +25,16 @@ if TYPE_CHECKING:
     from dspark.runner.models.llama import CausalLM
     from dspark.tokenizer import Tokenizer
     from dspark.training.data import DistillRecord, Prompt
+    from dspark.training.feed import Deadline
+
+# Seconds a distill-data deadline keeps, besides the last shard's write, for closing the generator and
+# the process's exit.
+FINISH_RESERVE_S = 2.0
 
 
 def distill_data(argv: list[str]) -> int:
     """`dspark distill-data`: the target's own responses to a prompt set, as token ids."""
+    started = time.monotonic()
     parser = argparse.ArgumentParser(
         prog="dspark distill-data", description="Generate self-distillation data with the target."
     )
@@ -35,7 +43,8 @@ def distill_data(argv: list[str]) -> int:
     parser.add_argument(
         "--out-dir",
         required=True,
-        help="writes distill_train.jsonl, distill_val.jsonl and the same records as shards NAME-000.npz, ...",
+        help="writes the responses as shards NAME-000.npz, NAME-001.npz, ... while generating (each file "
+        "complete whenever it is there: a run killed keeps what it wrote)",
     )
     parser.add_argument(
         "--shard-name", default="distill", help="shard file prefix: unique per generation, so shards can pool"
@@ -43,13 +52,21 @@ def distill_data(argv: list[str]) -> int:
     parser.add_argument(
         "--shard-max-tokens", type=int, default=0, help="stored tokens per shard (0: the default, 4M)"
     )
+    parser.add_argument(
+        "--checkpoint-seconds",
+        type=float,
+        default=30.0,
+        help="every this many seconds (when new responses came) the shard being filled is rewritten with "
+        "all of them: a run killed loses about this much generation at most",
+    )
     parser.add_argument("--num-prompts", type=int, default=0, help="use this many prompts (0: all)")
     parser.add_argument(
         "--val-prompts",
         type=int,
         default=64,
         help="held out for calibration: at least this many prompts, whole keys (source documents); in each "
-        "domain those whose keys hash lowest until its share (at least one prompt); the same in every run",
+        "domain those whose keys hash lowest until its share (at least one prompt); the same in every run; "
+        "answered first, and always, whatever --max-minutes",
     )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
@@ -69,15 +86,32 @@ def distill_data(argv: list[str]) -> int:
         "batches over a dense KV cache",
     )
     parser.add_argument("--batch-size", type=int, default=256, help="sequences generated at once")
-    parser.add_argument("--max-minutes", type=float, default=0.0, help="start no batch after this (0: none)")
+    parser.add_argument(
+        "--phase-answers",
+        type=int,
+        default=0,
+        help="engine: answers per phase of one kind, greedy or sampled (a greedy phase and a sampled one "
+        "split twice this by their shares; 0: 16 x --batch-size): kept apart, greedy steps overlap; a run "
+        "stopped early is off each kind's share by at most this",
+    )
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=0.0,
+        help="the command ends within this many minutes of its start, the last shard written (no request "
+        "starts that could not end in time, those still running then are dropped); 0: no limit",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.responses_per_prompt < 1:
         parser.error("--responses-per-prompt: must be >= 1")
+    if args.phase_answers < 0:
+        parser.error("--phase-answers: must be >= 0")
 
     from dspark.tokenizer import Tokenizer
-    from dspark.training.data import read_prompts, write_records
-    from dspark.training.shards import SHARD_MAX_TOKENS, DistillData, write_shards
+    from dspark.training.data import read_prompts
+    from dspark.training.feed import Deadline
+    from dspark.training.shards import SHARD_MAX_TOKENS, ShardWriter
 
     tokenizer = Tokenizer.from_dir(args.target)
     rng = random.Random(args.seed)
@@ -101,15 +135,6 @@ def distill_data(argv: list[str]) -> int:
     extra = [p for p in encoded[len(held) :] for _ in range(args.responses_per_prompt - 1)]
     jobs, temperatures = encoded + extra, temperatures + [1.0] * len(extra)
     print(f"distill: {len(jobs)} answers to {len(encoded)} prompts", file=sys.stderr, flush=True)
-    records = _generate(args, jobs, temperatures, tokenizer.eos_token_ids)
-    for record in records:
-        record.source, record.key = by_id[record.id].source, by_id[record.id].key
-    data = DistillData(
-        [r for r in records if r.key not in held_keys], [r for r in records if r.key in held_keys]
-    )
-    out = Path(args.out_dir)
-    write_records(out / "distill_val.jsonl", data.held_out)
-    write_records(out / "distill_train.jsonl", data.train)
     meta = {
         "prompts": str(args.prompts),
         "seed": args.seed,
@@ -118,10 +143,35 @@ def distill_data(argv: list[str]) -> int:
         "sample_fraction": args.sample_fraction,
         "responses_per_prompt": args.responses_per_prompt,
     }
-    shards = write_shards(out, args.shard_name, data, meta, args.shard_max_tokens or SHARD_MAX_TOKENS)
+    out = Path(args.out_dir)
+    writer = ShardWriter(
+        out, args.shard_name, meta, args.shard_max_tokens or SHARD_MAX_TOKENS, args.checkpoint_seconds
+    )
+    # The deadline keeps what follows generation: the last shard's write and closing the generator.
+    deadline = (
+        Deadline(started + 60.0 * args.max_minutes, lambda: 1.5 * writer.close_seconds() + FINISH_RESERVE_S)
+        if args.max_minutes > 0
+        else None
+    )
+    sides: Counter[str] = Counter()
+
+    def keep(_: int, record: DistillRecord) -> None:
+        prompt = by_id[record.id]
+        record.source, record.key = prompt.source, prompt.key
+        held_out = record.key in held_keys
+        writer.add(record, held_out)
+        sides["held_out" if held_out else "train"] += 1
+        sides["tokens"] += len(record.response_ids)
+
+    try:
+        _generate(args, jobs, temperatures, tokenizer.eos_token_ids, keep, deadline, len(held))
+    finally:
+        # Also when generation failed: what was answered is written.
+        shards = writer.close()
     print(
-        f"distill: wrote {len(data.train)} training and {len(data.held_out)} held-out responses "
-        f"({data.num_tokens} tokens) to {out}: distill_*.jsonl and {', '.join(p.name for p in shards)}"
+        f"distill: wrote {sides['train']} training and {sides['held_out']} held-out responses "
+        f"({sides['tokens']} tokens) to {out}: {', '.join(p.name for p in shards)}, "
+        f"{time.monotonic() - started:.1f} s in all"
     )
     return 0
 
@@ -183,23 +233,30 @@ def _generate(
     jobs: list[tuple[str, str, list[int]]],
     temperatures: list[float],
     eos_token_ids: list[int],
-) -> list[DistillRecord]:
-    """The target's answers to `jobs`, in order, by the generator `args` names."""
-    from dspark.training.data import distill, distill_with_engine
+    on_record: Callable[[int, DistillRecord], None],
+    deadline: Deadline | None,
+    held_out: int,
+) -> None:
+    """The target's answers to `jobs` (the first `held_out` of them always), each handed to `on_record`
+    as it ends, by the generator `args` names."""
+    from dspark.training.feed import answer_dense, answer_with_engine
 
     if args.generator == "dense":
         target, device = _load_target(args)
         print(f"distill: dense batches on {device}", file=sys.stderr, flush=True)
-        return distill(
+        answer_dense(
             target,
             jobs,
             temperatures,
             eos_token_ids,
             args.max_new_tokens,
             args.batch_size,
+            on_record,
             args.seed,
-            60.0 * args.max_minutes,
+            deadline,
+            held_out,
         )
+        return
     from dspark import LLM, EngineConfig
 
     concurrent = max(1, min(args.batch_size, len(jobs)))
@@ -218,14 +275,16 @@ def _generate(
     )
     with LLM(config) as llm:
         print(f"distill: the engine on {llm.engine.limits.device}", file=sys.stderr, flush=True)
-        return distill_with_engine(
+        answer_with_engine(
             llm,
             jobs,
             temperatures,
             args.max_new_tokens,
-            chunk_size=8 * concurrent,
-            seed=args.seed,
-            max_seconds=60.0 * args.max_minutes,
+            on_record,
+            args.phase_answers,
+            args.seed,
+            deadline,
+            held_out,
         )
 
 

@@ -2,9 +2,12 @@
 
 A shard is an `.npz` archive (LZMA-compressed, readable by `numpy.load`) holding one generation's
 prompts once each (id, domain, source, key and token ids) and every response to them as token ids, with
-each response's prompt, temperature and side (training or held out). Token ids take about 1.4 bytes
-each, so a 5-minute generation on one GPU (~4M tokens) fits in one file that a device call can bring
-back (16 MiB).
+each response's prompt, temperature and side (training or held out). A shard of 4M stored tokens (its
+limit, SHARD_MAX_TOKENS) takes about 3.3 MB (SmolLM2's answers with 3 to a prompt), well within what a
+device call brings back (16 MiB a file).
+
+`ShardWriter` writes shards while a generation runs: every few seconds the shard being filled is
+rewritten whole (atomically), and a full one is closed, so a run killed at any point keeps what it wrote.
 
 `read_data` takes the union of many shards (and the older JSON-lines files): identical responses
 (same prompt id, temperature and tokens) count once, and a prompt or key held out in any input is held
@@ -17,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -69,47 +74,91 @@ def write_shards(
     return paths
 
 
+def shard_path(out_dir: str | Path, name: str, index: int) -> Path:
+    """The path of shard `index` of the generation `name`: `<out_dir>/<name>-<index:03d>.npz`."""
+    return Path(out_dir) / f"{name}-{index:03d}{SHARD_SUFFIX}"
+
+
 def _write_part(
     out_dir: str | Path, name: str, index: int, records: list[tuple[DistillRecord, bool]], meta: dict
 ) -> Path:
-    path = Path(out_dir) / f"{name}-{index:03d}{SHARD_SUFFIX}"
+    path = shard_path(out_dir, name, index)
     write_shard(path, [r for r, held in records if not held], [r for r, held in records if held], meta)
     return path
+
+
+class ShardBuilder:
+    """The arrays of one shard, built a record at a time: every prompt (id and token ids) stored once,
+    the responses in the order added."""
+
+    def __init__(self) -> None:
+        self._prompt_index: dict[tuple[str, tuple[int, ...]], int] = {}
+        self._prompts: list[DistillRecord] = []
+        self._prompt_tokens: list[np.ndarray] = []
+        self._response_prompt: list[int] = []
+        self._temperatures: list[float] = []
+        self._held_out: list[bool] = []
+        self._responses: list[np.ndarray] = []
+        # Prompt and response tokens of every record (a prompt counts with each response, as
+        # `write_shards` sizes shards).
+        self.stored_tokens = 0
+
+    @property
+    def num_records(self) -> int:
+        """Responses added."""
+        return len(self._responses)
+
+    def add(self, record: DistillRecord, held_out: bool) -> None:
+        """Add one response (and its prompt, unless a response to it was added already)."""
+        key = (record.id, tuple(record.prompt_ids))
+        row = self._prompt_index.get(key)
+        if row is None:
+            row = self._prompt_index[key] = len(self._prompts)
+            self._prompts.append(record)
+            self._prompt_tokens.append(np.asarray(record.prompt_ids, dtype=np.int64))
+        self._response_prompt.append(row)
+        self._temperatures.append(record.temperature)
+        self._held_out.append(held_out)
+        self._responses.append(np.asarray(record.response_ids, dtype=np.int64))
+        self.stored_tokens += len(record.prompt_ids) + len(record.response_ids)
+
+    def arrays(self, meta: dict) -> dict[str, np.ndarray]:
+        """The shard's arrays (format FORMAT_VERSION), `meta` stored as JSON."""
+        prompts = self._prompts
+        prompt_tokens, prompt_offsets = _packed(self._prompt_tokens)
+        response_tokens, response_offsets = _packed(self._responses)
+        return {
+            "format_version": np.array(FORMAT_VERSION, dtype=np.int32),
+            "meta": np.array(json.dumps(meta, sort_keys=True)),
+            "prompt_id": np.array([r.id for r in prompts], dtype=str),
+            "prompt_domain": np.array([r.domain for r in prompts], dtype=str),
+            "prompt_source": np.array([r.source for r in prompts], dtype=str),
+            "prompt_key": np.array([r.key for r in prompts], dtype=str),
+            "prompt_tokens": prompt_tokens,
+            "prompt_offsets": prompt_offsets,
+            "response_prompt": np.array(self._response_prompt, dtype=np.int32),
+            "response_temperature": np.array(self._temperatures, dtype=np.float64),
+            "response_held_out": np.array(self._held_out, dtype=bool),
+            "response_tokens": response_tokens,
+            "response_offsets": response_offsets,
+        }
 
 
 def write_shard(
     path: str | Path, train: Sequence[DistillRecord], held_out: Sequence[DistillRecord], meta: dict
 ) -> Path:
     """Write one shard (atomically: a run stopped mid-write leaves no half file)."""
-    prompts: dict[tuple[str, tuple[int, ...]], int] = {}
-    prompt_rows: list[DistillRecord] = []
-    response_prompt, temperatures, held, responses = [], [], [], []
-    for record, is_held_out in [(r, False) for r in train] + [(r, True) for r in held_out]:
-        key = (record.id, tuple(record.prompt_ids))
-        if key not in prompts:
-            prompts[key] = len(prompt_rows)
-            prompt_rows.append(record)
-        response_prompt.append(prompts[key])
-        temperatures.append(record.temperature)
-        held.append(is_held_out)
-        responses.append(record.response_ids)
-    prompt_tokens, prompt_offsets = _packed(r.prompt_ids for r in prompt_rows)
-    response_tokens, response_offsets = _packed(responses)
-    arrays = {
-        "format_version": np.array(FORMAT_VERSION, dtype=np.int32),
-        "meta": np.array(json.dumps(meta, sort_keys=True)),
-        "prompt_id": np.array([r.id for r in prompt_rows], dtype=str),
-        "prompt_domain": np.array([r.domain for r in prompt_rows], dtype=str),
-        "prompt_source": np.array([r.source for r in prompt_rows], dtype=str),
-        "prompt_key": np.array([r.key for r in prompt_rows], dtype=str),
-        "prompt_tokens": prompt_tokens,
-        "prompt_offsets": prompt_offsets,
-        "response_prompt": np.array(response_prompt, dtype=np.int32),
-        "response_temperature": np.array(temperatures, dtype=np.float64),
-        "response_held_out": np.array(held, dtype=bool),
-        "response_tokens": response_tokens,
-        "response_offsets": response_offsets,
-    }
+    builder = ShardBuilder()
+    for record in train:
+        builder.add(record, False)
+    for record in held_out:
+        builder.add(record, True)
+    return _save(path, builder.arrays(meta))
+
+
+def _save(path: str | Path, arrays: dict[str, np.ndarray]) -> Path:
+    """Write `arrays` as an LZMA `.npz` under a temporary name, then rename it to `path`: a reader never
+    sees a half-written shard, and a run killed mid-write leaves the previous version of the file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -120,6 +169,123 @@ def write_shard(
                 np.lib.format.write_array(f, array, allow_pickle=False)
     os.replace(tmp, path)
     return path
+
+
+class ShardWriter:
+    """Writes records into shards `<name>-000.npz`, `-001`, ... while a generation still produces them.
+
+    `add` only queues a record; a background thread builds the shards and writes them, so generation
+    does not wait for compression (LZMA releases the interpreter lock). Every `every_seconds`, when new
+    records came, the shard being filled is rewritten whole with everything it holds so far, atomically,
+    and a shard that reached `max_tokens` stored tokens is written a last time and the next one begun: a
+    run killed at any moment keeps every record but those of about the last `every_seconds`.
+    `close` writes what is left (an empty first shard when nothing came) and returns the shards.
+    """
+
+    # Seconds to write one stored token, assumed until a write has been timed (LZMA at its default
+    # preset took ~0.9 us on a 2-core CPU; the margin covers a slower disk or a busier host).
+    ASSUMED_SECONDS_PER_TOKEN = 2e-6
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        name: str,
+        meta: dict,
+        max_tokens: int = SHARD_MAX_TOKENS,
+        every_seconds: float = 30.0,
+        log: bool = True,
+    ) -> None:
+        self.out_dir, self.name, self.meta = Path(out_dir), name, meta
+        self.max_tokens, self.every_seconds, self.log = max_tokens, every_seconds, log
+        self.paths: list[Path] = []  # every shard written so far, complete (the last may still grow)
+        self.num_written = 0  # records in the files on disk now
+        self.num_added = 0
+        self._cond = threading.Condition()
+        self._incoming: list[tuple[DistillRecord, bool]] = []
+        self._incoming_tokens = 0
+        self._closing = False
+        self._error: BaseException | None = None
+        self._builder = ShardBuilder()
+        self._index = 0
+        self._unwritten = False  # the open shard holds records its file does not
+        self._finished_records = 0  # records of the shards before the open one
+        self._seconds_per_token = self.ASSUMED_SECONDS_PER_TOKEN
+        self._due = time.monotonic() + every_seconds
+        self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
+        self._thread.start()
+
+    def add(self, record: DistillRecord, held_out: bool = False) -> None:
+        """Queue one record (the training side unless `held_out`) for the shards."""
+        with self._cond:
+            self._raise_error()
+            if self._closing:
+                raise RuntimeError("ShardWriter: add after close")
+            self._incoming.append((record, held_out))
+            self._incoming_tokens += len(record.prompt_ids) + len(record.response_ids)
+            self.num_added += 1
+            self._cond.notify()
+
+    def close_seconds(self) -> float:
+        """About how long `close` would take now: writing the open shard and the records still queued,
+        at the pace measured on earlier writes (for a deadline that must leave time for it)."""
+        tokens = self._builder.stored_tokens + self._incoming_tokens
+        return tokens * self._seconds_per_token
+
+    def close(self) -> list[Path]:
+        """Write everything added and stop the writer; the shards written, in order."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+        self._raise_error()
+        return list(self.paths)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"ShardWriter: writing {self.name} failed") from self._error
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._closing and not (self._incoming and time.monotonic() >= self._due):
+                        self._cond.wait(self._due - time.monotonic() if self._incoming else None)
+                    incoming, self._incoming, self._incoming_tokens = self._incoming, [], 0
+                    closing = self._closing
+                for record, held_out in incoming:
+                    stored = len(record.prompt_ids) + len(record.response_ids)
+                    if self._builder.num_records and self._builder.stored_tokens + stored > self.max_tokens:
+                        self._write_open()  # full: written a last time, the next shard begins
+                        self._finished_records += self._builder.num_records
+                        self._builder, self._index = ShardBuilder(), self._index + 1
+                    self._builder.add(record, held_out)
+                    self._unwritten = True
+                if self._unwritten or (closing and not self.paths):
+                    self._write_open()
+                self._due = time.monotonic() + self.every_seconds
+                if closing:
+                    return
+        except BaseException as exc:  # reported to the producer by its next add or close
+            self._error = exc
+
+    def _write_open(self) -> None:
+        """Write the shard being filled, whole."""
+        began = time.monotonic()
+        builder = self._builder
+        path = _save(shard_path(self.out_dir, self.name, self._index), builder.arrays(self.meta))
+        seconds = time.monotonic() - began
+        if builder.stored_tokens >= 100_000:  # small writes time mostly fixed costs
+            self._seconds_per_token = max(seconds / builder.stored_tokens, self._seconds_per_token * 0.5)
+        if path not in self.paths:
+            self.paths.append(path)
+        self.num_written = self._finished_records + builder.num_records
+        self._unwritten = False
+        if self.log:
+            sys.stderr.write(
+                f"distill: wrote {path.name}: {builder.num_records} responses, {builder.stored_tokens} "
+                f"stored tokens, {path.stat().st_size / 2**20:.1f} MiB in {seconds:.1f} s\n"
+            )
+            sys.stderr.flush()
 
 
 def read_shard(path: str | Path) -> DistillData:
@@ -219,16 +385,13 @@ def _unique(records: list[DistillRecord]) -> list[DistillRecord]:
     return [by_key[key] for key in sorted(by_key)]
 
 
-def _packed(rows: Iterable[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+def _packed(rows: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Rows of token ids as one array (uint16 when every id fits) and offsets [rows + 1]."""
-    lengths = [0]
-    flat: list[int] = []
-    for row in rows:
-        flat.extend(row)
-        lengths.append(len(row))
-    tokens = np.array(flat, dtype=np.int64)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(np.array([len(row) for row in rows], dtype=np.int64), out=offsets[1:])
+    tokens = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
     dtype = np.uint16 if tokens.size == 0 or int(tokens.max()) < 2**16 else np.int32
-    return tokens.astype(dtype), np.cumsum(lengths, dtype=np.int64)
+    return tokens.astype(dtype), offsets
 
 
 def _unpacked(tokens: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
