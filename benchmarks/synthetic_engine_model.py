@@ -65,17 +65,30 @@ class SyntheticEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._running: dict[str, list] = {}  # id -> [on_delta, params, prompt length, emitted]
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="synthetic-engine", daemon=True)
+        self._thread: threading.Thread | None = None
         self.error = None
 
     @property
     def healthy(self) -> bool:
-        """True while the loop runs."""
-        return self._thread.is_alive() and not self._stopping.is_set()
+        """True while the loop runs (or is about to, in the thread it is bound to)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
 
     def start(self) -> None:
-        """Start the step loop."""
+        """Start the step loop in a thread of its own."""
+        self._thread = threading.Thread(target=self._loop, name="synthetic-engine", daemon=True)
         self._thread.start()
+
+    def bind_to_current_thread(self) -> None:
+        """The loop will run in this thread, by `run` (as the engine process runs AsyncEngine's)."""
+        self._thread = threading.current_thread()
+
+    def run(self) -> None:
+        """Run the step loop here until `stop`."""
+        self._loop()
+
+    def stop(self) -> None:
+        """Ask the loop to end."""
+        self._stopping.set()
 
     def submit(self, request_id, params, on_delta, prompt=None, prompt_token_ids=None) -> list[int]:  # noqa: ANN001
         """Queue a request (tokenized here, as the real engine does)."""
@@ -93,8 +106,9 @@ class SyntheticEngine:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort everything and stop."""
-        self._stopping.set()
-        self._thread.join(timeout)
+        self.stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def _loop(self) -> None:
         next_step = time.monotonic()

@@ -1,13 +1,16 @@
-"""`layers.linear`: the CPU's few-row and large-weight paths give F.linear's result on random inputs."""
+"""`layers.linear`: the CPU's few-row and one-row paths give F.linear's result on random inputs; the one-row
+path is measured and chosen."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from dspark.runner.models import layers
-from dspark.runner.models.layers import CPU_FEW_ROWS, CPU_LARGE_WEIGHT, linear
+from dspark.runner.models.layers import CPU_FEW_ROWS, CPU_LINEAR_PATHS, linear, measure_one_row_path
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, CPU_FEW_ROWS, CPU_FEW_ROWS + 1, 40])
@@ -26,16 +29,38 @@ def test_linear_matches_f_linear(rows: int, bias: bool) -> None:
     torch.testing.assert_close(out3, F.linear(x3, weight, b), rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_against_a_large_weight() -> None:
-    """One row against a weight of CPU_LARGE_WEIGHT elements or more takes the two-row path."""
+@pytest.mark.parametrize("as_two", [False, True])
+def test_one_row_either_path(as_two: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row gives F.linear's result by either path, contiguous, 2-D and 3-D."""
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "one_row_as_two", as_two)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    in_features = 256
-    out_features = CPU_LARGE_WEIGHT // in_features
-    weight = torch.randn(out_features, in_features, generator=gen)
-    x = torch.randn(1, in_features, generator=gen)
-    got = linear(x, weight)
-    assert got.shape == (1, out_features) and got.is_contiguous()
-    torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-4, atol=1e-4)
+    weight = torch.randn(300, 128, generator=gen)
+    b = torch.randn(300, generator=gen)
+    for x in (torch.randn(1, 128, generator=gen), torch.randn(1, 1, 128, generator=gen)):
+        got = linear(x, weight, b)
+        assert got.shape == (*x.shape[:-1], 300) and got.is_contiguous()
+        torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-4, atol=1e-4)
+
+
+def test_the_one_row_path_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure_one_row_path keeps whichever path timed faster over the module's weights: made slower
+    by a patched F.linear, the GEMV loses; made slower mm, two rows lose."""
+    module = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    real_mm, real_linear = torch.mm, F.linear
+
+    def slow(fn):  # noqa: ANN001, ANN202
+        def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            time.sleep(0.002)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "one_row_as_two", False)
+    monkeypatch.setattr(layers.F, "linear", slow(real_linear))
+    assert measure_one_row_path(module) is True and CPU_LINEAR_PATHS.one_row_as_two
+    monkeypatch.setattr(layers.F, "linear", real_linear)
+    monkeypatch.setattr(layers.torch, "mm", slow(real_mm))
+    assert measure_one_row_path(module) is False and not CPU_LINEAR_PATHS.one_row_as_two
 
 
 def test_the_paths_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,5 +72,8 @@ def test_the_paths_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     weight = torch.randn(8, 4)
     linear(torch.randn(3, 4), weight)
     linear(torch.randn(CPU_FEW_ROWS + 1, 4), weight)
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "one_row_as_two", False)
     linear(torch.randn(1, 4), weight)
-    assert calls == ["mm", "linear", "linear"]
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "one_row_as_two", True)
+    linear(torch.randn(1, 4), weight)
+    assert calls == ["mm", "linear", "linear", "mm"]

@@ -232,11 +232,22 @@ def engine_main(
     except BaseException:
         events.send(("failed", traceback.format_exc()))
         return
-    engine.start()
+    # The loop runs on this (the main) thread, commands are served beside it (AsyncEngine.run says why).
+    engine.bind_to_current_thread()
     events.send(("ready", (engine.engine.model_config.vocab_size, engine.engine.limits.max_model_len)))
     sender = threading.Thread(target=_send_events_or_exit, args=(outbox, events, engine.load), daemon=True)
     sender.start()
-    _serve_control(engine, control, outbox.put, outbox.put_now)
+
+    def serve_control() -> None:
+        _serve_control(engine, control, outbox.put, outbox.put_now)
+        engine.stop()
+
+    commands = threading.Thread(target=serve_control, name="dspark-control", daemon=True)
+    commands.start()
+    engine.run()
+    # A loop that died leaves the commands served (each submit fails alone) until the adapter shuts
+    # this process down.
+    commands.join()
     engine.shutdown()
     outbox.put_now(None)
     sender.join()

@@ -6,7 +6,9 @@ and keeps this rank's shard, so the loader never needs to know how a layer is sp
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +22,22 @@ Loader = Callable[[torch.Tensor, torch.Tensor, str | None], None]
 
 # Rows up to which a CPU linear multiplies the weight by the transposed input (see `linear`).
 CPU_FEW_ROWS = 16
-# Weights from this many elements up take one row on a CPU as two (see `linear`).
-CPU_LARGE_WEIGHT = 1 << 22
+
+
+@dataclass
+class CpuLinearPaths:
+    """How `linear` computes one row on a CPU: as two equal rows (W x^T) or by F.linear (a GEMV).
+
+    Which is faster depends on the host's BLAS, not on the model: on one 2-core AMD EPYC the GEMV read
+    the SmolLM2 target's weights from memory at a third of the speed of W x^T of two columns (a whole
+    one-row decode step 1.6x faster as two rows), while a weight that sits in cache runs faster as a
+    GEMV; so `measure_one_row_path` times both over a model's own weights when it is loaded.
+    """
+
+    one_row_as_two: bool = True
+
+
+CPU_LINEAR_PATHS = CpuLinearPaths()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -29,16 +45,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     The CPU BLAS reads a weight at GEMV speed for one row but runs a GEMM of 2-16 rows (a verify
     window, a draft block's vocabulary projection) at about a third of that; W x^T keeps the weight
-    as the long operand and costs little more than one row. One row against a large weight (an LM
-    head) goes as two equal rows: its GEMV ran at 16 GB/s on this project's CPU machine, W x^T of two
-    columns at 40. Other shapes and devices: F.linear.
+    as the long operand and costs little more than one row. One row goes as two equal rows where
+    `CPU_LINEAR_PATHS` measured that faster. Other shapes and devices: F.linear.
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu" or not 0 < rows <= CPU_FEW_ROWS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:
-        if weight.numel() < CPU_LARGE_WEIGHT:
+        if not CPU_LINEAR_PATHS.one_row_as_two:
             return F.linear(x, weight, bias)
         y = torch.mm(weight, flat.repeat(2, 1).t())[:, :1].t().contiguous()
     else:
@@ -46,6 +61,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def measure_one_row_path(module: nn.Module, repeats: int = 3) -> bool:
+    """Time one row through every 2-D weight of `module` (a whole pass, in order, so weights come from
+    memory as in a decode step) by F.linear and as two rows; keep the faster in `CPU_LINEAR_PATHS` and
+    return whether two rows won. A no-op returning the current choice off the CPU."""
+    weights = [p for p in module.parameters() if p.dim() == 2 and p.device.type == "cpu"]
+    if not weights:
+        return CPU_LINEAR_PATHS.one_row_as_two
+    rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}
+
+    def one_pass(as_two: bool) -> float:
+        start = time.perf_counter()
+        for w in weights:
+            x = rows[w.shape[1]]
+            if as_two:
+                torch.mm(w, x.repeat(2, 1).t())[:, :1].t().contiguous()
+            else:
+                F.linear(x, w)
+        return time.perf_counter() - start
+
+    best = {False: math.inf, True: math.inf}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for as_two in (False, True):  # alternated: a slow spell of the host falls on both
+                best[as_two] = min(best[as_two], one_pass(as_two))
+    CPU_LINEAR_PATHS.one_row_as_two = best[True] < best[False]
+    return CPU_LINEAR_PATHS.one_row_as_two
 
 
 def _attach(param: nn.Parameter, load: Loader) -> nn.Parameter:
