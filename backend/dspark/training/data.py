@@ -19,6 +19,7 @@ import torch
 
 from dspark.runner.models.llama import CausalLM
 from dspark.tokenizer import Tokenizer
+from dspark.training.records import DistillRecord
 
 if TYPE_CHECKING:
     from dspark.llm import LLM
@@ -45,29 +46,6 @@ class Prompt:
     def conversation(self) -> list[dict[str, str]]:
         """The chat messages the prompt stands for: its conversation, or `prompt` as one user turn."""
         return self.messages or [{"role": "user", "content": self.prompt}]
-
-
-@dataclass
-class DistillRecord:
-    """The target's response to one prompt: prompt_ids then response_ids (EOS included when produced)."""
-
-    id: str
-    domain: str
-    temperature: float
-    prompt_ids: list[int]
-    response_ids: list[int]
-    # The prompt's source (document, module, word list), carried into shards for provenance.
-    source: str = ""
-    # The prompt's key (`Prompt.key`: the unit held out whole); the id when none is known.
-    key: str = ""
-
-    def __post_init__(self) -> None:
-        self.key = self.key or self.id
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Prompt and response as one sequence."""
-        return self.prompt_ids + self.response_ids
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:

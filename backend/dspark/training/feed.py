@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dspark.sampling_params import GREEDY_BELOW_TEMPERATURE, SamplingParams
-from dspark.training.data import DistillRecord
+from dspark.training.records import DistillRecord
 
 if TYPE_CHECKING:
     from dspark.llm import LLM
