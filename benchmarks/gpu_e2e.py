@@ -230,9 +230,9 @@ class ForcedAcceptance:
         self.block_size = inner.block_size
         self.target_layer_ids = inner.target_layer_ids
 
-    def propose(self, seqs) -> Drafts:
+    def propose(self, seqs, length=None) -> Drafts:
         """The real drafter's block, with the forced confidences."""
-        proposal = self.inner.propose(seqs)
+        proposal = self.inner.propose(seqs, length)
         block_size = self.block_size
         proposal.confidences[:] = torch.tensor([0.95 if k < self.accept else 0.05 for k in range(block_size)])
         # Without lengths: the random drafter's own early stop would cap the forced blocks.

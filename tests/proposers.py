@@ -34,7 +34,7 @@ class OracleProposer:
         self.confidence = confidence
         self.steps: dict[str, int] = {}
 
-    def propose(self, seqs: list[Sequence]) -> Drafts:
+    def propose(self, seqs: list[Sequence], length: int | None = None) -> Drafts:
         """Draft the truth after each anchor, one position corrupted when asked."""
         tokens = torch.zeros(len(seqs), self.block_size, dtype=torch.long)
         conf = torch.zeros(len(seqs), self.block_size)
@@ -83,7 +83,7 @@ class TrapProposer:
             self._greedy[key] = int(dense_logits(self.target, context)[-1].argmax())
         return self._greedy[key]
 
-    def propose(self, seqs: list[Sequence]) -> Drafts:
+    def propose(self, seqs: list[Sequence], length: int | None = None) -> Drafts:
         """Draft each block token from q at its context; confidences from the previous draft."""
         vocab = self.target.config.vocab_size
         tokens = torch.zeros(len(seqs), self.block_size, dtype=torch.long)

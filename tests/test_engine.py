@@ -208,5 +208,6 @@ def test_a_smaller_engine_block_counts_only_its_own_drafts(tiny_target_dir, tiny
     for out in outs:
         stats = out.spec_stats
         assert stats.drafting_steps > 0
-        assert stats.drafted_tokens == 2 * stats.drafting_steps
+        # Blocks of 2, but for a last step with a single token left, which drafts only 1.
+        assert 2 * stats.drafting_steps - 1 <= stats.drafted_tokens <= 2 * stats.drafting_steps
         assert stats.verified_tokens <= stats.drafted_tokens

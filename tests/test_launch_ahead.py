@@ -157,19 +157,19 @@ def test_an_abort_of_a_request_launched_ahead_ends_it_alone(tiny_target_dir) -> 
 
 def test_the_gate_times_overlapping_steps_by_the_wall_time_each_adds() -> None:
     now = [0.0]
-    gate = SpeculationGate(lambda: now[0])
+    gate = SpeculationGate(3, lambda: now[0])
     # Step 1 launched at 0; step 2 launched at 1 ms, before step 1 finishes at 2 ms; step 2 finishes
     # at 5 ms: it added 3 ms (from step 1's finish), not the 4 ms since its launch.
-    gate.start_step()
+    gate.start_step(0)
     now[0] = 0.001
-    gate.start_step()
+    gate.start_step(3)
     now[0] = 0.002
-    gate.finish_step(4, False, 4)
+    gate.finish_step(4, 4)
     now[0] = 0.005
-    gate.finish_step(4, True, 12)
-    plain, speculative = gate.rates(4)
-    assert plain == pytest.approx(4 / 0.002)
-    assert speculative == pytest.approx(12 / 0.003)
+    gate.finish_step(4, 12)
+    rates = gate.rates(4)
+    assert rates[0] == pytest.approx(4 / 0.002)
+    assert rates[3] == pytest.approx(12 / 0.003)
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -3,10 +3,11 @@ losing side, and the engine behind it stays lossless whichever way it decides.""
 
 from __future__ import annotations
 
+import collections
 import random
 
 from dspark import LLM, EngineConfig, SamplingParams
-from dspark.spec.gate import PROBE_INTERVAL, WARM_UP_STEPS, SpeculationGate
+from dspark.spec.gate import PROBE_INTERVAL, WARM_UP_STEPS, SpeculationGate, draft_lengths
 
 
 class _Clock:
@@ -19,50 +20,76 @@ class _Clock:
         return self.now
 
 
-def _run_steps(
-    gate: SpeculationGate, clock: _Clock, requests: int, steps: int, seconds, tokens
-) -> list[bool]:
-    """Drive `steps` decode steps; seconds(spec) and tokens(spec) say how each kind of step goes."""
+def _run_steps(gate: SpeculationGate, clock: _Clock, requests: int, steps: int, seconds, tokens) -> list[int]:
+    """Drive `steps` decode steps; seconds(length) and tokens(length) say how a step of each draft
+    length goes. Returns the lengths chosen."""
     decisions = []
     for _ in range(steps):
-        gate.start_step()
-        speculate = gate.should_speculate(requests)
-        clock.now += seconds(speculate)
-        gate.finish_step(requests, speculate, tokens(speculate))
-        decisions.append(speculate)
+        length = gate.draft_length(requests)
+        gate.start_step(length)
+        clock.now += seconds(length)
+        gate.finish_step(requests, tokens(length))
+        decisions.append(length)
     return decisions
 
 
-def test_gate_tries_both_kinds_then_follows_the_faster_and_probes_the_slower() -> None:
+def test_draft_lengths() -> None:
+    assert draft_lengths(1) == (0, 1)
+    assert draft_lengths(3) == (0, 1, 2, 3)
+    assert draft_lengths(4) == (0, 1, 2, 4)
+    assert draft_lengths(7) == (0, 1, 2, 4, 7)
+
+
+def test_gate_tries_every_length_then_follows_the_fastest_and_probes_the_others() -> None:
     clock = _Clock()
-    gate = SpeculationGate(clock)
-    # Speculation commits 2.5 tokens a request in 2 ms, plain 1 in 1 ms: speculation wins (1.25x).
-    decisions = _run_steps(gate, clock, 8, 200, lambda s: 0.002 if s else 0.001, lambda s: 20 if s else 8)
-    assert decisions[:WARM_UP_STEPS] == [True] * WARM_UP_STEPS
-    assert decisions[WARM_UP_STEPS : 2 * WARM_UP_STEPS] == [False] * WARM_UP_STEPS
-    settled = decisions[2 * WARM_UP_STEPS :]
-    plain_probes = settled.count(False)
-    assert 0 < plain_probes <= len(settled) // PROBE_INTERVAL + 1
-    plain, spec = gate.rates(8)
-    assert spec > plain
+    gate = SpeculationGate(3, clock)
+    # 8 requests; a step of length n takes 1 + 0.5 n ms and commits 8 (1 + 0.3 + 0.1 + 0.05)[:n+1]
+    # tokens: 8000 / 6933 / 5600 / 4640 tokens/s for n = 0..3, so plain wins.
+    gain = [1.0, 0.3, 0.1, 0.05]
+    decisions = _run_steps(
+        gate, clock, 8, 400, lambda n: 0.001 * (1 + 0.5 * n), lambda n: round(8 * sum(gain[: n + 1]))
+    )
+    warm = 4 * WARM_UP_STEPS
+    assert (
+        decisions[:warm]
+        == [3] * WARM_UP_STEPS + [2] * WARM_UP_STEPS + [1] * WARM_UP_STEPS + [0] * WARM_UP_STEPS
+    )
+    settled = decisions[warm:]
+    probes = [n for n in settled if n != 0]
+    assert 0 < len(probes) <= len(settled) // PROBE_INTERVAL + 1
+    assert set(probes) == {1, 2, 3}  # every loser is probed in turn
+    rates = gate.rates(8)
+    assert max(rates, key=rates.get) == 0
+
+
+def test_gate_picks_a_short_window_where_it_pays() -> None:
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    # One row costs as much as two (a CPU's BLAS), more rows cost more: length 1 wins (1.55 tokens per
+    # 1 ms against 1 for plain and 1.81 / 1.94 for 1.3 / 1.6 ms).
+    cost = [1.0, 1.0, 1.3, 1.6]
+    gain = [1.0, 0.55, 0.26, 0.13]
+    decisions = _run_steps(gate, clock, 1, 300, lambda n: 0.001 * cost[n], lambda n: sum(gain[: n + 1]))
+    settled = decisions[4 * WARM_UP_STEPS :]
+    assert settled.count(1) >= len(settled) - len(settled) // PROBE_INTERVAL - 1
 
 
 def test_gate_turns_speculation_off_where_it_loses_and_keeps_tiers_apart() -> None:
     clock = _Clock()
-    gate = SpeculationGate(clock)
+    gate = SpeculationGate(1, clock)
     # At 64 requests speculation loses (1.4 tokens for 2x the time); at 1 request it wins.
-    loses = _run_steps(gate, clock, 64, 200, lambda s: 0.004 if s else 0.002, lambda s: 90 if s else 64)
-    wins = _run_steps(gate, clock, 1, 200, lambda s: 0.002 if s else 0.001, lambda s: 3 if s else 1)
+    loses = _run_steps(gate, clock, 64, 200, lambda n: 0.002 if n else 0.001, lambda n: 90 if n else 64)
+    wins = _run_steps(gate, clock, 1, 200, lambda n: 0.002 if n else 0.001, lambda n: 3 if n else 1)
     assert sum(loses[2 * WARM_UP_STEPS :]) <= len(loses) // PROBE_INTERVAL + 1
     assert sum(wins[2 * WARM_UP_STEPS :]) >= len(wins) - 2 * WARM_UP_STEPS - len(wins) // PROBE_INTERVAL - 1
 
 
 def test_gate_follows_a_change_of_regime() -> None:
     clock = _Clock()
-    gate = SpeculationGate(clock)
-    _run_steps(gate, clock, 4, 100, lambda s: 0.002 if s else 0.001, lambda s: 12 if s else 4)
+    gate = SpeculationGate(1, clock)
+    _run_steps(gate, clock, 4, 100, lambda n: 0.002 if n else 0.001, lambda n: 12 if n else 4)
     # Acceptance collapses: speculation now commits barely more than plain for twice the time.
-    after = _run_steps(gate, clock, 4, 300, lambda s: 0.002 if s else 0.001, lambda s: 5 if s else 4)
+    after = _run_steps(gate, clock, 4, 300, lambda n: 0.002 if n else 0.001, lambda n: 5 if n else 4)
     assert sum(after[-100:]) <= 100 // PROBE_INTERVAL + 1
 
 
@@ -78,32 +105,40 @@ def test_gated_engine_is_lossless_and_speculates_on_some_steps_only(
     plain = LLM(base.replace(spec_mode="off")).generate(params=params, prompt_token_ids=prompts)
     llm = LLM(base.replace(adaptive_speculation=True))
     clock = _Clock()
-    gate = llm.engine.gate = SpeculationGate(clock)
-    # Steps are timed by the test's clock: every step "takes" 1 ms, so plain (1 token a request) and
-    # speculation (more) are told apart by tokens alone, and a drafting step is made to look slow.
-    real_finish = gate.finish_step
+    gate = llm.engine.gate = SpeculationGate(llm.engine.limits.block_size, clock)
+    # Steps are timed by the test's clock: a plain step "takes" 1 ms and a drafting one 10 ms, charged
+    # when it finishes (steps finish in launch order), so drafting is made to look slow.
+    launched: collections.deque[int] = collections.deque()
+    real_start, real_finish = gate.start_step, gate.finish_step
 
-    def finish(num_requests: int, speculative: bool, committed_tokens: int) -> None:
-        clock.now += 0.010 if speculative else 0.001
-        real_finish(num_requests, speculative, committed_tokens)
+    def start(length: int, at: float | None = None) -> None:
+        launched.append(length)
+        real_start(length, at)
 
-    decisions: list[bool] = []
-    real_decide = gate.should_speculate
+    def finish(num_requests: int, committed_tokens: int) -> None:
+        clock.now += 0.010 if launched.popleft() else 0.001
+        real_finish(num_requests, committed_tokens)
 
-    def decide(num_requests: int) -> bool:
+    decisions: list[int] = []
+    real_decide = gate.draft_length
+
+    def decide(num_requests: int) -> int:
         decisions.append(real_decide(num_requests))
         return decisions[-1]
 
+    gate.start_step = start  # type: ignore[method-assign]
     gate.finish_step = finish  # type: ignore[method-assign]
-    gate.should_speculate = decide  # type: ignore[method-assign]
+    gate.draft_length = decide  # type: ignore[method-assign]
     gated = llm.generate(params=params, prompt_token_ids=prompts)
     assert [o.token_ids for o in gated] == [o.token_ids for o in plain]
     stats = llm.engine.total_spec_stats
     assert stats.drafted_tokens > 0, "the gate's warm-up drafts"
     assert 0 < stats.drafting_steps < stats.steps  # what dspark_spec_drafting_steps_total publishes
     # Speculation, 10x slower here, is switched off after the warm-up, but for the probes.
-    assert decisions[:WARM_UP_STEPS] == [True] * WARM_UP_STEPS
-    assert sum(decisions) <= 2 * WARM_UP_STEPS + len(decisions) // PROBE_INTERVAL + 2, decisions
+    lengths = len(gate.lengths)
+    assert decisions[:WARM_UP_STEPS] == [gate.lengths[-1]] * WARM_UP_STEPS
+    drafting = sum(1 for n in decisions if n)
+    assert drafting <= (lengths - 1) * WARM_UP_STEPS + len(decisions) // PROBE_INTERVAL + 2, decisions
 
 
 def test_seeded_sampling_stays_reproducible_under_the_gate(tiny_target_dir, tiny_drafter_dir) -> None:
@@ -116,7 +151,8 @@ def test_seeded_sampling_stays_reproducible_under_the_gate(tiny_target_dir, tiny
     streams = []
     for speculate in (True, False):
         llm = LLM(config)
-        llm.engine.gate.should_speculate = lambda num_requests, s=speculate: s  # type: ignore[method-assign]
+        block = llm.engine.limits.block_size
+        llm.engine.gate.draft_length = lambda num_requests, s=speculate, b=block: b if s else 0  # type: ignore[method-assign]
         out = llm.generate(params=params, prompt_token_ids=[[1, 2, 3, 4]])[0]
         assert out.spec_stats.drafted_tokens > 0
         streams.append(out.token_ids)

@@ -55,9 +55,10 @@ class EngineConfig:
     # confidences so far) falls below this, and verifies only what it drafted; 0 drafts whole blocks.
     # The stop depends on the request's own earlier drafts only, so output stays lossless.
     draft_stop_survival: float = 0.05
-    # Draft only while speculation pays: per batch size, the engine compares the committed tokens/s of
-    # its recent steps with and without drafting (trying each, re-probing the loser now and then) and
-    # runs the faster. Lossless either way; false: draft on every step (spec_mode alone decides).
+    # Draft only as far as speculation pays: per batch size, the engine compares the committed tokens/s
+    # of its recent steps at each draft length (0 = plain, the powers of two below block_size,
+    # block_size; trying each, re-probing the losers now and then) and runs the fastest. Lossless either
+    # way; false: verify whole blocks on every step (spec_mode alone decides).
     adaptive_speculation: bool = True
     # JSON file of measured target steps/s by batch tokens; "profile": measure it when the engine starts
     # (a few seconds; compact and cap-accept only); empty means flat (verify everything).

@@ -114,8 +114,10 @@ class LLMEngine:
             # Every window row is injected, rejected drafts' rows too: a position's draft KV is read only
             # once the position is committed, and the step that commits it injects its true features.
             self.runner.set_feature_sink(self.proposer.inject)
-        # Whether each step drafts, from the measured speed of earlier steps (None: always).
-        self.gate = SpeculationGate() if self.proposer is not None and config.adaptive_speculation else None
+        # How many drafts each step verifies, from the measured speed of earlier steps (None: the block).
+        self.gate = (
+            SpeculationGate(block_size) if self.proposer is not None and config.adaptive_speculation else None
+        )
         # Target layers whose outputs the drafter takes (none without speculation).
         self._capture_layers = tuple(self.proposer.target_layer_ids) if self.proposer is not None else ()
         # Positions a decoding request may touch past its cache: its verify window, and the proposer's
@@ -340,6 +342,8 @@ class LLMEngine:
             return None
         timer.lap("schedule")
         caps = [self._max_verify(seq, in_flight) for seq in schedule.decode]
+        length = self._draft_length(schedule.decode, caps)
+        caps = [min(cap, length) for cap in caps]
         drafts = self._draft(schedule.decode, caps)
         timer.lap("draft")
         plan = VerifyPlan.plain(len(caps)) if drafts is None else self.policy.plan(drafts, caps, self.planner)
@@ -351,7 +355,7 @@ class LLMEngine:
             # the requests, which the step in flight has not reached yet.
             return None
         if self.gate is not None:
-            self.gate.start_step(began)
+            self.gate.start_step(length if drafts is not None else 0, began)
         result = self.runner.run(packed.step)
         timer.lap("target")
         return LaunchedStep(schedule, plan, packed, result)
@@ -430,27 +434,34 @@ class LLMEngine:
             # Decode-only steps are comparable; a prefill chunk would charge its own cost to the kind.
             num_tokens = sum(len(pending.tokens) for pending in done)
             num_decode = 0 if schedule.prefill else len(schedule.decode)
-            self.gate.finish_step(num_decode, plan.drafts is not None, num_tokens)
+            self.gate.finish_step(num_decode, num_tokens)
         self.timer.lap("emit")  # committing counts with making the deltas, whenever that comes
         return done
 
+    def _draft_length(self, decode: Seq[Sequence], caps: list[int]) -> int:
+        """Most drafts any request verifies this step: the block size, or the gate's choice from the
+        measured speed of earlier steps (0: a plain step). A seeded sampling request replays its stream
+        only if its steps draft alike on every run, so a step with one takes the block, as the policy
+        says, rather than the timing-driven choice."""
+        block_size = self.limits.block_size
+        if self.gate is None or self.proposer is None or not any(caps):
+            return block_size
+        if any(s.params.seed is not None and not s.params.greedy for s in decode):
+            return block_size
+        return self.gate.draft_length(len(decode))
+
     def _draft(self, decode: Seq[Sequence], caps: list[int]) -> Drafts | InStepDrafts | None:
-        """The step's drafts: None for a plain step (no drafter, no request may verify a draft, or the
-        gate finds plain steps faster now); drafts the runner makes inside the target step, when the
+        """The step's drafts for windows of up to `caps` drafts: None for a plain step (no drafter, or
+        no request may verify a draft); drafts the runner makes inside the target step, when the
         policy's verify lengths do not depend on them and the target graphs allow; else a block drafted
-        now, one drafter pass for every decoding request."""
+        now, one drafter pass for every decoding request (positions past the longest cap left out)."""
         if self.proposer is None or not any(caps):
-            return None
-        # A seeded sampling request replays its stream only if its steps draft alike on every run, so a
-        # step with one follows the policy rather than the timing-driven gate.
-        seeded = any(s.params.seed is not None and not s.params.greedy for s in decode)
-        if self.gate is not None and not seeded and not self.gate.should_speculate(len(decode)):
             return None
         if self._drafts_in_step():
             # Sampling requests in the block make the runner draft apart (`InStepDrafts.pack`).
             assert isinstance(self.proposer, DSparkProposer)
             return InStepDrafts(self.proposer, decode)
-        return self.proposer.propose(decode)
+        return self.proposer.propose(decode, max(caps))
 
     def _max_verify(self, seq: Sequence, in_flight: InFlight | None = None) -> int:
         """Most drafts this request may verify: block size, its own cap, tokens and context left (once

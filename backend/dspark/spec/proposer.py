@@ -27,8 +27,9 @@ class Proposer(Protocol):
     block_size: int
     target_layer_ids: list[int]
 
-    def propose(self, seqs: Seq[Sequence]) -> Drafts:
-        """Draft one block per sequence (each has `num_cached` context positions and an anchor)."""
+    def propose(self, seqs: Seq[Sequence], length: int | None = None) -> Drafts:
+        """Draft one block per sequence (each has `num_cached` context positions and an anchor).
+        length: no draft past this many is verified this step (a proposer may leave them out)."""
         ...
 
     def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
@@ -133,9 +134,12 @@ class DSparkProposer:
             self.graphs.capture_all()
 
     @torch.inference_mode()
-    def propose(self, seqs: Seq[Sequence]) -> Drafts:
-        """Block pass, then left-to-right Markov decode with confidences."""
+    def propose(self, seqs: Seq[Sequence], length: int | None = None) -> Drafts:
+        """Block pass, then left-to-right Markov decode with confidences. length: drafts past it are left
+        out (zeros, not counted as drafted); on the CPU they are not decoded at all, which saves their
+        vocabulary projections."""
         block_size = self.block_size
+        length = block_size if length is None else min(length, block_size)
         num_requests = len(seqs)
         block = torch.full((num_requests, block_size), self.drafter.config.mask_token_id, dtype=torch.long)
         block[:, 0] = torch.tensor([s.anchor for s in seqs])
@@ -147,13 +151,18 @@ class DSparkProposer:
             if self.graphs is not None:
                 drafted = self.graphs.run(block.flatten(), pages, starts)
             if drafted is None:
-                drafted = self._greedy_block(*self._eager_block_inputs(block, pages, starts))
-            tokens, confidences, lengths = drafted
+                drafted = self._greedy_block(*self._eager_block_inputs(block, pages, starts), length)
             # Copies: a graph's outputs are rewritten by its next replay.
-            lengths = lengths.cpu() if stopping else None
-            return Drafts(tokens.clone(), confidences.clone(), [None] * num_requests, lengths)
+            tokens, confidences, lengths = (t.clone() for t in drafted)
+            if length < block_size:
+                # A graph (or a GPU's decode) drafted the whole block: keep the first `length`.
+                tokens[:, length:] = 0
+                confidences[:, length:] = 0.0
+                lengths = torch.clamp(lengths, max=length)
+            lengths = lengths.cpu() if stopping or length < block_size else None
+            return Drafts(tokens, confidences, [None] * num_requests, lengths)
         heads = self._block_heads(*self._eager_block_inputs(block, pages, starts))
-        return self._decode_block(heads, to_device(block[:, 0].contiguous(), self.device), seqs)
+        return self._decode_block(heads, to_device(block[:, 0].contiguous(), self.device), seqs, length)
 
     def _eager_block_inputs(
         self, block: torch.Tensor, pages: list[list[int]], starts: list[int]
@@ -182,16 +191,20 @@ class DSparkProposer:
         return heads
 
     def _greedy_block(
-        self, block_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+        self,
+        block_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        length: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A greedy block for every request, device work only (what a draft graph captures): drafts
         [R, block_size] int64, confidences [R, block_size] fp32 and drafted lengths [R] int64, on the
-        device."""
+        device. length: on the CPU, positions past it are left undrafted (a GPU drafts them all)."""
         heads = self._block_heads(block_ids, positions, batch)
         anchors = block_ids.view(-1, self.block_size)[:, 0]
         if self._on_gpu:
             return self._greedy_decode(heads, anchors)
-        tokens, confidences, stop = self._markov_decode(heads, anchors)
+        tokens, confidences, stop = self._markov_decode(heads, anchors, length=length)
         return tokens, confidences, stop.lengths
 
     def _greedy_decode(
@@ -218,7 +231,9 @@ class DSparkProposer:
         lengths, confidences = stop_all_at_once(confidences, self.stop_survival)
         return tokens, confidences, lengths
 
-    def _decode_block(self, heads: BlockHeads, anchors: torch.Tensor, seqs: Seq[Sequence]) -> Drafts:
+    def _decode_block(
+        self, heads: BlockHeads, anchors: torch.Tensor, seqs: Seq[Sequence], length: int | None = None
+    ) -> Drafts:
         """The Markov decode of a block with sampling requests in it: they draw their drafts with their
         own generators (on the engine's device), one request at a time, so this path runs eagerly.
         Their draft distributions stay on the device, where acceptance reads them."""
@@ -241,8 +256,8 @@ class DSparkProposer:
                 chosen[r] = sample_rows(row, seq.generator)[0]
             return chosen
 
-        tokens, confidences, stop = self._markov_decode(heads, anchors, choose)
-        lengths = stop.lengths.cpu() if stop.enabled else None
+        tokens, confidences, stop = self._markov_decode(heads, anchors, choose, length)
+        lengths = stop.lengths.cpu() if stop.enabled or stop.lengths_capped else None
         return Drafts(tokens.cpu(), confidences, probs, lengths)
 
     def _markov_decode(
@@ -250,17 +265,20 @@ class DSparkProposer:
         heads: BlockHeads,
         anchors: torch.Tensor,
         choose: Callable[[int, torch.Tensor, _EarlyStop], torch.Tensor] | None = None,
+        length: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, _EarlyStop]:
         """Left-to-right Markov decode of every request's block from its anchor [R]: drafts [R, block_size]
         and confidences [R, block_size] on the device (filled there and moved to the host once: a copy per
         position would make the host wait block_size times a step), and the early stop's state. `choose`
-        (position, corrected logits [R, vocab], stop) picks each position's drafts; None: argmax."""
+        (position, corrected logits [R, vocab], stop) picks each position's drafts; None: argmax.
+        length: decode only the first `length` positions (zeros past them; every request's drafted
+        length at most `length`)."""
         num_requests, block_size = anchors.shape[0], self.block_size
         tokens = torch.zeros(num_requests, block_size, dtype=torch.long, device=self.device)
         confidences = torch.zeros(num_requests, block_size, dtype=torch.float32, device=self.device)
         previous = anchors
         stop = _EarlyStop(self.stop_survival, num_requests, block_size, self.device)
-        for k in range(block_size):
+        for k in range(block_size if length is None else min(length, block_size)):
             markov = self.drafter.markov_features(previous)
             confidence = stop.update(self.drafter.confidence_at(heads.hidden[:, k], markov, k), k)
             # On the CPU, leave the loop once every request has stopped (saves the vocabulary
@@ -271,6 +289,8 @@ class DSparkProposer:
             logits = self.drafter.corrected_logits(heads.logits_at(k), markov)
             previous = logits.argmax(dim=-1) if choose is None else choose(k, logits, stop)
             tokens[:, k] = previous
+        if length is not None and length < block_size:
+            stop.cap(length)
         return tokens, confidences, stop
 
 
@@ -303,6 +323,13 @@ class _EarlyStop:
         self.survival = torch.ones(num_requests, device=device)
         # Drafted positions per request (block_size: still drafting).
         self.lengths = torch.full((num_requests,), block_size, dtype=torch.long, device=device)
+        # Whether `cap` lowered the lengths (they are then worth reporting even with no threshold).
+        self.lengths_capped = False
+
+    def cap(self, length: int) -> None:
+        """After the decode: no request drafted past `length` positions (the step verifies no more)."""
+        self.lengths = torch.clamp(self.lengths, max=length)
+        self.lengths_capped = True
 
     def update(self, confidence: torch.Tensor, k: int) -> torch.Tensor:
         """Take c_k; return it with stopped requests' entries zeroed (no draft there: never verified)."""

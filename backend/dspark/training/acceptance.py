@@ -48,9 +48,9 @@ class RecordingProposer:
         self.engine_block_size = block_size
         self.blocks: list[DraftedBlock] = []
 
-    def propose(self, seqs: Seq[Sequence]) -> Drafts:
+    def propose(self, seqs: Seq[Sequence], length: int | None = None) -> Drafts:
         """Draft through the inner proposer and record the blocks."""
-        proposal = self.inner.propose(seqs)
+        proposal = self.inner.propose(seqs, length)
         for r, seq in enumerate(seqs):
             self.blocks.append(
                 DraftedBlock(

@@ -1,0 +1,90 @@
+"""A step's draft length (the gate's choice, `SpeculationGate.draft_length`): an eager block drafts only
+that many positions, the same drafts as the whole block's first ones, and an engine held at any length
+gives plain decoding's greedy tokens while verifying no more drafts a step than the length."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny_models import tiny_engine_config
+
+from dspark import LLM, SamplingParams
+from dspark.spec.drafter import BlockHeads
+
+
+def _random_prompts(count: int) -> list[list[int]]:
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 8) for _ in range(rng.randrange(2, 20))] for _ in range(count)]
+
+
+def _held_at(llm: LLM, length: int) -> LLM:
+    """The engine with its gate's choice fixed at `length` (0: plain steps)."""
+    assert llm.engine.gate is not None
+    llm.engine.gate.draft_length = lambda num_requests: length  # type: ignore[method-assign]
+    return llm
+
+
+def test_eager_block_drafts_only_the_first_positions(
+    tiny_target_dir, tiny_drafter_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """propose(seqs, k): the whole block's first k drafts, nothing past them, k projections a block."""
+    llm = LLM(tiny_engine_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static"))
+    engine = llm.engine
+    block_size = engine.limits.block_size
+    prompts = _random_prompts(3)
+    # Prefill the requests through the engine so each has a cached context and an anchor.
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    seqs = list(engine.scheduler.running)
+    assert seqs
+    projections = [0]
+    real_logits_at = BlockHeads.logits_at
+
+    def counting(self, position):  # noqa: ANN001, ANN202
+        projections[0] += 1
+        return real_logits_at(self, position)
+
+    monkeypatch.setattr(BlockHeads, "logits_at", counting)
+    whole = engine.proposer.propose(seqs)
+    assert projections[0] == block_size
+    for k in range(1, block_size):
+        projections[0] = 0
+        part = engine.proposer.propose(seqs, k)
+        assert projections[0] == k
+        assert part.tokens[:, :k].tolist() == whole.tokens[:, :k].tolist()
+        assert not part.tokens[:, k:].any() and not part.confidences[:, k:].any()
+        assert part.lengths is not None and all(n <= k for n in part.lengths.tolist())
+
+
+@pytest.mark.parametrize("length", [0, 1, 2, 3])
+def test_an_engine_held_at_a_length_is_lossless_and_verifies_at_most_it(
+    tiny_target_dir, tiny_drafter_dir, length: int
+) -> None:
+    prompts = _random_prompts(5)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    base = tiny_engine_config(tiny_target_dir, tiny_drafter_dir)
+    plain = LLM(base.replace(spec_mode="off")).generate(params=params, prompt_token_ids=prompts)
+    for mode in ("static", "compact"):
+        llm = _held_at(LLM(base.replace(spec_mode=mode, adaptive_speculation=True)), length)
+        assert length <= llm.engine.limits.block_size
+        out = llm.generate(params=params, prompt_token_ids=prompts)
+        assert [o.token_ids for o in out] == [o.token_ids for o in plain], mode
+        stats = llm.engine.total_spec_stats
+        assert stats.verified_tokens <= length * stats.drafting_steps
+        assert (stats.drafting_steps > 0) == (length > 0)
+        assert not any(stats.verified_per_position[length:])
+
+
+def test_sampling_requests_draft_at_the_held_length(tiny_target_dir, tiny_drafter_dir) -> None:
+    """Unseeded sampling requests follow the gate too: their blocks stop at its length."""
+    llm = _held_at(LLM(tiny_engine_config(tiny_target_dir, tiny_drafter_dir, adaptive_speculation=True)), 1)
+    params = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
+    out = llm.generate(params=params, prompt_token_ids=_random_prompts(4))
+    assert all(len(o.token_ids) == 20 for o in out)
+    stats = llm.engine.total_spec_stats
+    assert stats.drafting_steps > 0
+    assert stats.verified_tokens <= stats.drafting_steps
