@@ -89,23 +89,36 @@ def _time_engine(
 
 
 def _time_engines(
-    engines: dict[str, LLM], ids: list[list[int]], max_tokens: int, phases: dict | None, repeats: int
+    engines: dict[str, LLM],
+    ids: list[list[int]],
+    max_tokens: int,
+    phases: dict | None,
+    repeats: int,
+    groups: int = 1,
 ) -> dict[str, tuple[float, list[list[int]], dict]]:
     """`_time_engine` for several engines with their timed runs interleaved: repeat k runs each engine
     once, in an order rotated by k, so that a slow spell of the machine (whose host speed drifts by
     tens of percent within minutes) falls on every engine alike rather than on whichever came last.
+    groups: `ids` holds that many batches, run one after another in each timed run (so that a figure
+    at a small batch covers more prompts than the batch holds).
     Per engine: (median tokens/s, tokens and spec stats of its first run); `phases` as there."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=min(32, max_tokens), ignore_eos=True)
+    size = len(ids) // groups
+    batches = [ids[g * size : (g + 1) * size] for g in range(groups)]
     for llm in engines.values():
-        llm.generate(params=warm, prompt_token_ids=ids)
+        llm.generate(params=warm, prompt_token_ids=batches[0])
     names = list(engines)
     times: dict[str, list[float]] = {name: [] for name in names}
     first: dict[str, list] = {}
     for k in range(repeats):
         for name in names[k % len(names) :] + names[: k % len(names)]:
             start = time.perf_counter()
-            run = engines[name].generate(params=params, prompt_token_ids=ids)
+            run = [
+                out
+                for batch in batches
+                for out in engines[name].generate(params=params, prompt_token_ids=batch)
+            ]
             times[name].append(time.perf_counter() - start)
             first.setdefault(name, run)
     results = {}
@@ -120,7 +133,7 @@ def _time_engines(
             timer = engines[name].engine.timer
             timer.reset()
             timer.enabled = True
-            engines[name].generate(params=params, prompt_token_ids=ids)
+            engines[name].generate(params=params, prompt_token_ids=batches[0])
             timer.enabled = False
             phases[name] = {k: round(v, 3) for k, v in timer.summary().items()}
     return results
@@ -196,23 +209,34 @@ def identical_share(expected: list[list[int]], got: list[list[int]]) -> float:
     return sum(a == b for a, b in zip(expected, got, strict=True)) / max(len(expected), 1)
 
 
-def _time_transformers(model_dir: str, ids: list[list[int]], max_tokens: int, device: str, dtype) -> float:
+def _time_transformers(
+    model_dir: str, ids: list[list[int]], max_tokens: int, device: str, dtype, groups: int = 1
+) -> float:
+    """Output tokens/s of transformers' greedy `generate()` over `ids`, as `groups` batches in turn."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    width = max(len(p) for p in ids)
     pad = model.config.pad_token_id or 0
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in ids], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids], device=device)
+    size = len(ids) // groups
+
+    def padded(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in batch)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        return input_ids, mask
+
+    batches = [padded(ids[g * size : (g + 1) * size]) for g in range(groups)]
     kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad)
     with torch.inference_mode():
+        input_ids, mask = batches[0]
         model.generate(
             input_ids[:1], attention_mask=mask[:1], max_new_tokens=4, do_sample=False, pad_token_id=pad
         )
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        model.generate(input_ids, attention_mask=mask, **kwargs)
+        for input_ids, mask in batches:
+            model.generate(input_ids, attention_mask=mask, **kwargs)
         if device == "cuda":
             torch.cuda.synchronize()
     return len(ids) * max_tokens / (time.perf_counter() - start)
@@ -240,6 +264,13 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="a prompt set (JSON lines with id, domain, prompt; e.g. training/prompts_eval.jsonl); "
         "default: the 8 built in",
+    )
+    parser.add_argument(
+        "--min-prompts",
+        type=int,
+        default=1,
+        help="each figure covers at least this many prompts: batches of B distinct prompts run one after "
+        "another (ceil(N / B) of them), so a batch-1 figure is not one prompt's",
     )
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--out", default="")
@@ -282,11 +313,12 @@ def main(argv: list[str] | None = None) -> None:
     device = engines["off"].engine.limits.device.type
     dtype = engines["off"].engine.limits.dtype
     for batch in batch_sizes:
-        ids = _prompt_ids(engines["off"], batch, texts)
+        groups = max(1, -(-args.min_prompts // batch))
+        ids = _prompt_ids(engines["off"], batch * groups, texts)
         phases: dict[str, dict] | None = {} if args.phases else None
-        timed = _time_engines(engines, ids, args.max_tokens, phases, args.repeats)
+        timed = _time_engines(engines, ids, args.max_tokens, phases, args.repeats, groups)
         plain_tps, plain_tokens, _ = timed["off"]
-        row = {"batch": batch, "off": plain_tps}
+        row = {"batch": batch, "prompts": len(ids), "off": plain_tps}
         if phases is not None:
             row["phases_ms"] = phases
         for mode in ("static", "compact", "default"):
@@ -309,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
                 row[f"sustained_{mode}_tau"] = mode_runs[0][2]["mean_committed_per_step"]
         if not args.no_peer:
             row["transformers"] = _time_transformers(
-                str(base.model_path), ids, args.max_tokens, device, dtype
+                str(base.model_path), ids, args.max_tokens, device, dtype, groups
             )
         rows.append(row)
         print(json.dumps(row), flush=True)
