@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_models import tiny_engine_config
+from tiny_models import emulated_graphs_config, tiny_engine_config, use_emulated_graphs
 
 from dspark import LLM, SamplingParams
 from dspark.spec.drafter import BlockHeads
@@ -88,3 +88,24 @@ def test_sampling_requests_draft_at_the_held_length(tiny_target_dir, tiny_drafte
     stats = llm.engine.total_spec_stats
     assert stats.drafting_steps > 0
     assert stats.verified_tokens <= stats.drafting_steps
+
+
+@pytest.mark.parametrize("length", [0, 1, 2])
+def test_in_step_drafts_held_at_a_length_through_emulated_graphs(
+    tiny_target_dir, tiny_drafter_dir, length: int
+) -> None:
+    """`static` drafting inside the target step (the GPU path's graphs, emulated; steps launched ahead):
+    windows capped below the block still give plain decoding's greedy tokens."""
+    prompts = _random_prompts(4)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    config = emulated_graphs_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static")
+    plain = LLM(config.replace(spec_mode="off")).generate(params=params, prompt_token_ids=prompts)
+    llm = LLM(config.replace(adaptive_speculation=True))
+    use_emulated_graphs(llm.engine)
+    assert llm.engine._drafts_in_step()
+    _held_at(llm, length)
+    out = llm.generate(params=params, prompt_token_ids=prompts)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    stats = llm.engine.total_spec_stats
+    assert stats.verified_tokens <= length * stats.drafting_steps
+    assert (stats.drafting_steps > 0) == (length > 0)
