@@ -88,6 +88,12 @@ def _time_engine(
     return sum(len(o.token_ids) for o in outs) / elapsed, [o.token_ids for o in outs], stats.as_dict()
 
 
+def _in_groups(ids: list[list[int]], groups: int) -> list[list[list[int]]]:
+    """`ids` as `groups` equal batches, in order (the batches a figure runs one after another)."""
+    size = len(ids) // groups
+    return [ids[g * size : (g + 1) * size] for g in range(groups)]
+
+
 def _time_engines(
     engines: dict[str, LLM],
     ids: list[list[int]],
@@ -104,8 +110,7 @@ def _time_engines(
     Per engine: (median tokens/s, tokens and spec stats of its first run); `phases` as there."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=min(32, max_tokens), ignore_eos=True)
-    size = len(ids) // groups
-    batches = [ids[g * size : (g + 1) * size] for g in range(groups)]
+    batches = _in_groups(ids, groups)
     for llm in engines.values():
         llm.generate(params=warm, prompt_token_ids=batches[0])
     names = list(engines)
@@ -217,7 +222,6 @@ def _time_transformers(
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     pad = model.config.pad_token_id or 0
-    size = len(ids) // groups
 
     def padded(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in batch)
@@ -225,7 +229,7 @@ def _time_transformers(
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         return input_ids, mask
 
-    batches = [padded(ids[g * size : (g + 1) * size]) for g in range(groups)]
+    batches = [padded(batch) for batch in _in_groups(ids, groups)]
     kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad)
     with torch.inference_mode():
         input_ids, mask = batches[0]

@@ -444,7 +444,7 @@ class LLMEngine:
         only if its steps draft alike on every run, so a step with one takes the block, as the policy
         says, rather than the timing-driven choice."""
         block_size = self.limits.block_size
-        if self.gate is None or self.proposer is None or not any(caps):
+        if self.gate is None or not any(caps):  # a gate exists only beside a proposer
             return block_size
         if any(s.params.seed is not None and not s.params.greedy for s in decode):
             return block_size

@@ -257,7 +257,8 @@ class DSparkProposer:
             return chosen
 
         tokens, confidences, stop = self._markov_decode(heads, anchors, choose, length)
-        lengths = stop.lengths.cpu() if stop.enabled or stop.lengths_capped else None
+        capped = length is not None and length < self.block_size
+        lengths = stop.lengths.cpu() if stop.enabled or capped else None
         return Drafts(tokens.cpu(), confidences, probs, lengths)
 
     def _markov_decode(
@@ -323,13 +324,10 @@ class _EarlyStop:
         self.survival = torch.ones(num_requests, device=device)
         # Drafted positions per request (block_size: still drafting).
         self.lengths = torch.full((num_requests,), block_size, dtype=torch.long, device=device)
-        # Whether `cap` lowered the lengths (they are then worth reporting even with no threshold).
-        self.lengths_capped = False
 
     def cap(self, length: int) -> None:
         """After the decode: no request drafted past `length` positions (the step verifies no more)."""
         self.lengths = torch.clamp(self.lengths, max=length)
-        self.lengths_capped = True
 
     def update(self, confidence: torch.Tensor, k: int) -> torch.Tensor:
         """Take c_k; return it with stopped requests' entries zeroed (no draft there: never verified)."""

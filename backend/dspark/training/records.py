@@ -27,4 +27,3 @@ class DistillRecord:
     def token_ids(self) -> list[int]:
         """Prompt and response as one sequence."""
         return self.prompt_ids + self.response_ids
-

@@ -55,12 +55,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows == 1:
         if not CPU_LINEAR_PATHS.one_row_as_two:
             return F.linear(x, weight, bias)
-        y = torch.mm(weight, flat.repeat(2, 1).t())[:, :1].t().contiguous()
+        y = _one_row_as_two(flat, weight)
     else:
         y = torch.mm(weight, flat.t()).t().contiguous()
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _one_row_as_two(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """row [1, in] @ weight^T, computed as W x^T of the row taken twice: [1, out], contiguous."""
+    return torch.mm(weight, row.repeat(2, 1).t())[:, :1].t().contiguous()
 
 
 def measure_one_row_path(module: nn.Module, repeats: int = 3) -> bool:
@@ -77,7 +82,7 @@ def measure_one_row_path(module: nn.Module, repeats: int = 3) -> bool:
         for w in weights:
             x = rows[w.shape[1]]
             if as_two:
-                torch.mm(w, x.repeat(2, 1).t())[:, :1].t().contiguous()
+                _one_row_as_two(x, w)
             else:
                 F.linear(x, w)
         return time.perf_counter() - start
