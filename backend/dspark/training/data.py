@@ -19,6 +19,7 @@ import torch
 
 from dspark.runner.models.llama import CausalLM
 from dspark.tokenizer import Tokenizer
+from dspark.training.feed import Deadline, answer_dense, answer_with_engine
 from dspark.training.records import DistillRecord
 
 if TYPE_CHECKING:
@@ -98,8 +99,6 @@ def distill(
     Prompts are batched by length so little of a batch is padding. With `max_seconds`, generation ends
     within that much time, and the prompts left unanswered are dropped.
     """
-    from dspark.training.feed import Deadline, answer_dense
-
     records: dict[int, DistillRecord] = {}
     deadline = Deadline.after(max_seconds)
     answer_dense(
@@ -134,8 +133,6 @@ def distill_with_engine(
     `max_seconds`, generation ends within that much time, and the prompts left unanswered are dropped.
     llm: a plain-decoding engine of the target.
     """
-    from dspark.training.feed import Deadline, answer_with_engine
-
     records: dict[int, DistillRecord] = {}
     deadline = Deadline.after(max_seconds)
     answer_with_engine(

@@ -25,7 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from dspark.sampling_params import GREEDY_BELOW_TEMPERATURE, SamplingParams
+from dspark.training.generate import generate_batch
 from dspark.training.records import DistillRecord
 
 if TYPE_CHECKING:
@@ -266,10 +269,6 @@ def answer_dense(
     first, then the rest by prompt length so little of a batch is padding; each answer goes to
     `on_record` when its batch ends. No batch but a held-out one starts unless the deadline leaves it
     the time the last batch took (and a quarter more)."""
-    import torch
-
-    from dspark.training.generate import generate_batch
-
     device = model.embed_tokens.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     rest = sorted(range(held_out, len(jobs)), key=lambda i: len(jobs[i][2]))
