@@ -164,9 +164,9 @@ def test_the_gate_times_overlapping_steps_by_the_wall_time_each_adds() -> None:
     now[0] = 0.001
     gate.start_step(3)
     now[0] = 0.002
-    gate.finish_step(4, 4)
+    gate.finish_step([1, 1, 1, 1])
     now[0] = 0.005
-    gate.finish_step(4, 12)
+    gate.finish_step([3, 3, 3, 3])
     rates = gate.rates(4)
     assert rates[0] == pytest.approx(4 / 0.002)
     assert rates[3] == pytest.approx(12 / 0.003)

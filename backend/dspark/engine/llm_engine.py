@@ -431,10 +431,8 @@ class LLMEngine:
         logprobs = self._committed_logprobs(committed, raw_logits)
         done = [self._commit_tokens(c.seq, list(c.tokens), logprobs.get(c.seq.request_id)) for c in committed]
         if self.gate is not None:
-            # Decode-only steps are comparable; a prefill chunk would charge its own cost to the kind.
-            num_tokens = sum(len(pending.tokens) for pending in done)
-            num_decode = 0 if schedule.prefill else len(schedule.decode)
-            self.gate.finish_step(num_decode, num_tokens)
+            # Decode-only steps are comparable; a prefill chunk would charge its own cost to the length.
+            self.gate.finish_step([] if schedule.prefill else [len(pending.tokens) for pending in done])
         self.timer.lap("emit")  # committing counts with making the deltas, whenever that comes
         return done
 

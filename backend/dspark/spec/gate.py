@@ -3,11 +3,22 @@
 Whether speculation pays, and with how long a verify window, depends on the machine, the model, the
 drafter's acceptance and the batch: on a small model at a large batch, drafting and verifying cost more
 than the extra tokens bring; on a CPU whose BLAS runs a window of 4 rows at 1.6x the cost of one, a
-window of 2 can pay where 4 loses. The gate keeps, per power-of-two count of decoding requests and per
-draft length (0 = plain, then powers of two below the block size, then the block size), a moving
-average of committed tokens per second of decode-only steps run with that length, and picks the
-fastest; a warm-up tries each length a few times, longest first, and a probe re-measures the losing
-lengths now and then, in turn.
+window of 2 can pay where 4 loses. The gate estimates, per power-of-two count of decoding requests and
+per draft length (0 = plain, then powers of two below the block size, then the block size), the
+committed tokens per second of a decode-only step with that length, and picks the fastest. The two
+halves of that rate are measured apart:
+
+- seconds: a moving average of the wall time of the steps run with that length;
+- tokens: 1 + the sum over positions k <= length of the chance that drafts 1..k are all accepted, the
+  product of each position's chance given the ones before it, each a moving average over every step
+  that verified that position. A step that verified L drafts so says what every shorter length would
+  have committed (acceptance stops at the first rejected draft, whatever follows), so the lengths are
+  compared on the same steps' acceptance, and a longer length that is not being run keeps the fresh
+  chances of the positions it shares with the one that is. (Averaging each step's own tokens per
+  second instead let one request's 1 to 4 tokens a step decide between lengths a few percent apart.)
+
+A warm-up tries each length a few times, longest first, and a probe re-measures the losing lengths now
+and then, in turn.
 
 Lossless: the decision reads only the wall times and token counts of earlier steps, never this step's
 drafts, and every length gives a lossless step. (A seeded sampling request keeps its distribution, but
@@ -18,14 +29,14 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dspark.runner.cuda_graphs import next_pow2
 
 WARM_UP_STEPS = 3  # steps of each length per batch tier before the averages decide
 PROBE_INTERVAL = 32  # every this many steps of a tier, run one losing length once
-SMOOTHING = 0.2  # weight of the newest step in each moving average
+SMOOTHING = 0.05  # weight of the newest step in each moving average, once it has 1 / SMOOTHING steps
 
 
 def draft_lengths(block_size: int) -> tuple[int, ...]:
@@ -38,18 +49,52 @@ def draft_lengths(block_size: int) -> tuple[int, ...]:
     return (*lengths, block_size) if block_size > 0 else (0,)
 
 
+class _Average:
+    """A moving average that is the plain mean of its first 1 / SMOOTHING values."""
+
+    __slots__ = ("count", "value")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.value = 0.0
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        weight = max(SMOOTHING, 1.0 / self.count)
+        self.value += weight * (value - self.value)
+
+
 @dataclass
 class _TierStats:
-    """Moving averages of committed tokens per second, per draft length, for one tier."""
+    """One tier's averages: step seconds per draft length, and per draft position how many requests
+    reached it (their drafts before it were accepted) and passed it (it was accepted too); and how
+    many steps of each length it chose."""
 
-    rates: dict[int, float] = field(default_factory=dict)
-    counts: collections.Counter = field(default_factory=collections.Counter)
+    seconds: dict[int, _Average] = field(default_factory=lambda: collections.defaultdict(_Average))
+    reached: dict[int, _Average] = field(default_factory=lambda: collections.defaultdict(_Average))
+    passed: dict[int, _Average] = field(default_factory=lambda: collections.defaultdict(_Average))
+    chosen: collections.Counter = field(default_factory=collections.Counter)
     steps: int = 0
 
-    def record(self, length: int, rate: float) -> None:
-        first = self.counts[length] == 0
-        self.rates[length] = rate if first else (1 - SMOOTHING) * self.rates[length] + SMOOTHING * rate
-        self.counts[length] += 1
+    def tokens_per_request(self, length: int) -> float:
+        """Tokens a request commits in a step of this length: 1 + the sum over positions k <= length of
+        the chance that drafts 1..k are all accepted (a product of each position's chance given the
+        ones before it, so a position seen only in longer steps counts only past the shared ones)."""
+        tokens, survival = 1.0, 1.0
+        for position in range(1, length + 1):
+            reached = self.reached.get(position)
+            if reached is None or reached.value <= 0.0:
+                break
+            survival *= self.passed[position].value / reached.value
+            tokens += survival
+        return tokens
+
+    def rate(self, length: int, num_requests: int) -> float:
+        """Committed tokens per second of a step of this length (0.0 until its time is measured)."""
+        seconds = self.seconds.get(length)
+        if seconds is None or seconds.count == 0:
+            return 0.0
+        return self.tokens_per_request(length) * num_requests / max(seconds.value, 1e-9)
 
 
 class SpeculationGate:
@@ -70,13 +115,17 @@ class SpeculationGate:
         """How many drafts a step with this many decoding requests verifies at most (0: a plain step)."""
         stats = self._tiers.setdefault(next_pow2(num_requests), _TierStats())
         stats.steps += 1
-        for length in reversed(self.lengths):  # the warm-up, longest first
-            if stats.counts[length] < WARM_UP_STEPS:
+        # The warm-up counts choices, not finished steps: a step launched ahead of the one before it is
+        # chosen before that one is measured.
+        for length in reversed(self.lengths):  # longest first
+            if stats.chosen[length] < WARM_UP_STEPS:
+                stats.chosen[length] += 1
                 return length
-        winner = max(self.lengths, key=lambda n: stats.rates[n])
+        winner = max(self.lengths, key=lambda n: stats.rate(n, num_requests))
         if stats.steps % PROBE_INTERVAL == 0:
             losers = [n for n in self.lengths if n != winner]
-            return losers[(stats.steps // PROBE_INTERVAL) % len(losers)]
+            winner = losers[(stats.steps // PROBE_INTERVAL) % len(losers)]
+        stats.chosen[winner] += 1
         return winner
 
     def start_step(self, length: int, at: float | None = None) -> None:
@@ -84,21 +133,24 @@ class SpeculationGate:
         (the clock's time; None: now). Each launched step is finished, in launch order."""
         self._started.append((self.clock() if at is None else at, length))
 
-    def finish_step(self, num_requests: int, committed_tokens: int) -> None:
-        """Record the oldest launched step, finished: its requests and tokens (a step with prefill chunks
-        passes 0 requests: they would skew its rate). Its time is from its launch, or from the finish
-        of the step before when that came later (steps overlap): the wall time it added."""
+    def finish_step(self, committed: Sequence[int]) -> None:
+        """Record the oldest launched step, finished: the tokens each of its decoding requests committed
+        (empty for a step with prefill chunks: their cost would skew the step's time). Its time is from
+        its launch, or from the finish of the step before when that came later (steps overlap): the
+        wall time it added."""
         now = self.clock()
         started = self._started.popleft() if self._started else None
         previous, self._last_finish = self._last_finish, now
-        if started is None or num_requests == 0:
+        if started is None or not committed:
             return
         began, length = started
-        seconds = max(now - max(began, previous), 1e-9)
-        self._tiers.setdefault(next_pow2(num_requests), _TierStats()).record(
-            length, committed_tokens / seconds
-        )
+        stats = self._tiers.setdefault(next_pow2(len(committed)), _TierStats())
+        stats.seconds[length].add(max(now - max(began, previous), 1e-9))
+        for position in range(1, length + 1):
+            stats.reached[position].add(sum(n >= position for n in committed))
+            stats.passed[position].add(sum(n > position for n in committed))
 
     def rates(self, num_requests: int) -> dict[int, float]:
-        """Committed tokens per second measured for this many requests, per draft length tried."""
-        return dict(self._tiers.get(next_pow2(num_requests), _TierStats()).rates)
+        """Committed tokens per second estimated for this many requests, per draft length run."""
+        stats = self._tiers.get(next_pow2(num_requests), _TierStats())
+        return {n: stats.rate(n, num_requests) for n in self.lengths if stats.seconds.get(n)}
