@@ -30,8 +30,10 @@ def _held_at(llm: LLM, length: int) -> LLM:
 def test_eager_block_drafts_only_the_first_positions(
     tiny_target_dir, tiny_drafter_dir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """propose(seqs, k): the whole block's first k drafts, nothing past them, k projections a block."""
-    llm = LLM(tiny_engine_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static"))
+    """propose(seqs, k): the whole block's first k drafts, nothing past them, k projections a block.
+    On the CPU: the eager proposer is the one that drafts position by position (a GPU's decodes the
+    block in one kernel and keeps its first k)."""
+    llm = LLM(tiny_engine_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static", device="cpu"))
     engine = llm.engine
     block_size = engine.limits.block_size
     prompts = _random_prompts(3)
