@@ -42,7 +42,8 @@
 # WHEEL.part-`), and park them in /tmp/carry over calls as the GGUF parts (64 MiB a call).
 # TEST_FILES and PARTS (gpu_e2e.py --parts) narrow a call down. Results: $OUT/gpu-tests.log,
 # $OUT/gpu-tests-big-memory.log, $OUT/profile/<mode>-b64.txt, $OUT/e2e/results.{json,md}, $OUT/e2e.log,
-# $OUT/step-profile/{results.json,results.md,trace-*.json.gz}, $OUT/step-profile.log.
+# $OUT/step-profile/{results.json,results.md,trace-*.json.gz}, $OUT/step-profile.log, $OUT/overhead.{json,md} and
+# $OUT/overhead-raw.tgz (py-spy samples and server logs).
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -191,6 +192,8 @@ else
     [[ -e "$profile" ]] && python3 benchmarks/pyspy_top.py "$profile" > "${profile%.txt}-top.txt"
   done
   tail -30 "$OUT"/overhead/*/server.log > "$OUT/overhead-server-logs.txt" 2>/dev/null
+  # One file for the rest (py-spy samples and tops, server logs): a call brings back 8 files at most.
+  tar -czf "$OUT/overhead-raw.tgz" -C "$OUT" --exclude model_repository overhead && rm -rf "$OUT/overhead"
 fi
 
 echo "=== benchmarks/stress.py (CUDA-graph stress and regression run through tritonserver)"

@@ -272,8 +272,15 @@ def collect_kernels(events: Sequence[object], device_type: str) -> list[Kernel]:
             launches.setdefault(int(e.id), (_span(e)[0], e.name))
         for k in getattr(e, "kernels", None) or []:
             owners.setdefault((k.name, float(k.duration)), []).append(_span(e)[0])
+    # A scope shows on the device timeline too (the profiler's gpu_user_annotation, spanning the kernels
+    # it launched): it is no kernel, and counting it would count its kernels twice.
     device = [
-        e for e in events if _is_device(e) and _span(e)[1] > _span(e)[0] and not _DEVICE_WAIT.match(e.name)
+        e
+        for e in events
+        if _is_device(e)
+        and _span(e)[1] > _span(e)[0]
+        and not _DEVICE_WAIT.match(e.name)
+        and not e.name.startswith(SCOPE_PREFIX)
     ]
     by_id = {id(e): launches.get(int(e.id)) for e in device if getattr(e, "id", None) is not None}
     # Ids are trusted only if every kernel they pair with a runtime call pairs with a call of its kind

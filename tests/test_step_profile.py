@@ -115,6 +115,10 @@ def _cuda_profile(kinds_match: bool) -> list[SimpleNamespace]:
         _event(gemm, 50, 55, CUDA, id=7),
         _event(attn, 60, 64, CUDA, id=8),
         _event("Memcpy HtoD (Pinned -> Device)", 70, 71, CUDA, id=9),  # no call, no owner: no scope
+        # The scopes as the profiler projects them onto the device timeline (gpu_user_annotation): the
+        # spans of the kernels above, no kernels themselves.
+        _event("dspark::step", 50, 71, CUDA),
+        _event("dspark::qkv", 50, 55, CUDA),
     ]
 
 
