@@ -4,6 +4,7 @@ the eager engine, spec on and off."""
 
 from __future__ import annotations
 
+import gc
 import random
 from types import SimpleNamespace
 
@@ -181,6 +182,38 @@ def test_graphs_captured_at_start_up_serve_every_step(tiny_target_dir, tiny_draf
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_collection_during_a_capture_cannot_free_a_dropped_engines_graphs(
+    tiny_target_dir, tiny_drafter_dir
+) -> None:
+    """An engine dropped inside a reference cycle is freed by the cyclic garbage collector, whenever
+    an allocation triggers it; if that falls inside another engine's capture, destroying its graphs
+    invalidates the capture (and the CUDA generator stays in capture mode: every later random op of
+    the process failed, as tests/test_draft_context.py did after test_draft_length on the H200).
+    Collections are held off while a graph is captured."""
+    config = EngineConfig(
+        model=str(tiny_target_dir), draft_model=str(tiny_drafter_dir), num_kv_pages=64, kv_page_size=PAGE
+    )
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(1, 1, 1)  # a collection on nearly every allocation
+    try:
+        for _ in range(3):
+            llm = LLM(config)
+            llm.generate(params=params, prompt_token_ids=[[1, 2, 3]])
+            cycle: list[object] = [llm]
+            cycle.append(cycle)  # only the cyclic collector frees it
+            del llm, cycle
+        llm = LLM(config)
+        assert llm.engine.runner.graphs is not None, "every capture of the last engine succeeded"
+        assert llm.generate(params=params, prompt_token_ids=[[1, 2, 3]])[0].token_ids
+        torch.randn(4, device="cuda")  # the generator is not left in capture mode
+    finally:
+        gc.set_threshold(*threshold)
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ rank, every rank drops its graphs and runs eagerly. Every capture is logged and 
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from bisect import bisect_left
@@ -60,8 +61,18 @@ def capture_graph(
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = fn()
+    # No garbage collection inside the capture (torch.cuda.graph collects just before it): a collection
+    # there can free a dropped engine's graphs, and a graph destroyed while a capture runs invalidates
+    # that capture (cudaErrorStreamCaptureInvalidated), which leaves the CUDA generator in capture mode
+    # and every later random op of the process failing ("Offset increment outside graph capture").
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, outputs
 
 
