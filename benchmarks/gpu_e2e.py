@@ -352,6 +352,8 @@ def part_smollm2(args: argparse.Namespace, report: dict) -> None:
             str(args.sustained),
             "--block-size",
             str(args.smollm2_block_size),
+            "--draft-vocab-size",
+            str(args.smollm2_draft_vocab_size),
             "--repeats",
             str(args.e2e_repeats),
         ]
@@ -484,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--smollm2-block-size", type=int, default=0, help="smollm2: block_size (0: the drafter's)"
+    )
+    parser.add_argument(
+        "--smollm2-draft-vocab-size", type=int, default=0, help="smollm2: draft_vocab_size (0: every token)"
     )
     parser.add_argument(
         "--e2e-repeats", type=int, default=3, help="smollm2: timed runs per figure (the median counts)"

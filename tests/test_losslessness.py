@@ -10,7 +10,7 @@ import pytest
 import torch
 from penalty_reference import penalized_row
 from proposers import OracleProposer, TrapProposer
-from tiny_models import tiny_engine_config
+from tiny_models import drafter_with_vocab, tiny_engine_config
 
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.runner.models.dense import dense_logits
@@ -340,6 +340,27 @@ def test_sampling_with_the_real_drafter_and_filters_follows_target(
     if stop >= 0.5:
         stats = llm.engine.total_spec_stats
         assert stats.drafted_tokens < stats.steps * llm.engine.limits.block_size
+
+
+def test_sampling_with_a_draft_vocabulary_follows_target(tiny_target_dir, tiny_drafter_dir, tmp_path) -> None:
+    """Drafts drawn from 3 of the 8 tokens: the target's other tokens come only from rejections'
+    residual draws, which must make up exactly their share."""
+    params = SamplingParams(max_tokens=4, temperature=0.8, top_k=6, ignore_eos=True)
+    order = random.sample(range(8), 8)
+    llm = LLM(
+        tiny_engine_config(
+            tiny_target_dir,
+            drafter_with_vocab(tiny_drafter_dir, tmp_path, order),
+            spec_mode="static",
+            draft_vocab_size=3,
+            max_num_seqs=512,
+            num_kv_pages=1024,
+            max_num_batched_tokens=4096,
+        )
+    )
+    tv = _tv(_empirical_joint(llm, params), _exact_joint(tiny_target_dir, params))
+    assert tv < TV_BOUND, f"order={order} tv={tv:.4f}"
+    assert llm.engine.total_spec_stats.accepted_tokens > 0
 
 
 # x1 and x2 may not be EOS (min_tokens), and every token seen is pushed down: far from SAMPLING's law.

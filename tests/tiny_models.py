@@ -4,6 +4,7 @@ DSpark drafters for it. Small enough that a test can enumerate the target's exac
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -138,3 +139,13 @@ def use_emulated_graphs(
     if capture:
         engine._capture_graphs()
     return engine
+
+
+def drafter_with_vocab(draft_dir: Path, out_dir: Path, order: list[int]) -> Path:
+    """A copy of a drafter whose draft_vocab.safetensors holds `order` (`spec.draft_vocab`)."""
+    from dspark.spec.draft_vocab import save_draft_vocab
+
+    copy = out_dir / "drafter-with-vocab"
+    shutil.copytree(draft_dir, copy)
+    save_draft_vocab(torch.tensor(order), copy)
+    return copy

@@ -51,14 +51,20 @@ class EngineConfig:
     # most the drafter's trained block_size, 0 takes it. A shorter block drafts and verifies less (for a
     # small target whose drafts rarely survive past the first few).
     block_size: int = 0
+    # Draft from the K most frequent tokens only, as ordered by the drafter's draft_vocab.safetensors: a
+    # block's vocabulary projections then read K rows of the LM head, not all. 0: the drafter's own
+    # choice (the size its file names; every token without one); -1: every token. Lossless whatever K
+    # (the target verifies every draft); a smaller K drafts rare tokens less often.
+    draft_vocab_size: int = 0
     # compact only: a request stops drafting once the survival of its next draft (the product of the
     # confidences so far) falls below this, and verifies only what it drafted; 0 drafts whole blocks.
     # The stop depends on the request's own earlier drafts only, so output stays lossless.
     draft_stop_survival: float = 0.05
-    # Draft only as far as speculation pays: per batch size, the engine compares the committed tokens/s
-    # of its recent steps at each draft length (0 = plain, the powers of two below block_size,
-    # block_size; trying each, re-probing the losers now and then) and runs the fastest. Lossless either
-    # way; false: verify whole blocks on every step (spec_mode alone decides).
+    # Draft only as far as speculation pays: per batch size, the engine estimates the committed tokens/s
+    # of a step at each draft length (0 = plain, the powers of two below block_size, block_size; trying
+    # each, re-probing the losers now and then) from the measured time of such steps and the measured
+    # acceptance of each draft position, and runs the fastest. Lossless either way; false: verify whole
+    # blocks on every step (spec_mode alone decides).
     adaptive_speculation: bool = True
     # JSON file of measured target steps/s by batch tokens; "profile": measure it when the engine starts
     # (a few seconds; compact and cap-accept only); empty means flat (verify everything).
@@ -134,6 +140,7 @@ class EngineConfig:
         for name, minimum in (
             ("planner_lag", 1),
             ("block_size", 0),
+            ("draft_vocab_size", -1),
             ("kv_page_size", 1),
             ("num_kv_pages", 1),
             ("max_num_seqs", 1),

@@ -45,6 +45,7 @@ from dspark.sampling_params import SamplingParams
 from dspark.sequence import Sequence, SequenceStatus
 from dspark.spec.accept import QueuedGreedyAcceptance
 from dspark.spec.draft_checkpoint import load_drafter
+from dspark.spec.draft_vocab import load_draft_vocab
 from dspark.spec.drafter import Drafter
 from dspark.spec.drafts import Drafts
 from dspark.spec.gate import SpeculationGate
@@ -166,8 +167,9 @@ class LLMEngine:
         embedding, lm_head = self.runner.vocab_weights()
         page_size = config.kv_page_size
         stop = self.policy.draft_stop_survival
+        draft_vocab = load_draft_vocab(config.draft_model_path, config.draft_vocab_size, lm_head.shape[0])
         proposer = DSparkProposer(
-            drafter, embedding, lm_head, config.num_kv_pages, page_size, stop, block_size
+            drafter, embedding, lm_head, config.num_kv_pages, page_size, stop, block_size, draft_vocab
         )
         if device.type == "cuda" and config.cuda_graph_max_tokens > 0:
             max_positions = self.model_config.max_position_embeddings

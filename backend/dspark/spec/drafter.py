@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dspark.kernels import ops
@@ -136,11 +137,15 @@ class Drafter(nn.Module):
         """W1[x_{k-1}]: [R, rank] low-rank embedding of the previously chosen tokens (None when r = 0)."""
         return None if self.markov_w1 is None else self.markov_w1(previous_tokens)
 
-    def corrected_logits(self, base_logits: torch.Tensor, markov: torch.Tensor | None) -> torch.Tensor:
-        """U_k + W2 · W1[x_{k-1}]: [R, vocab] fp32."""
+    def corrected_logits(
+        self, base_logits: torch.Tensor, markov: torch.Tensor | None, w2_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """U_k + W2 · W1[x_{k-1}]: [R, vocab] fp32. w2_rows: the rows of W2 of a reduced draft
+        vocabulary (`spec.draft_vocab`), the ones base_logits holds; None: all of them."""
         if markov is None or self.markov_w2 is None:
             return base_logits
-        return base_logits + self.markov_w2(markov).float()
+        w2 = self.markov_w2.weight if w2_rows is None else w2_rows
+        return base_logits + F.linear(markov, w2).float()
 
     def confidence_logit(self, hidden: torch.Tensor, markov: torch.Tensor | None) -> torch.Tensor:
         """w · [h_k ; W1[x_{k-1}]] + b, the confidence head before its sigmoid and temperature: hidden

@@ -53,9 +53,11 @@ class DSparkProposer:
         page_size: int,
         stop_survival: float = 0.0,
         block_size: int = 0,
+        draft_vocab: torch.Tensor | None = None,
     ) -> None:
         """block_size: positions a block drafts (0: the drafter's trained block size; fewer draft a
-        shorter block, which costs less and changes which drafts come out, never the output)."""
+        shorter block, which costs less and changes which drafts come out, never the output).
+        draft_vocab: the sorted token ids drafts may take (`spec.draft_vocab`; None: every token)."""
         cfg = drafter.config
         if not 0 <= block_size <= cfg.block_size:
             raise ValueError(f"block_size: the drafter drafts at most {cfg.block_size}")
@@ -64,6 +66,15 @@ class DSparkProposer:
         # The target's full embedding and LM head [vocab, hidden]: shared, never copied.
         self.embedding = embedding
         self.lm_head = lm_head
+        # A reduced draft vocabulary: the block's projections read only its rows of the LM head (and
+        # of the Markov head's W2), copied once here; drafts are indices into it until mapped back.
+        self.vocab_ids = None if draft_vocab is None else draft_vocab.to(device=device, dtype=torch.long)
+        w2 = drafter.markov_w2
+        if self.vocab_ids is None:
+            self.draft_head, self.draft_w2 = lm_head, None
+        else:
+            self.draft_head = lm_head[self.vocab_ids].contiguous()
+            self.draft_w2 = None if w2 is None else w2.weight[self.vocab_ids].contiguous()
         self.block_size = block_size or cfg.block_size
         self.target_layer_ids = list(cfg.target_layer_ids)
         self.page_size = page_size
@@ -182,7 +193,7 @@ class DSparkProposer:
     ) -> BlockHeads:
         embeddings = F.embedding(block_ids, self.embedding)
         heads = self.drafter.block_pass(
-            embeddings, positions, batch, self.cache, self.lm_head, self.block_size
+            embeddings, positions, batch, self.cache, self.draft_head, self.block_size
         )
         if self._on_gpu:
             # One GEMM reads the LM head once a block; the CPU projects position by position instead,
@@ -217,12 +228,22 @@ class DSparkProposer:
         confidences [R, block_size] (zero past each request's stop), drafted lengths [R]."""
         assert heads.projected is not None, "a GPU block pass projects every position (_block_heads)"
         w1, w2 = self.drafter.markov_w1, self.drafter.markov_w2
-        tokens = ops.markov_decode(
-            heads.projected,
-            anchors,
-            None if w1 is None else w1.weight,
-            None if w2 is None else w2.weight,
-        )
+        if self.vocab_ids is None or w1 is None or w2 is None:
+            tokens = self._token_ids(
+                ops.markov_decode(
+                    heads.projected,
+                    anchors,
+                    None if w1 is None else w1.weight,
+                    None if w2 is None else (w2.weight if self.draft_w2 is None else self.draft_w2),
+                )
+            )
+        else:
+            # The kernel looks W1 up by each draft's index in the draft vocabulary, and by the anchor
+            # for the first draft: the anchor (any token) gets a row of its own past the K draft rows.
+            num_draft = self.vocab_ids.shape[0]
+            w1_rows = torch.cat([w1.weight[self.vocab_ids], w1.weight[anchors]])
+            anchor_rows = torch.arange(num_draft, num_draft + anchors.shape[0], device=anchors.device)
+            tokens = self._token_ids(ops.markov_decode(heads.projected, anchor_rows, w1_rows, self.draft_w2))
         # The token before each position: the anchor, then the drafts.
         before = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
         confidences = self.drafter.confidence_at(
@@ -237,7 +258,7 @@ class DSparkProposer:
         """The Markov decode of a block with sampling requests in it: they draw their drafts with their
         own generators (on the engine's device), one request at a time, so this path runs eagerly.
         Their draft distributions stay on the device, where acceptance reads them."""
-        block_size, vocab = self.block_size, heads.lm_head.shape[0]
+        block_size, vocab = self.block_size, self.lm_head.shape[0]
         sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
         probs: list[torch.Tensor | None] = [
             None if s.params.greedy else torch.zeros(block_size, vocab, device=self.device) for s in seqs
@@ -252,7 +273,11 @@ class DSparkProposer:
                     continue
                 seq = seqs[r]
                 row = filtered_probs(logits[r : r + 1], seq.params)
-                probs[r][k] = row[0]  # type: ignore[index]
+                # The draft distribution over the whole vocabulary (zero outside a draft vocabulary).
+                if self.vocab_ids is None:
+                    probs[r][k] = row[0]  # type: ignore[index]
+                else:
+                    probs[r][k].index_copy_(0, self.vocab_ids, row[0])  # type: ignore[union-attr]
                 chosen[r] = sample_rows(row, seq.generator)[0]
             return chosen
 
@@ -271,7 +296,8 @@ class DSparkProposer:
         """Left-to-right Markov decode of every request's block from its anchor [R]: drafts [R, block_size]
         and confidences [R, block_size] on the device (filled there and moved to the host once: a copy per
         position would make the host wait block_size times a step), and the early stop's state. `choose`
-        (position, corrected logits [R, vocab], stop) picks each position's drafts; None: argmax.
+        (position, corrected logits [R, draft vocab], stop) picks each position's drafts as indices into
+        the draft vocabulary; None: argmax.
         length: decode only the first `length` positions (zeros past them; every request's drafted
         length at most `length`)."""
         num_requests, block_size = anchors.shape[0], self.block_size
@@ -287,12 +313,16 @@ class DSparkProposer:
             if not self._on_gpu and stop.all_stopped():
                 break
             confidences[:, k] = confidence
-            logits = self.drafter.corrected_logits(heads.logits_at(k), markov)
-            previous = logits.argmax(dim=-1) if choose is None else choose(k, logits, stop)
+            logits = self.drafter.corrected_logits(heads.logits_at(k), markov, self.draft_w2)
+            previous = self._token_ids(logits.argmax(dim=-1) if choose is None else choose(k, logits, stop))
             tokens[:, k] = previous
         if length is not None and length < block_size:
             stop.cap(length)
         return tokens, confidences, stop
+
+    def _token_ids(self, draft_indices: torch.Tensor) -> torch.Tensor:
+        """Token ids of indices into the draft vocabulary (the same tensor without one)."""
+        return draft_indices if self.vocab_ids is None else self.vocab_ids[draft_indices]
 
 
 def stop_all_at_once(confidences: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         "calibrate-draft": lambda a: __import__("dspark.training.cli", fromlist=["_"]).calibrate_draft(a),
         "eval-acceptance": lambda a: __import__("dspark.training.cli", fromlist=["_"]).eval_acceptance(a),
         "draft-cost": lambda a: __import__("dspark.training.cli", fromlist=["_"]).draft_cost(a),
+        "draft-vocab": lambda a: __import__("dspark.training.cli", fromlist=["_"]).draft_vocab(a),
     }
     if not argv or argv[0] not in commands:
         print(f"usage: dspark {{{','.join(commands)}}} [options]  (dspark COMMAND --help)", file=sys.stderr)

@@ -1,5 +1,5 @@
 """The training subcommands of `dspark`: distill-data, train-draft, calibrate-draft, eval-acceptance,
-draft-cost.
+draft-cost, draft-vocab.
 
 `dspark.tools.cli` imports this module only when one of them runs; heavy imports happen inside each command.
 """
@@ -489,6 +489,41 @@ def calibrate_draft(argv: list[str]) -> int:
     return 0
 
 
+def draft_vocab(argv: list[str]) -> int:
+    """`dspark draft-vocab`: a drafter's draft vocabulary order (`spec.draft_vocab`) from training text."""
+    parser = argparse.ArgumentParser(
+        prog="dspark draft-vocab",
+        description="Order the target's tokens by frequency in training prompts (and distilled answers) "
+        "and write draft_vocab.safetensors into a drafter directory (draft_vocab_size takes its first K).",
+    )
+    parser.add_argument("--model", default=str(DEFAULT_TARGET_DIR), help="target directory (its tokenizer)")
+    parser.add_argument("--draft-model", required=True, help="drafter directory to write into")
+    parser.add_argument("--prompts", required=True, help="training prompts (JSON lines), never held-out ones")
+    parser.add_argument(
+        "--data", nargs="*", default=[], help="distill shards or folders: their answers count"
+    )
+    parser.add_argument(
+        "--default-size", type=int, default=0, help="the size the drafter drafts from by default (0: all)"
+    )
+    args = parser.parse_args(argv)
+
+    from dspark.spec.draft_vocab import frequency_order, save_draft_vocab
+    from dspark.tokenizer import Tokenizer
+    from dspark.training.data import encode_prompt, read_prompts
+    from dspark.training.shards import read_data
+
+    tokenizer = Tokenizer.from_dir(args.model)
+    token_lists = [encode_prompt(tokenizer, p.conversation) for p in read_prompts(args.prompts)]
+    if args.data:
+        token_lists += [r.response_ids for r in read_data(args.data).train]
+    order = frequency_order(token_lists, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    path = save_draft_vocab(order, args.draft_model, args.default_size)
+    seen = len({i for ids in token_lists for i in ids})
+    total = sum(len(ids) for ids in token_lists)
+    print(f"wrote {path}: {total} tokens of {len(token_lists)} texts, {seen} distinct", flush=True)
+    return 0
+
+
 def eval_acceptance(argv: list[str]) -> int:
     """`dspark eval-acceptance`: tau, per-position acceptance and calibration through the real engine."""
     parser = argparse.ArgumentParser(
@@ -511,6 +546,12 @@ def eval_acceptance(argv: list[str]) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--num-kv-pages", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=0,
+        help="draft from the K most frequent tokens (0: the drafter's own, -1: all)",
+    )
     parser.add_argument("--out", default=None, help="write the results (JSON) here")
     parser.add_argument("--markdown", default=None, help="write the table (markdown) here")
     args = parser.parse_args(argv)
@@ -538,6 +579,7 @@ def eval_acceptance(argv: list[str]) -> int:
         num_kv_pages=args.num_kv_pages,
         max_num_batched_tokens=max(2048, args.max_num_seqs * (block_size + 1)),
         seed=args.seed,
+        draft_vocab_size=args.draft_vocab_size,
     )
     modes = [m for m in args.modes.split(",") if m]
     temperatures = [float(t) for t in args.temperatures.split(",") if t]

@@ -43,10 +43,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from `model.safetensors` or every shard named by its index file."""
+    """Yield (name, tensor) from `model.safetensors`, or every shard named by its index file, or else
+    every *.safetensors file (other safetensors files beside model.safetensors, such as a drafter's
+    draft_vocab.safetensors, hold no weights)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
     else:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
