@@ -1,0 +1,127 @@
+"""Greedy agreement between engine settings: which setting changes greedy output, and where.
+
+Every named setting runs the same prompts (the `dspark-client bench` prompts, repeated to the batch
+size) greedily with ignore_eos, after one untimed run at that batch size; the report gives each
+setting's tokens/s and, against a reference setting, how many sequences are identical and at which
+token the others first differ. In fp32 speculation must change nothing; in bf16 a verify window's
+other GEMM shape can flip a near-tie (README, "lossless"), and this measures how often.
+
+    python3 benchmarks/agreement.py --batch-sizes 1,8,64 --max-tokens 128 --out $OUT/agreement.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dspark import LLM, EngineConfig, SamplingParams
+from dspark_client.bench import PROMPTS
+
+# name -> EngineConfig changes; the first is the reference. Plain decoding with every step waiting,
+# then the loop settings, then speculation in each mode, then fp32 pairs.
+SETTINGS: dict[str, dict] = {
+    "off-waiting": {"spec_mode": "off", "launch_ahead": False, "overlap_scheduling": False},
+    "off": {"spec_mode": "off"},
+    "off-eager": {
+        "spec_mode": "off",
+        "launch_ahead": False,
+        "overlap_scheduling": False,
+        "cuda_graph_max_tokens": 0,
+    },
+    "default": {},
+    "static": {"adaptive_speculation": False},
+    "static-eager": {
+        "adaptive_speculation": False,
+        "launch_ahead": False,
+        "overlap_scheduling": False,
+        "cuda_graph_max_tokens": 0,
+    },
+    # A reduced draft vocabulary (draft_vocab_size: --draft-vocab-size).
+    "static-dv": {"adaptive_speculation": False},
+    "default-dv": {},
+    "off-fp32": {"spec_mode": "off", "dtype": "float32"},
+    "static-fp32": {"adaptive_speculation": False, "dtype": "float32"},
+    "default-fp32": {"dtype": "float32"},
+}
+
+
+def run_setting(changes: dict, batch_sizes: list[int], max_tokens: int) -> dict:
+    """tokens/s and greedy tokens per batch size of one setting."""
+    llm = LLM(EngineConfig(max_num_seqs=max(256, max(batch_sizes)), num_kv_pages=4096, **changes))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    report: dict = {}
+    for batch in batch_sizes:
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+        llm.generate(prompts, params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - started
+        report[batch] = {
+            "tok_s": round(sum(len(o.token_ids) for o in outputs) / seconds, 1),
+            "tokens": [list(o.token_ids) for o in outputs],
+        }
+    llm.engine.close()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return report
+
+
+def compare(reference: list[list[int]], other: list[list[int]]) -> tuple[int, list[int]]:
+    """Identical sequences, and the first differing token of each other one."""
+    identical, firsts = 0, []
+    for a, b in zip(reference, other, strict=True):
+        if a == b:
+            identical += 1
+        else:
+            firsts.append(
+                next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            )
+    return identical, sorted(firsts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"of {', '.join(SETTINGS)}")
+    parser.add_argument("--batch-sizes", default="1,8,64")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--draft-vocab-size", type=int, default=16384, help="of the -dv settings")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    names = args.settings.split(",")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    runs = {}
+    for name in names:
+        changes = dict(SETTINGS[name])
+        if name.endswith("-dv"):
+            changes["draft_vocab_size"] = args.draft_vocab_size
+        runs[name] = run_setting(changes, batch_sizes, args.max_tokens)
+        print(name, {b: runs[name][b]["tok_s"] for b in batch_sizes}, flush=True)
+    rows = []
+    for name in names:
+        # fp32 settings against the first fp32 one, the others against the first setting.
+        fp32 = name.endswith("-fp32")
+        reference = next(n for n in names if n.endswith("-fp32") == fp32)
+        for batch in batch_sizes:
+            same, firsts = compare(runs[reference][batch]["tokens"], runs[name][batch]["tokens"])
+            rows.append((name, reference, batch, runs[name][batch]["tok_s"], same, batch, firsts[:12]))
+    print("| setting | against | batch | tok/s | identical | first divergence (tokens) |")
+    print("|---|---|---:|---:|---:|---|")
+    for name, reference, batch, tok_s, same, total, firsts in rows:
+        print(f"| {name} | {reference} | {batch} | {tok_s} | {same} / {total} | {firsts or '-'} |")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"runs": runs, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
