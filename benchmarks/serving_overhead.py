@@ -15,7 +15,6 @@ untimed, while py-spy (when installed) samples the server's Python processes: co
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import shutil
 import subprocess
@@ -27,7 +26,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from load_generator import PROMPTS, run_load  # noqa: E402
+from agreement import offline_run  # noqa: E402
+from load_generator import run_load  # noqa: E402
 from serving_ceiling import start_server  # noqa: E402
 
 from dspark.config import EngineConfig  # noqa: E402
@@ -54,34 +54,10 @@ def engine_config(mode: str, max_seqs: int) -> EngineConfig:
 def offline_tokens_per_s(
     config: EngineConfig, levels: list[int], max_tokens: int
 ) -> tuple[dict[int, float], dict[int, list[list[int]]]]:
-    """dspark.LLM at each batch size: output tokens/s of one generate() call (after a warm-up), and
-    the tokens it gave."""
-    import torch
-
-    from dspark import LLM, SamplingParams
-
-    llm = LLM(config)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))
-    rates, tokens = {}, {}
+    """dspark.LLM at each batch size (`agreement.offline_run`), printing each figure."""
+    rates, tokens = offline_run(config, levels, max_tokens)
     for level in levels:
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(level)]
-        # Once untimed at this batch size: the adaptive gate settles its choice for it (a first short
-        # generate() would time its probing), and every graph tier this batch uses is warm.
-        llm.generate(prompts, params)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - started
-        rates[level] = round(sum(len(o.token_ids) for o in outputs) / seconds, 1)
-        tokens[level] = [list(o.token_ids) for o in outputs]
         print(f"offline {level:>4} streams: {rates[level]:.0f} tok/s", flush=True)
-    llm.engine.close()
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return rates, tokens
 
 
