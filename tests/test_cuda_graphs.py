@@ -21,6 +21,7 @@ from dspark.runner.cuda_graphs import (
     all_tiers,
     capture_budget,
     capture_bytes,
+    capture_graph,
     next_pow2,
     pow2_upto,
     step_tiers,
@@ -186,34 +187,38 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 @pytest.mark.gpu
 @gpu
-def test_a_collection_during_a_capture_cannot_free_a_dropped_engines_graphs(
-    tiny_target_dir, tiny_drafter_dir
-) -> None:
-    """An engine dropped inside a reference cycle is freed by the cyclic garbage collector, whenever
-    an allocation triggers it; if that falls inside another engine's capture, destroying its graphs
-    invalidates the capture (and the CUDA generator stays in capture mode: every later random op of
-    the process failed, as tests/test_draft_context.py did after test_draft_length on the H200).
-    Collections are held off while a graph is captured."""
-    config = EngineConfig(
-        model=str(tiny_target_dir), draft_model=str(tiny_drafter_dir), num_kv_pages=64, kv_page_size=PAGE
-    )
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+def test_a_collection_during_a_capture_cannot_free_a_dropped_graph() -> None:
+    """A dropped engine's graphs in a reference cycle are freed by the cyclic collector whenever an
+    allocation triggers it; inside another capture, destroying a graph invalidates that capture and
+    leaves the CUDA generator in capture mode (every later random op of the process failed, as
+    tests/test_draft_context.py did after test_draft_length on the H200). Here the captured call itself
+    drops a graph into a cycle and allocates with the collector set to run on nearly every allocation:
+    the capture must hold collections off."""
+    device = torch.device("cuda")
+    x = torch.ones(4, device=device)
+    dropped = [capture_graph(lambda: (x + 1,), device, None)[0]]
     threshold = gc.get_threshold()
-    gc.collect()
-    gc.set_threshold(1, 1, 1)  # a collection on nearly every allocation
-    try:
-        for _ in range(3):
-            llm = LLM(config)
-            llm.generate(params=params, prompt_token_ids=[[1, 2, 3]])
-            cycle: list[object] = [llm]
+
+    def call() -> tuple[torch.Tensor]:
+        if torch.cuda.is_current_stream_capturing() and dropped:
+            cycle: list[object] = [dropped.pop()]
             cycle.append(cycle)  # only the cyclic collector frees it
-            del llm, cycle
-        llm = LLM(config)
-        assert llm.engine.runner.graphs is not None, "every capture of the last engine succeeded"
-        assert llm.generate(params=params, prompt_token_ids=[[1, 2, 3]])[0].token_ids
-        torch.randn(4, device="cuda")  # the generator is not left in capture mode
+            del cycle
+            gc.set_threshold(1, 1, 1)
+            _ = [[object() for _ in range(50)] for _ in range(50)]  # allocations that trigger it
+            gc.set_threshold(*threshold)
+        return (x * 2,)
+
+    try:
+        graph, (out,) = capture_graph(call, device, None)
     finally:
         gc.set_threshold(*threshold)
+    assert not dropped, "the graph was dropped inside the capture"
+    gc.collect()  # frees it now, outside any capture
+    x.fill_(3.0)
+    graph.replay()
+    torch.testing.assert_close(out, torch.full_like(x, 6.0))
+    torch.randn(4, device=device)  # the generator is not left in capture mode
 
 
 @pytest.mark.gpu
