@@ -13,6 +13,7 @@ from tiny_models import drafter_with_vocab, tiny_engine_config
 from dspark import LLM, SamplingParams
 from dspark.kernels import reference
 from dspark.spec.draft_vocab import frequency_order, load_draft_vocab, save_draft_vocab
+from dspark.spec.drafter import BlockHeads
 from dspark.spec.proposer import DSparkProposer
 
 TINY_VOCAB = 8
@@ -64,6 +65,32 @@ def test_anchor_rows_give_the_markov_decode_of_logits_masked_outside_the_draft_v
     got = ids[reference.markov_decode(logits[..., ids].contiguous(), anchor_rows, rows, w2[ids])]
     assert torch.equal(got, expected)
     assert torch.isin(got, ids).all()
+
+
+def test_the_gpu_decode_path_gives_the_masked_full_decode(
+    tiny_target_dir, tiny_drafter_dir, tmp_path
+) -> None:
+    """DSparkProposer._greedy_decode (what a GPU and its draft graphs run), called on the CPU: the drafts
+    of a draft vocabulary equal the full drafter's Markov decode over logits masked outside it."""
+    order = random.sample(range(TINY_VOCAB), TINY_VOCAB)
+    draft_dir = drafter_with_vocab(tiny_drafter_dir, tmp_path, order)
+    llm = LLM(tiny_engine_config(tiny_target_dir, draft_dir, draft_vocab_size=5, device="cpu"))
+    proposer = llm.engine.proposer
+    assert isinstance(proposer, DSparkProposer) and proposer.vocab_ids is not None
+    requests, block = 6, proposer.block_size
+    # Small states: the base logits nearly flat, so the Markov correction (the previous token's) decides.
+    hidden = 1e-3 * torch.randn(requests, block, proposer.lm_head.shape[1])
+    anchors = torch.randint(0, TINY_VOCAB, (requests,))
+    heads = BlockHeads(hidden, proposer.draft_head)
+    heads.project_all()
+    tokens, _, _ = proposer._greedy_decode(heads, anchors)
+    full = hidden @ proposer.lm_head.t()
+    masked = torch.full_like(full, float("-inf"))
+    masked[..., proposer.vocab_ids] = full[..., proposer.vocab_ids]
+    drafter = proposer.drafter
+    expected = reference.markov_decode(masked, anchors, drafter.markov_w1.weight, drafter.markov_w2.weight)
+    assert torch.equal(tokens, expected), f"order={order}"
+    assert torch.isin(tokens, torch.tensor(sorted(order[:5]))).all()
 
 
 @pytest.mark.parametrize("mode", ["static", "compact"])

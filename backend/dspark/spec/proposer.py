@@ -69,12 +69,13 @@ class DSparkProposer:
         # A reduced draft vocabulary: the block's projections read only its rows of the LM head (and
         # of the Markov head's W2), copied once here; drafts are indices into it until mapped back.
         self.vocab_ids = None if draft_vocab is None else draft_vocab.to(device=device, dtype=torch.long)
-        w2 = drafter.markov_w2
-        if self.vocab_ids is None:
-            self.draft_head, self.draft_w2 = lm_head, None
-        else:
+        w1, w2 = drafter.markov_w1, drafter.markov_w2
+        self.draft_head, self.draft_w1, self.draft_w2 = lm_head, None, None
+        if self.vocab_ids is not None:
             self.draft_head = lm_head[self.vocab_ids].contiguous()
-            self.draft_w2 = None if w2 is None else w2.weight[self.vocab_ids].contiguous()
+            if w1 is not None and w2 is not None:
+                self.draft_w1 = w1.weight[self.vocab_ids].contiguous()
+                self.draft_w2 = w2.weight[self.vocab_ids].contiguous()
         self.block_size = block_size or cfg.block_size
         self.target_layer_ids = list(cfg.target_layer_ids)
         self.page_size = page_size
@@ -228,20 +229,15 @@ class DSparkProposer:
         confidences [R, block_size] (zero past each request's stop), drafted lengths [R]."""
         assert heads.projected is not None, "a GPU block pass projects every position (_block_heads)"
         w1, w2 = self.drafter.markov_w1, self.drafter.markov_w2
-        if self.vocab_ids is None or w1 is None or w2 is None:
-            tokens = self._token_ids(
-                ops.markov_decode(
-                    heads.projected,
-                    anchors,
-                    None if w1 is None else w1.weight,
-                    None if w2 is None else (w2.weight if self.draft_w2 is None else self.draft_w2),
-                )
-            )
+        if self.draft_w1 is None or self.draft_w2 is None:  # every token, or no Markov head (argmax)
+            w1_rows, w2_rows = (None, None) if w1 is None or w2 is None else (w1.weight, w2.weight)
+            tokens = self._token_ids(ops.markov_decode(heads.projected, anchors, w1_rows, w2_rows))
         else:
             # The kernel looks W1 up by each draft's index in the draft vocabulary, and by the anchor
             # for the first draft: the anchor (any token) gets a row of its own past the K draft rows.
-            num_draft = self.vocab_ids.shape[0]
-            w1_rows = torch.cat([w1.weight[self.vocab_ids], w1.weight[anchors]])
+            assert w1 is not None
+            num_draft = self.draft_w1.shape[0]
+            w1_rows = torch.cat([self.draft_w1, w1.weight[anchors]])
             anchor_rows = torch.arange(num_draft, num_draft + anchors.shape[0], device=anchors.device)
             tokens = self._token_ids(ops.markov_decode(heads.projected, anchor_rows, w1_rows, self.draft_w2))
         # The token before each position: the anchor, then the drafts.
