@@ -148,13 +148,14 @@ def test_the_engine_keeps_the_deadline_and_always_answers_the_held_out_jobs(llm)
     jobs, temperatures = _jobs(3000, seed=6), _temperatures(3000, 0.5)
     records: dict[int, DistillRecord] = {}
     began = time.monotonic()
-    # 2 s, of which the reserve keeps 0.5 s for what follows generation.
-    deadline = Deadline(began + 2.0, lambda: 0.5)
+    # 4 s, of which the reserve keeps 0.5 s for what follows generation (long enough for more than 50
+    # answers on a loaded 2-core machine: 2 s gave 27 once).
+    deadline = Deadline(began + 4.0, lambda: 0.5)
     stats = answer_with_engine(
         llm, jobs, temperatures, 48, records.__setitem__, phase_answers=50, deadline=deadline, held_out=20
     )
     elapsed = time.monotonic() - began
-    assert elapsed < 1.5 + 1.0, elapsed
+    assert elapsed < 3.5 + 1.0, elapsed
     assert set(range(20)) <= set(records)
     assert stats.answered == len(records) and 50 < stats.answered < 3000
     assert stats.answered + stats.aborted + stats.unanswered == 3000
