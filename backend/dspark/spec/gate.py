@@ -146,9 +146,17 @@ class SpeculationGate:
         began, length = started
         stats = self._tiers.setdefault(next_pow2(len(committed)), _TierStats())
         stats.seconds[length].add(max(now - max(began, previous), 1e-9))
+        # One pass over the requests (this runs every step): how many committed n tokens, n capped at
+        # length + 1; position k was reached by those with n >= k and passed by those with n > k.
+        committed_at = [0] * (length + 2)
+        for n in committed:
+            committed_at[min(n, length + 1)] += 1
+        at_least = len(committed) - committed_at[0]  # requests that committed >= 1 token
         for position in range(1, length + 1):
-            stats.reached[position].add(sum(n >= position for n in committed))
-            stats.passed[position].add(sum(n > position for n in committed))
+            passed = at_least - committed_at[position]
+            stats.reached[position].add(at_least)
+            stats.passed[position].add(passed)
+            at_least = passed
 
     def rates(self, num_requests: int) -> dict[int, float]:
         """Committed tokens per second estimated for this many requests, per draft length run."""
