@@ -41,7 +41,7 @@ SETTINGS: dict[str, dict] = {
         "overlap_scheduling": False,
         "cuda_graph_max_tokens": 0,
     },
-    # A reduced draft vocabulary (draft_vocab_size: --draft-vocab-size).
+    # Another draft vocabulary than the drafter's default (draft_vocab_size: --draft-vocab-size).
     "static-dv": {"adaptive_speculation": False},
     "default-dv": {},
     "off-fp32": {"spec_mode": "off", "dtype": "float32"},
@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"of {', '.join(SETTINGS)}")
     parser.add_argument("--batch-sizes", default="1,8,64")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--draft-vocab-size", type=int, default=16384, help="of the -dv settings")
+    parser.add_argument(
+        "--draft-vocab-size", type=int, default=-1, help="of the -dv settings (-1: every token)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     names = args.settings.split(",")

@@ -259,7 +259,10 @@ def main(argv: list[str] | None = None) -> None:
         "--block-size", type=int, default=0, help="every engine's block_size (0: the drafter's)"
     )
     parser.add_argument(
-        "--draft-vocab-size", type=int, default=0, help="every engine's draft_vocab_size (0: every token)"
+        "--draft-vocab-size",
+        type=int,
+        default=0,
+        help="every engine's draft_vocab_size (0: the drafter's default, -1: every token)",
     )
     parser.add_argument(
         "--default-mode",

@@ -488,7 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         "--smollm2-block-size", type=int, default=0, help="smollm2: block_size (0: the drafter's)"
     )
     parser.add_argument(
-        "--smollm2-draft-vocab-size", type=int, default=0, help="smollm2: draft_vocab_size (0: every token)"
+        "--smollm2-draft-vocab-size",
+        type=int,
+        default=0,
+        help="smollm2: draft_vocab_size (0: the drafter's default, -1: every token)",
     )
     parser.add_argument(
         "--e2e-repeats", type=int, default=3, help="smollm2: timed runs per figure (the median counts)"
