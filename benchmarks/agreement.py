@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dspark import LLM, EngineConfig, SamplingParams
+from dspark.outputs import LoopTotals
 from dspark_client.bench import PROMPTS
 
 # name -> EngineConfig changes; the first is the reference. Plain decoding with every step waiting,
@@ -51,11 +52,12 @@ SETTINGS: dict[str, dict] = {
 
 
 def offline_run(
-    config: EngineConfig, batch_sizes: list[int], max_tokens: int
+    config: EngineConfig, batch_sizes: list[int], max_tokens: int, loops: dict | None = None
 ) -> tuple[dict[int, float], dict[int, list[list[int]]]]:
     """dspark.LLM at each batch size: output tokens/s of one generate() of the bench prompts (after an
     untimed one at that size: the adaptive gate settles, every graph tier it uses is warm), and the
-    tokens it gave (greedy, ignore_eos)."""
+    tokens it gave (greedy, ignore_eos). `loops`, when given, receives each timed generate()'s engine
+    loop totals (`loop_shares`)."""
     llm = LLM(config)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))
@@ -65,10 +67,14 @@ def offline_run(
         llm.generate(prompts, params)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        before = llm.engine.load().loop
         started = time.perf_counter()
         outputs = llm.generate(prompts, params)
         seconds = time.perf_counter() - started
-        rates[batch] = round(sum(len(o.token_ids) for o in outputs) / seconds, 1)
+        output_tokens = sum(len(o.token_ids) for o in outputs)
+        rates[batch] = round(output_tokens / seconds, 1)
+        if loops is not None:
+            loops[batch] = loop_shares(before, llm.engine.load().loop, seconds, output_tokens)
         tokens[batch] = [list(o.token_ids) for o in outputs]
     llm.engine.close()
     del llm
@@ -76,6 +82,25 @@ def offline_run(
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rates, tokens
+
+
+def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_tokens: int) -> dict:
+    """What the engine loop did in a window of `seconds` that produced `output_tokens` (two
+    `LoopTotals` snapshots around it): steps/s, requests and output tokens per step, the share of the
+    window in step calls, and per step: wall ms, the loop thread's CPU ms and the acceptance's ms
+    (where the host waits for the device). Wall minus CPU inside steps: waits on the device, the GIL
+    or the OS scheduler."""
+    steps = max(after.steps - before.steps, 1)
+    step_s = after.step_seconds - before.step_seconds
+    return {
+        "steps_per_s": round((after.steps - before.steps) / seconds, 1),
+        "requests_per_step": round((after.step_requests - before.step_requests) / steps, 2),
+        "tokens_per_step": round(output_tokens / steps, 2),
+        "in_steps": round(step_s / seconds, 3),
+        "step_ms": round(1e3 * step_s / steps, 3),
+        "cpu_ms": round(1e3 * (after.step_cpu_seconds - before.step_cpu_seconds) / steps, 3),
+        "accept_ms": round(1e3 * (after.accept_seconds - before.accept_seconds) / steps, 3),
+    }
 
 
 def run_setting(changes: dict, batch_sizes: list[int], max_tokens: int) -> dict:

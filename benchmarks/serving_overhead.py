@@ -20,17 +20,19 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+import urllib.request
+from dataclasses import asdict, fields
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from agreement import offline_run  # noqa: E402
+from agreement import loop_shares, offline_run  # noqa: E402
 from load_generator import run_load  # noqa: E402
 from serving_ceiling import start_server  # noqa: E402
 
 from dspark.config import EngineConfig  # noqa: E402
+from dspark.outputs import LoopTotals  # noqa: E402
 from dspark.serving.triton_config import DEFAULT_MODEL_REPOSITORY, render_config_pbtxt  # noqa: E402
 
 MODES = {
@@ -52,13 +54,26 @@ def engine_config(mode: str, max_seqs: int) -> EngineConfig:
 
 
 def offline_tokens_per_s(
-    config: EngineConfig, levels: list[int], max_tokens: int
+    config: EngineConfig, levels: list[int], max_tokens: int, loops: dict
 ) -> tuple[dict[int, float], dict[int, list[list[int]]]]:
-    """dspark.LLM at each batch size (`agreement.offline_run`), printing each figure."""
-    rates, tokens = offline_run(config, levels, max_tokens)
+    """dspark.LLM at each batch size (`agreement.offline_run`), printing each figure; `loops` receives
+    the engine loop's shares of each level's time (`agreement.loop_shares`)."""
+    rates, tokens = offline_run(config, levels, max_tokens, loops)
     for level in levels:
-        print(f"offline {level:>4} streams: {rates[level]:.0f} tok/s", flush=True)
+        print(f"offline {level:>4} streams: {rates[level]:.0f} tok/s, loop {loops[level]}", flush=True)
     return rates, tokens
+
+
+def served_loop_totals(metrics_port: int) -> LoopTotals:
+    """The served engine's loop totals, from its `dspark_engine_*_total` counters on the metrics port
+    (published at most 0.1 s after each step: wait a little after a load before reading)."""
+    text = urllib.request.urlopen(f"http://localhost:{metrics_port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("dspark_engine_"):
+            name, value = line.split("{", 1)[0], line.rsplit(" ", 1)[1]
+            values[name.removeprefix("dspark_engine_").removesuffix("_total")] = float(value)
+    return LoopTotals(**{f.name: type(f.default)(values.get(f.name, 0)) for f in fields(LoopTotals)})
 
 
 def served(
@@ -84,17 +99,21 @@ def served(
     try:
         run_load(f"localhost:{ports[1]}", 8, 8, 16)  # warm-up
         for level in levels:
+            time.sleep(0.3)  # the warm-up's or the last level's counters published
+            before = served_loop_totals(ports[2])
             result = run_load(f"localhost:{ports[1]}", level, 2 * level, max_tokens)
+            time.sleep(0.3)
+            loop = loop_shares(before, served_loop_totals(ports[2]), result.seconds, result.output_tokens)
             if level in profile_levels:  # a longer run of this load, sampled, not timed
                 profiler = start_profile(server.pid, root / f"py-spy-{level}.txt", profile_s)
                 run_load(f"localhost:{ports[1]}", level, max(10 * level, 1280), max_tokens)
                 if profiler is not None:
                     profiler.wait(profile_s + 30)
-            results[level] = asdict(result)
+            results[level] = asdict(result) | {"loop": loop}
             print(
                 f"server  {level:>4} streams: {result.tokens_per_s:.0f} tok/s, "
                 f"TTFT p50 {result.ttft_p50_ms:.1f} ms, {result.responses_per_s:.0f} responses/s, "
-                f"errors {result.errors}",
+                f"errors {result.errors}, loop {loop}",
                 flush=True,
             )
     finally:
@@ -140,6 +159,29 @@ def table(levels: list[int], runs: dict) -> str:
     return "\n".join(lines)
 
 
+def loop_table(levels: list[int], runs: dict) -> str:
+    """Markdown: the engine loop offline and served, per mode and level (`agreement.loop_shares`)."""
+    keys = ("steps_per_s", "requests_per_step", "tokens_per_step", "in_steps", "step_ms", "cpu_ms")
+    keys += ("accept_ms",)
+    lines = [
+        "Engine loop, offline / served (`agreement.loop_shares`): steps/s, requests and output tokens "
+        "per step, the share of the measured window in step calls, and per step: wall ms, the loop "
+        "thread's CPU ms, the acceptance's ms (the host waiting for the device)",
+        "",
+        "| mode | streams | " + " | ".join(keys) + " |",
+        "|---|---:|" + "---:|" * len(keys),
+    ]
+    for mode, run in runs.items():
+        if not isinstance(run, dict) or "server" not in run:
+            continue
+        for level in levels:
+            offline = run.get("offline_loop", {}).get(level, {})
+            server = run["server"].get(level, {}).get("loop", {})
+            cells = [f"{offline.get(k, '-')} / {server.get(k, '-')}" for k in keys]
+            lines.append(f"| {mode} | {level} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--levels", default="1,8,64,128,256")
@@ -160,18 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes.split(","):
         config = engine_config(mode, max(levels))
         print(f"=== {mode}: {config}", flush=True)
-        offline, tokens = {}, {}
+        offline, tokens, loops = {}, {}, {}
         if mode in OFFLINE_OF and OFFLINE_OF[mode] in runs:
             offline = runs[OFFLINE_OF[mode]]["offline"]
+            loops = runs[OFFLINE_OF[mode]]["offline_loop"]
         elif not mode.endswith("inprocess"):
-            offline, tokens = offline_tokens_per_s(config, levels, args.max_tokens)
+            offline, tokens = offline_tokens_per_s(config, levels, args.max_tokens, loops)
         outputs[mode] = tokens
         server = served(
             config, levels, args.max_tokens, args.out / mode, ports, profile_levels, args.profile_s
         )
-        runs[mode] = {"offline": offline, "server": server}
+        runs[mode] = {"offline": offline, "server": server, "offline_loop": loops}
         (args.out / "overhead.json").write_text(json.dumps(runs, indent=1))
-    markdown = table(levels, runs)
+    markdown = table(levels, runs) + "\n\n" + loop_table(levels, runs)
     if outputs.get("off") and outputs.get("default"):
         # Greedy with and without speculation, same prompts and batch: identical sequences (exact in
         # fp32; in bf16 the verify window's shape changes the target's rounding, and near-ties flip).

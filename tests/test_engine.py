@@ -195,6 +195,24 @@ def test_step_timer_splits_each_step_into_phases(tiny_target_dir, tiny_drafter_d
     assert llm.engine.timer.summary() == {"steps": 0.0}
 
 
+def test_loop_totals_count_steps_requests_and_where_their_time_went(tiny_target_dir, tiny_drafter_dir):
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir))
+    outs = llm.generate(params=GREEDY, prompt_token_ids=_prompts(3, seed=2))
+    loop = llm.engine.load().loop
+    steps = max(o.spec_stats.steps for o in outs)
+    assert loop.steps >= steps
+    # Three requests ran together for most steps; every counted step ran one at least.
+    assert loop.steps <= loop.step_requests <= 3 * loop.steps
+    assert loop.step_requests > 2 * steps
+    assert 0 < loop.accept_seconds < loop.step_seconds
+    assert 0 < loop.step_cpu_seconds
+    assert loop.idle_seconds == 0  # offline, the loop never waits for requests
+    # Another run adds to the totals.
+    llm.generate(params=GREEDY, prompt_token_ids=_prompts(1, seed=3))
+    again = llm.engine.load().loop
+    assert again.steps > loop.steps and again.step_seconds > loop.step_seconds
+
+
 def test_a_smaller_engine_block_counts_only_its_own_drafts(tiny_target_dir, tiny_drafter_dir) -> None:
     # The drafter was trained on blocks of 4 positions; an engine block of 2 drafts a block of 2,
     # verifies and counts them, and greedy output stays the target's.

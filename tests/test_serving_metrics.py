@@ -95,3 +95,34 @@ def test_load_gauges_report_the_kv_cache_and_request_counts(triton_server):
     assert triton_server.metric("dspark_kv_pages_total", model="dspark") == 96
     for name in ("dspark_kv_pages_used", "dspark_num_requests_running", "dspark_num_requests_waiting"):
         assert triton_server.metric(name, model="dspark") is not None, name
+
+
+def test_engine_loop_counters_say_where_the_loop_time_went(triton_server):
+    def loop() -> dict[str, float]:
+        return {
+            name: triton_server.metric(f"dspark_engine_{name}_total", model="dspark") or 0.0
+            for name in ("steps", "step_requests", "step_seconds", "step_cpu_seconds", "idle_seconds")
+        }
+
+    def settled() -> dict[str, float]:
+        """Once every published counter stopped moving (each is written at most 0.1 s after a step)."""
+        previous = loop()
+        while True:
+            time.sleep(0.3)
+            now = loop()
+            if now == previous:
+                return now
+            previous = now
+
+    before = settled()
+    with GrpcStream(triton_server) as grpc:
+        grpc.send(
+            text_input="Count to five.", sampling_parameters={"max_tokens": 8, "ignore_eos": True}
+        ).collect()
+    assert wait_for(lambda: loop()["steps"] >= before["steps"] + 2), "steps are counted"
+    after = settled()
+    steps = after["steps"] - before["steps"]
+    assert after["step_requests"] - before["step_requests"] >= steps  # each step ran a request at least
+    assert after["step_seconds"] > before["step_seconds"]
+    assert 0 < after["step_cpu_seconds"] - before["step_cpu_seconds"]
+    assert after["idle_seconds"] >= before["idle_seconds"]

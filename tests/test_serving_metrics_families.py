@@ -132,3 +132,24 @@ def test_disabled_metrics_accept_every_event_and_record_nothing():
     metrics.speculation(None, stats_after((7, 1, 1)))
     metrics.load(EngineLoad(0, 0, 0, 1))
     metrics.flush()
+
+
+def test_engine_loop_counters_move_by_the_difference_between_loads():
+    from dspark.outputs import LoopTotals
+
+    metrics = make()
+
+    def load(**totals: float) -> None:
+        metrics.load(EngineLoad(0, 0, 0, 8, loop=LoopTotals(**totals)))
+        metrics.flush()
+
+    load(steps=10, step_requests=40, step_seconds=0.5, idle_seconds=2.0)
+    load(steps=15, step_requests=60, step_seconds=0.75, idle_seconds=2.0)
+    assert metric("dspark_engine_steps_total").value == 15
+    assert metric("dspark_engine_step_requests_total").value == 60
+    assert abs(metric("dspark_engine_step_seconds_total").value - 0.75) < 1e-9
+    assert metric("dspark_engine_idle_seconds_total").value == 2.0
+    # A restarted engine's totals start over: they add from zero, the counters never go back.
+    load(steps=3, step_requests=3, step_seconds=0.1)
+    assert metric("dspark_engine_steps_total").value == 18
+    assert metric("dspark_engine_idle_seconds_total").value == 2.0

@@ -358,6 +358,22 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
 
 
+@dataclass(frozen=True)
+class LoopTotals:
+    """Where the engine loop's time went since it started (totals; a reader takes differences): the
+    steps it launched and the requests in them, the wall time of its step calls, the loop thread's CPU
+    time in them (wall minus CPU: waits on the device, the GIL or the OS scheduler), the part of their
+    wall time in the acceptance (where the host waits for the device), and the loop's idle time (no
+    request to run)."""
+
+    steps: int = 0
+    step_requests: int = 0  # requests in each step, summed: / steps = the mean batch
+    step_seconds: float = 0.0
+    step_cpu_seconds: float = 0.0
+    accept_seconds: float = 0.0
+    idle_seconds: float = 0.0
+
+
 @dataclass
 class EngineLoad:
     """A snapshot of the engine's occupancy, for metrics and health."""
@@ -370,3 +386,4 @@ class EngineLoad:
     # held from the driver in all; 0 on the CPU. A stress run watches them for growth between phases.
     gpu_memory_allocated_bytes: int = 0
     gpu_memory_reserved_bytes: int = 0
+    loop: LoopTotals = LoopTotals()

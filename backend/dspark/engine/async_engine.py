@@ -6,6 +6,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -210,7 +211,14 @@ class AsyncEngine:
     def _drain_inbox(self, block: bool) -> bool:
         """Move queued submissions and aborts into the engine; False when asked to stop."""
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            if block:
+                waiting = time.perf_counter()
+                try:
+                    item = self._inbox.get(timeout=0.5)
+                finally:
+                    self.engine.loop_counters.idle_seconds += time.perf_counter() - waiting
+            else:
+                item = self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:

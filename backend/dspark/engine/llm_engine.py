@@ -31,7 +31,7 @@ from dspark.engine.step import (
     queue_greedy,
     verified_drafts,
 )
-from dspark.engine.step_timer import StepTimer
+from dspark.engine.step_timer import LoopCounters, StepTimer
 from dspark.outputs import EngineLoad, RequestDelta, SpecStats, TokenLogprobs
 from dspark.prompts import check_prompt
 from dspark.runner.cuda_graphs import max_pages_per_request
@@ -134,6 +134,7 @@ class LLMEngine:
         self.limits = ResolvedLimits(device, dtype, block_size, min(limit, capacity))
         # Per-phase step timing, off unless a benchmark or profiler turns it on.
         self.timer = StepTimer(device)
+        self.loop_counters = LoopCounters()
         self._memory = (0, 0)  # GPU memory allocated and reserved, bytes, as last read (see `load`)
         self._memory_read_at = -MEMORY_READ_INTERVAL_S
         self.allocator = PageAllocator(config.num_kv_pages, page_size)
@@ -289,6 +290,7 @@ class LLMEngine:
             kv_pages_total=self.allocator.num_pages,
             gpu_memory_allocated_bytes=self._memory[0],
             gpu_memory_reserved_bytes=self._memory[1],
+            loop=self.loop_counters.totals(),
         )
 
     def close(self) -> None:
@@ -309,6 +311,7 @@ class LLMEngine:
         follows the acceptance of the one before either way, so both run the same steps."""
         timer = self.timer
         timer.start()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         failed, self._pending = self._pending, []
         if self.config.overlap_scheduling:
             earlier, launched, done = self._in_flight, None, []
@@ -328,6 +331,10 @@ class LLMEngine:
         deltas = failed + [pending.make() for pending in done]
         if launched is not None or done:
             timer.finish("emit")
+            requests = len(launched.schedule.decode) + len(launched.schedule.prefill) if launched else None
+            self.loop_counters.add_call(
+                requests, time.perf_counter() - started, time.thread_time() - started_cpu
+            )
         return deltas
 
     def _launch(
@@ -424,9 +431,11 @@ class LLMEngine:
         raw_logits = self._adjust_logits(
             schedule, plan, verified, packed.logit_offsets, result.logits, result.argmax
         )
+        accepting = time.perf_counter()
         acceptance = accept(
             schedule, plan, verified, result, packed.logit_offsets, self.limits.block_size, queued
         )
+        self.loop_counters.accept_seconds += time.perf_counter() - accepting
         self.timer.lap("accept")
         committed = self._commit(schedule, plan, verified, acceptance, packed.logit_offsets)
         # Read off the device now: a launched step's graph replay reuses the logits buffer.

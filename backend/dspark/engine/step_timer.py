@@ -1,4 +1,5 @@
-"""Where a step's wall time goes: per-phase timers that `LLMEngine.step` feeds when they are enabled."""
+"""Where a step's wall time goes: per-phase timers that `LLMEngine.step` feeds when they are enabled, and
+the loop's always-on totals (`LoopCounters`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import time
 from collections import defaultdict
 
 import torch
+
+from dspark.outputs import LoopTotals
 
 
 class StepTimer:
@@ -60,3 +63,38 @@ class StepTimer:
     def _sync(self) -> None:
         if self._cuda and self.synchronize:
             torch.cuda.synchronize()
+
+
+class LoopCounters:
+    """The engine loop's running totals (`LoopTotals`): a few additions a step, always on, so that a
+    server's metrics say whether its engine is busy, idle, or waiting on the device or the GIL. A step
+    counts when it is launched; the time of every `LLMEngine.step` call counts."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.step_requests = 0
+        self.step_seconds = 0.0
+        self.step_cpu_seconds = 0.0
+        self.accept_seconds = 0.0
+        self.idle_seconds = 0.0
+
+    def add_call(self, launched_requests: int | None, seconds: float, cpu_seconds: float) -> None:
+        """One `LLMEngine.step` call: `seconds` of wall time, `cpu_seconds` of the loop thread's CPU
+        time; `launched_requests`: the requests of the step it launched (None: it only completed the
+        step in flight, the last one of a run)."""
+        if launched_requests is not None:
+            self.steps += 1
+            self.step_requests += launched_requests
+        self.step_seconds += seconds
+        self.step_cpu_seconds += cpu_seconds
+
+    def totals(self) -> LoopTotals:
+        """A snapshot."""
+        return LoopTotals(
+            self.steps,
+            self.step_requests,
+            self.step_seconds,
+            self.step_cpu_seconds,
+            self.accept_seconds,
+            self.idle_seconds,
+        )

@@ -21,13 +21,23 @@ import threading
 from typing import Any
 
 from dspark.config import EngineConfig
-from dspark.outputs import EngineLoad
+from dspark.outputs import EngineLoad, LoopTotals
 from dspark.runner.models.hf_config import ModelConfig
 from dspark.sampling_params import MAX_INT
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 SPEC_COUNTERS = ("drafted_tokens", "verified_tokens", "accepted_tokens", "steps", "drafting_steps")
+# The engine loop's totals (dspark.outputs.LoopTotals fields) as `dspark_engine_<name>_total` counters.
+LOOP_COUNTERS = {
+    "steps": "Engine steps run",
+    "step_requests": "Requests in each engine step, summed over steps (/ steps: the mean batch)",
+    "step_seconds": "Wall seconds of the engine's steps",
+    "step_cpu_seconds": "CPU seconds of the engine loop's thread in its steps (wall minus this: waits on "
+    "the device, the GIL or the OS scheduler)",
+    "accept_seconds": "Wall seconds of the steps' acceptance, where the host waits for the device",
+    "idle_seconds": "Seconds the engine loop waited with no request to run",
+}
 VLLM_TTFT_BUCKETS = [
     0.001,
     0.005,
@@ -160,6 +170,12 @@ class TritonMetrics(Metrics):
             "dspark_gpu_memory_reserved_bytes",
             "Bytes the engine's caching allocator holds on its GPU (torch.cuda.memory_reserved; 0 on CPU)",
         )
+        # The engine loop's totals (`LoopTotals`): counters that move by the difference between loads.
+        self._loop = {
+            name: self._metric(family.COUNTER, f"dspark_engine_{name}_total", help_text)
+            for name, help_text in LOOP_COUNTERS.items()
+        }
+        self._loop_seen = LoopTotals()
         self._totals = dict.fromkeys(SPEC_COUNTERS, 0)
         self._accepted_at: list[int] = []
         self._verified_at: list[int] = []
@@ -253,6 +269,13 @@ class TritonMetrics(Metrics):
             self._gauges[self._waiting] = load.num_waiting
             self._gauges[self._gpu_allocated] = load.gpu_memory_allocated_bytes
             self._gauges[self._gpu_reserved] = load.gpu_memory_reserved_bytes
+            seen, self._loop_seen = self._loop_seen, load.loop
+            if load.loop.steps < seen.steps:  # another engine (a restart): its totals start over
+                seen = LoopTotals()
+            for name, counter in self._loop.items():
+                moved = getattr(load.loop, name) - getattr(seen, name)
+                if moved > 0:
+                    self._add(counter, moved)
 
     def flush(self) -> None:
         with self._lock:
