@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,7 @@ sys.path.insert(0, str(HERE))
 
 from agreement import loop_shares, offline_run  # noqa: E402
 from load_generator import run_load  # noqa: E402
-from serving_ceiling import start_server  # noqa: E402
+from serving_ceiling import _process_table, start_server  # noqa: E402
 
 from dspark.config import EngineConfig  # noqa: E402
 from dspark.outputs import LoopTotals  # noqa: E402
@@ -76,6 +77,33 @@ def served_loop_totals(metrics_port: int) -> LoopTotals:
     return LoopTotals(**{f.name: type(f.default)(values.get(f.name, 0)) for f in fields(LoopTotals)})
 
 
+def pin_server(server_pid: int, engine_cpus: set[int]) -> str:
+    """Pin every thread of the served engine process (the spawned child of the backend stub) to
+    `engine_cpus` and every other thread of the server, and this process (so the load generator's
+    workers inherit it), to the remaining CPUs: does sharing cores with the server's other processes
+    slow the engine's loop? Returns what was pinned."""
+    table = _process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    tree, stack = [], [server_pid]
+    while stack:
+        pid = stack.pop()
+        tree.append(pid)
+        stack.extend(children.get(pid, []))
+    engines = [pid for pid in tree if "spawn_main" in table.get(pid, (0, "", 0))[1]]
+    others = set(os.sched_getaffinity(0)) - engine_cpus
+    for pid in tree:
+        cpus = engine_cpus if pid in engines else others
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except OSError:
+                pass
+    os.sched_setaffinity(0, others)
+    return f"engine process {engines} on CPUs {sorted(engine_cpus)}, the rest on {len(others)} others"
+
+
 def served(
     config: EngineConfig,
     levels: list[int],
@@ -84,6 +112,7 @@ def served(
     ports: list[int],
     profile_levels: tuple[int, ...] = (),
     profile_s: float = 6.0,
+    engine_cpus: set[int] | None = None,
 ) -> dict:
     """The same engine behind `dspark serve`: the load generator's result at each concurrency (and, at
     `profile_levels`, py-spy's samples of the server's Python processes while the load runs)."""
@@ -95,6 +124,9 @@ def served(
     started = time.monotonic()
     server = start_server(repo, *ports, root / "server.log")
     print(f"server ready in {time.monotonic() - started:.0f} s", flush=True)
+    everything = os.sched_getaffinity(0)
+    if engine_cpus:
+        print(pin_server(server.pid, engine_cpus), flush=True)
     results = {}
     try:
         run_load(f"localhost:{ports[1]}", 8, 8, 16)  # warm-up
@@ -117,6 +149,7 @@ def served(
                 flush=True,
             )
     finally:
+        os.sched_setaffinity(0, everything)
         server.terminate()
         server.wait(120)
     return results
@@ -193,6 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("/tmp/dspark-overhead"))
     parser.add_argument("--profile-levels", default="", help="concurrencies to sample with py-spy")
     parser.add_argument("--profile-s", type=float, default=6.0)
+    parser.add_argument("--served-only", action="store_true", help="skip the offline engine")
+    parser.add_argument(
+        "--engine-cpus",
+        default="",
+        help="served side: pin the engine process to these CPUs (e.g. 0,8: a core and its sibling) and "
+        "the rest of the server and the load generator to the others (`pin_server`)",
+    )
     args = parser.parse_args(argv)
     profile_levels = tuple(int(x) for x in args.profile_levels.split(",") if x)
     levels = [int(x) for x in args.levels.split(",")]
@@ -206,11 +246,19 @@ def main(argv: list[str] | None = None) -> int:
         if mode in OFFLINE_OF and OFFLINE_OF[mode] in runs:
             offline = runs[OFFLINE_OF[mode]]["offline"]
             loops = runs[OFFLINE_OF[mode]]["offline_loop"]
-        elif not mode.endswith("inprocess"):
+        elif not mode.endswith("inprocess") and not args.served_only:
             offline, tokens = offline_tokens_per_s(config, levels, args.max_tokens, loops)
         outputs[mode] = tokens
+        engine_cpus = {int(c) for c in args.engine_cpus.split(",") if c}
         server = served(
-            config, levels, args.max_tokens, args.out / mode, ports, profile_levels, args.profile_s
+            config,
+            levels,
+            args.max_tokens,
+            args.out / mode,
+            ports,
+            profile_levels,
+            args.profile_s,
+            engine_cpus,
         )
         runs[mode] = {"offline": offline, "server": server, "offline_loop": loops}
         (args.out / "overhead.json").write_text(json.dumps(runs, indent=1))
