@@ -86,8 +86,9 @@ def offline_run(
 
 def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_tokens: int) -> dict:
     """What the engine loop did in a window of `seconds` that produced `output_tokens` (two
-    `LoopTotals` snapshots around it): steps/s, requests and output tokens per step, the share of the
-    window in step calls, and per step: wall ms, the loop thread's CPU ms and the acceptance's ms
+    `LoopTotals` snapshots around it): steps/s, requests and output tokens per step, the shares of the
+    steps replayed from a graph, launched ahead and carrying a prefill chunk, the share of the window
+    in step calls, and per step: wall ms, the loop thread's CPU ms and the acceptance's ms
     (where the host waits for the device). Wall minus CPU inside steps: waits on the device, the GIL
     or the OS scheduler."""
     steps = max(after.steps - before.steps, 1)
@@ -96,6 +97,9 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
         "steps_per_s": round((after.steps - before.steps) / seconds, 1),
         "requests_per_step": round((after.step_requests - before.step_requests) / steps, 2),
         "tokens_per_step": round(output_tokens / steps, 2),
+        "graph": round((after.graph_steps - before.graph_steps) / steps, 3),
+        "ahead": round((after.ahead_steps - before.ahead_steps) / steps, 3),
+        "prefill": round((after.prefill_steps - before.prefill_steps) / steps, 3),
         "in_steps": round(step_s / seconds, 3),
         "step_ms": round(1e3 * step_s / steps, 3),
         "cpu_ms": round(1e3 * (after.step_cpu_seconds - before.step_cpu_seconds) / steps, 3),

@@ -207,10 +207,17 @@ def test_loop_totals_count_steps_requests_and_where_their_time_went(tiny_target_
     assert 0 < loop.accept_seconds < loop.step_seconds
     assert 0 < loop.step_cpu_seconds
     assert loop.idle_seconds == 0  # offline, the loop never waits for requests
+    # No graphs on the CPU; the first step prefills; `compact` drafts apart: nothing goes ahead.
+    assert loop.graph_steps == 0 and 1 <= loop.prefill_steps < loop.steps
+    assert loop.ahead_steps == 0
     # Another run adds to the totals.
     llm.generate(params=GREEDY, prompt_token_ids=_prompts(1, seed=3))
     again = llm.engine.load().loop
     assert again.steps > loop.steps and again.step_seconds > loop.step_seconds
+    plain = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="off"))
+    plain.generate(params=GREEDY, prompt_token_ids=_prompts(3, seed=2))
+    ahead = plain.engine.load().loop
+    assert 0 < ahead.ahead_steps < ahead.steps  # plain decode steps go ahead of the acceptance
 
 
 def test_a_smaller_engine_block_counts_only_its_own_drafts(tiny_target_dir, tiny_drafter_dir) -> None:

@@ -143,9 +143,12 @@ def test_engine_loop_counters_move_by_the_difference_between_loads():
         metrics.load(EngineLoad(0, 0, 0, 8, loop=LoopTotals(**totals)))
         metrics.flush()
 
-    load(steps=10, step_requests=40, step_seconds=0.5, idle_seconds=2.0)
-    load(steps=15, step_requests=60, step_seconds=0.75, idle_seconds=2.0)
+    load(steps=10, step_requests=40, graph_steps=8, step_seconds=0.5, idle_seconds=2.0)
+    load(steps=15, step_requests=60, graph_steps=12, ahead_steps=3, step_seconds=0.75, idle_seconds=2.0)
     assert metric("dspark_engine_steps_total").value == 15
+    assert metric("dspark_engine_graph_steps_total").value == 12
+    assert metric("dspark_engine_ahead_steps_total").value == 3
+    assert metric("dspark_engine_prefill_steps_total").value == 0
     assert metric("dspark_engine_step_requests_total").value == 60
     assert abs(metric("dspark_engine_step_seconds_total").value - 0.75) < 1e-9
     assert metric("dspark_engine_idle_seconds_total").value == 2.0

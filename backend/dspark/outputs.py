@@ -368,6 +368,11 @@ class LoopTotals:
 
     steps: int = 0
     step_requests: int = 0  # requests in each step, summed: / steps = the mean batch
+    # Of the steps: those that replayed a captured graph (the rest ran eagerly), those launched ahead
+    # of the acceptance of the step before (`launch_ahead`), and those that carried a prefill chunk.
+    graph_steps: int = 0
+    ahead_steps: int = 0
+    prefill_steps: int = 0
     step_seconds: float = 0.0
     step_cpu_seconds: float = 0.0
     accept_seconds: float = 0.0

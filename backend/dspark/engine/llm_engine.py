@@ -331,10 +331,7 @@ class LLMEngine:
         deltas = failed + [pending.make() for pending in done]
         if launched is not None or done:
             timer.finish("emit")
-            requests = len(launched.schedule.decode) + len(launched.schedule.prefill) if launched else None
-            self.loop_counters.add_call(
-                requests, time.perf_counter() - started, time.thread_time() - started_cpu
-            )
+            self.loop_counters.add_call(time.perf_counter() - started, time.thread_time() - started_cpu)
         return deltas
 
     def _launch(
@@ -365,6 +362,12 @@ class LLMEngine:
             return None
         if self.gate is not None:
             self.gate.start_step(length if drafts is not None else 0, began)
+        self.loop_counters.add_step(
+            len(schedule.decode) + len(schedule.prefill),
+            graph=self.runner.replays(packed.step),
+            ahead=in_flight is not None,
+            prefill=bool(schedule.prefill),
+        )
         result = self.runner.run(packed.step)
         timer.lap("target")
         return LaunchedStep(schedule, plan, packed, result)

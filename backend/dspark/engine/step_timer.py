@@ -73,28 +73,39 @@ class LoopCounters:
     def __init__(self) -> None:
         self.steps = 0
         self.step_requests = 0
+        self.graph_steps = 0
+        self.ahead_steps = 0
+        self.prefill_steps = 0
         self.step_seconds = 0.0
         self.step_cpu_seconds = 0.0
         self.accept_seconds = 0.0
         self.idle_seconds = 0.0
 
-    def add_call(self, launched_requests: int | None, seconds: float, cpu_seconds: float) -> None:
-        """One `LLMEngine.step` call: `seconds` of wall time, `cpu_seconds` of the loop thread's CPU
-        time; `launched_requests`: the requests of the step it launched (None: it only completed the
-        step in flight, the last one of a run)."""
-        if launched_requests is not None:
-            self.steps += 1
-            self.step_requests += launched_requests
+    def add_step(self, requests: int, graph: bool, ahead: bool, prefill: bool) -> None:
+        """A step launched with `requests` requests: replayed from a graph or not, launched ahead of
+        the acceptance of the one before or not, with a prefill chunk or not."""
+        self.steps += 1
+        self.step_requests += requests
+        self.graph_steps += graph
+        self.ahead_steps += ahead
+        self.prefill_steps += prefill
+
+    def add_call(self, seconds: float, cpu_seconds: float) -> None:
+        """One `LLMEngine.step` call that ran or completed a step: `seconds` of wall time, `cpu_seconds`
+        of the loop thread's CPU time."""
         self.step_seconds += seconds
         self.step_cpu_seconds += cpu_seconds
 
     def totals(self) -> LoopTotals:
         """A snapshot."""
         return LoopTotals(
-            self.steps,
-            self.step_requests,
-            self.step_seconds,
-            self.step_cpu_seconds,
-            self.accept_seconds,
-            self.idle_seconds,
+            steps=self.steps,
+            step_requests=self.step_requests,
+            graph_steps=self.graph_steps,
+            ahead_steps=self.ahead_steps,
+            prefill_steps=self.prefill_steps,
+            step_seconds=self.step_seconds,
+            step_cpu_seconds=self.step_cpu_seconds,
+            accept_seconds=self.accept_seconds,
+            idle_seconds=self.idle_seconds,
         )

@@ -343,6 +343,10 @@ class TensorParallelRunner:
             )
         return self._vocab_weights
 
+    def replays(self, step: TargetStep) -> bool:
+        """Whether the step replays a captured graph (every rank captured the same tiers)."""
+        return self.local.replays(step)
+
     def run(self, step: TargetStep) -> TargetResult:
         """Broadcast the step, run rank 0's share; logits gathered over ranks, features are rank 0's
         (the residual stream is replicated). TensorParallelError, within tensor_parallel_timeout_s,

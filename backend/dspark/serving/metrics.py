@@ -32,6 +32,9 @@ SPEC_COUNTERS = ("drafted_tokens", "verified_tokens", "accepted_tokens", "steps"
 LOOP_COUNTERS = {
     "steps": "Engine steps run",
     "step_requests": "Requests in each engine step, summed over steps (/ steps: the mean batch)",
+    "graph_steps": "Engine steps that replayed a captured CUDA graph (the rest ran eagerly)",
+    "ahead_steps": "Engine steps launched before the step ahead of them was accepted (launch_ahead)",
+    "prefill_steps": "Engine steps that carried a prefill chunk",
     "step_seconds": "Wall seconds of the engine's steps",
     "step_cpu_seconds": "CPU seconds of the engine loop's thread in its steps (wall minus this: waits on "
     "the device, the GIL or the OS scheduler)",
