@@ -1,4 +1,4 @@
-"""Host-to-device copies that do not make the host wait for the device.
+"""Copies between host and device that do not make the host wait for the device.
 
 A plain `tensor.to("cuda")` from pageable memory ends in a stream synchronisation: the host stops
 until every kernel queued before the copy has run. A step makes several such copies (window numbers,
@@ -26,3 +26,14 @@ def copy_to_device(dest: torch.Tensor, host: torch.Tensor) -> None:
         dest.copy_(host)
     else:
         dest.copy_(host.pin_memory(), non_blocking=True)
+
+
+def to_host_queued(device_tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of `device_tensor`, queued on its stream like a kernel: the host does not wait, and
+    the copy holds the values once any later event on that stream has passed (e.g. the step's
+    acceptance). Off CUDA, a copy made now."""
+    if device_tensor.device.type != "cuda":
+        return device_tensor.clone()
+    host = torch.empty(device_tensor.shape, dtype=device_tensor.dtype, pin_memory=True)
+    host.copy_(device_tensor, non_blocking=True)
+    return host

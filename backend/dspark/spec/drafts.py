@@ -26,7 +26,8 @@ class Drafts:
     confidences: torch.Tensor
     probs: list[torch.Tensor | None]
     # Drafted positions per request [R] int64 on the host (None: the whole block). Positions past a
-    # request's length hold no draft (confidence 0) and must not be verified.
+    # request's length hold no draft (confidence 0) and must not be verified. Drafts made inside the
+    # target step fill it by a queued copy (`to_host_queued`): read it once the step is accepted.
     lengths: torch.Tensor | None = None
 
     @property

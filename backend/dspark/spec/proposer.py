@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dspark.kernels import ops
 from dspark.runner.attention_batch import AttentionBatch
 from dspark.runner.cuda_graphs import StaticLayout, next_pow2
-from dspark.runner.host_to_device import to_device
+from dspark.runner.host_to_device import to_device, to_host_queued
 from dspark.runner.kv_cache import PagedKVCache
 from dspark.sampling.sampler import filtered_probs, sample_rows
 from dspark.sequence import Sequence
@@ -135,8 +135,10 @@ class DSparkProposer:
             return None
         tokens, confidences, lengths = drafted
         # Views of the graph's outputs, not copies: the step that drafted them accepts them before the
-        # next in-step block is replayed.
-        stopped = lengths.cpu() if self.stop_survival > 0.0 else None
+        # next in-step block is replayed. The drafted lengths only count the step's drafted tokens once
+        # it is accepted, so they come to the host by a queued copy: `lengths.cpu()` here waited for
+        # the device to finish the step in flight, in the middle of launching the next one.
+        stopped = to_host_queued(lengths) if self.stop_survival > 0.0 else None
         return Drafts(tokens, confidences, [None] * len(seqs), stopped)
 
     @torch.inference_mode()
