@@ -88,9 +88,8 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
     """What the engine loop did in a window of `seconds` that produced `output_tokens` (two
     `LoopTotals` snapshots around it): steps/s, requests and output tokens per step, the shares of the
     steps replayed from a graph, launched ahead and carrying a prefill chunk, the share of the window
-    in step calls, and per step: wall ms, the loop thread's CPU ms and the acceptance's ms
-    (where the host waits for the device). Wall minus CPU inside steps: waits on the device, the GIL
-    or the OS scheduler."""
+    in step calls, and per step: wall ms and the acceptance's ms (where the host waits for the
+    device)."""
     steps = max(after.steps - before.steps, 1)
     step_s = after.step_seconds - before.step_seconds
     return {
@@ -102,7 +101,6 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
         "prefill": round((after.prefill_steps - before.prefill_steps) / steps, 3),
         "in_steps": round(step_s / seconds, 3),
         "step_ms": round(1e3 * step_s / steps, 3),
-        "cpu_ms": round(1e3 * (after.step_cpu_seconds - before.step_cpu_seconds) / steps, 3),
         "accept_ms": round(1e3 * (after.accept_seconds - before.accept_seconds) / steps, 3),
     }
 

@@ -195,12 +195,12 @@ def table(levels: list[int], runs: dict) -> str:
 def loop_table(levels: list[int], runs: dict) -> str:
     """Markdown: the engine loop offline and served, per mode and level (`agreement.loop_shares`)."""
     keys = ("steps_per_s", "requests_per_step", "tokens_per_step", "graph", "ahead", "prefill")
-    keys += ("in_steps", "step_ms", "cpu_ms", "accept_ms")
+    keys += ("in_steps", "step_ms", "accept_ms")
     lines = [
         "Engine loop, offline / served (`agreement.loop_shares`): steps/s, requests and output tokens "
         "per step, the shares of steps replayed from a graph, launched ahead and with a prefill chunk, "
-        "the share of the measured window in step calls, and per step: wall ms, the loop "
-        "thread's CPU ms, the acceptance's ms (the host waiting for the device)",
+        "the share of the measured window in step calls, and per step: wall ms and the acceptance's ms "
+        "(the host waiting for the device)",
         "",
         "| mode | streams | " + " | ".join(keys) + " |",
         "|---|---:|" + "---:|" * len(keys),

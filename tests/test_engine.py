@@ -205,7 +205,6 @@ def test_loop_totals_count_steps_requests_and_where_their_time_went(tiny_target_
     assert loop.steps <= loop.step_requests <= 3 * loop.steps
     assert loop.step_requests > 2 * steps
     assert 0 < loop.accept_seconds < loop.step_seconds
-    assert 0 < loop.step_cpu_seconds
     assert loop.idle_seconds == 0  # offline, the loop never waits for requests
     # No graphs on the CPU; the first step prefills; `compact` drafts apart: nothing goes ahead.
     assert loop.graph_steps == 0 and 1 <= loop.prefill_steps < loop.steps

@@ -361,10 +361,10 @@ class CompletionOutput:
 @dataclass(frozen=True)
 class LoopTotals:
     """Where the engine loop's time went since it started (totals; a reader takes differences): the
-    steps it launched and the requests in them, the wall time of its step calls, the loop thread's CPU
-    time in them (wall minus CPU: waits on the device, the GIL or the OS scheduler), the part of their
-    wall time in the acceptance (where the host waits for the device), and the loop's idle time (no
-    request to run)."""
+    steps it launched and the requests in them, the wall time of its step calls, the part of it in the
+    acceptance (where the host waits for the device), and the loop's idle time (no request to run).
+    (No CPU time of the loop's thread: reading it is a system call, which took ~0.5 ms a step in a
+    sandboxed kernel, and a CUDA wait spins on the CPU, so it would not tell waits apart anyway.)"""
 
     steps: int = 0
     step_requests: int = 0  # requests in each step, summed: / steps = the mean batch
@@ -374,7 +374,6 @@ class LoopTotals:
     ahead_steps: int = 0
     prefill_steps: int = 0
     step_seconds: float = 0.0
-    step_cpu_seconds: float = 0.0
     accept_seconds: float = 0.0
     idle_seconds: float = 0.0
 

@@ -311,7 +311,7 @@ class LLMEngine:
         follows the acceptance of the one before either way, so both run the same steps."""
         timer = self.timer
         timer.start()
-        started, started_cpu = time.perf_counter(), time.thread_time()
+        started = time.perf_counter()
         failed, self._pending = self._pending, []
         if self.config.overlap_scheduling:
             earlier, launched, done = self._in_flight, None, []
@@ -331,7 +331,7 @@ class LLMEngine:
         deltas = failed + [pending.make() for pending in done]
         if launched is not None or done:
             timer.finish("emit")
-            self.loop_counters.add_call(time.perf_counter() - started, time.thread_time() - started_cpu)
+            self.loop_counters.add_call(time.perf_counter() - started)
         return deltas
 
     def _launch(

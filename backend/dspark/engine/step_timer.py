@@ -67,7 +67,7 @@ class StepTimer:
 
 class LoopCounters:
     """The engine loop's running totals (`LoopTotals`): a few additions a step, always on, so that a
-    server's metrics say whether its engine is busy, idle, or waiting on the device or the GIL. A step
+    server's metrics say whether its engine is busy, idle, or waiting on the device. A step
     counts when it is launched; the time of every `LLMEngine.step` call counts."""
 
     def __init__(self) -> None:
@@ -77,7 +77,6 @@ class LoopCounters:
         self.ahead_steps = 0
         self.prefill_steps = 0
         self.step_seconds = 0.0
-        self.step_cpu_seconds = 0.0
         self.accept_seconds = 0.0
         self.idle_seconds = 0.0
 
@@ -90,11 +89,9 @@ class LoopCounters:
         self.ahead_steps += ahead
         self.prefill_steps += prefill
 
-    def add_call(self, seconds: float, cpu_seconds: float) -> None:
-        """One `LLMEngine.step` call that ran or completed a step: `seconds` of wall time, `cpu_seconds`
-        of the loop thread's CPU time."""
+    def add_call(self, seconds: float) -> None:
+        """One `LLMEngine.step` call that ran or completed a step: `seconds` of wall time."""
         self.step_seconds += seconds
-        self.step_cpu_seconds += cpu_seconds
 
     def totals(self) -> LoopTotals:
         """A snapshot."""
@@ -105,7 +102,6 @@ class LoopCounters:
             ahead_steps=self.ahead_steps,
             prefill_steps=self.prefill_steps,
             step_seconds=self.step_seconds,
-            step_cpu_seconds=self.step_cpu_seconds,
             accept_seconds=self.accept_seconds,
             idle_seconds=self.idle_seconds,
         )

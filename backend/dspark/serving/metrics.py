@@ -36,8 +36,6 @@ LOOP_COUNTERS = {
     "ahead_steps": "Engine steps launched before the step ahead of them was accepted (launch_ahead)",
     "prefill_steps": "Engine steps that carried a prefill chunk",
     "step_seconds": "Wall seconds of the engine's steps",
-    "step_cpu_seconds": "CPU seconds of the engine loop's thread in its steps (wall minus this: waits on "
-    "the device, the GIL or the OS scheduler)",
     "accept_seconds": "Wall seconds of the steps' acceptance, where the host waits for the device",
     "idle_seconds": "Seconds the engine loop waited with no request to run",
 }
