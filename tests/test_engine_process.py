@@ -78,6 +78,41 @@ def test_the_engine_process_streams_what_the_in_process_engine_streams(tiny_targ
     assert not engine.healthy and not engine._process.is_alive()
 
 
+def test_the_text_made_in_the_adapters_process_is_the_engines(tiny_target_dir, tiny_drafter_dir):
+    """The engine process leaves the text of requests without stop strings to the adapter's side
+    (`RequestDelta.text_pending`): what arrives is the in-process engine's text, delta by delta merged,
+    for requests that end by length, by EOS or by a stop string (whose text the engine still makes)."""
+    config = _config(tiny_target_dir, tiny_drafter_dir)
+    cases = [
+        SamplingParams(max_tokens=12, ignore_eos=True),
+        SamplingParams(max_tokens=40),  # EOS (w0) may end it, its id kept out of the text
+        SamplingParams(max_tokens=40, stop=["w3"], ignore_eos=True),
+    ]
+    local = AsyncEngine(config)
+    local.start()
+    try:
+        expected = [
+            ("".join(d.new_text for d in deltas), deltas[-1].finish_reason)
+            for i, params in enumerate(cases)
+            for deltas in [list(local.stream(f"t{i}", params, prompt_token_ids=PROMPTS[i]))]
+        ]
+    finally:
+        local.shutdown()
+    engine = EngineProcess(config)
+    engine.start()
+    try:
+        streams = [_collect(engine, f"t{i}", params, PROMPTS[i]) for i, params in enumerate(cases)]
+        got = []
+        for stream in streams:
+            deltas = _until_final(stream)
+            assert not any(d.text_pending for d in deltas)
+            got.append(("".join(d.new_text for d in deltas), deltas[-1].finish_reason))
+    finally:
+        engine.shutdown()
+    assert got == expected
+    assert all(text for text, _ in got)
+
+
 def test_shutdown_ends_requests_in_flight_with_abort(tiny_target_dir, tiny_drafter_dir):
     engine = EngineProcess(_config(tiny_target_dir, tiny_drafter_dir))
     engine.start()

@@ -49,6 +49,7 @@ def batch() -> list[RequestDelta]:
         RequestDelta(
             "e", [2**40], "🙂", False, None, 1, 1, SpecStats(drafted_tokens=3, verified_per_position=[1])
         ),
+        RequestDelta("f", [4, 5], "", False, None, 3, 2, SpecStats(), text_pending=True),
     ]
 
 
@@ -62,7 +63,7 @@ def test_a_packed_batch_unpacks_to_equal_deltas_in_order():
 
 def test_every_delta_field_is_packed():
     # pack_deltas names each field it carries; a field added to RequestDelta or SpecStats must be too.
-    assert len(dataclasses.fields(RequestDelta)) == 11
+    assert len(dataclasses.fields(RequestDelta)) == 12
     assert len(dataclasses.fields(SpecStats)) == 7
 
 

@@ -10,10 +10,17 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from dspark.engine.output_processor import OutputProcessor
+from dspark.engine.output_processor import OutputProcessor, PendingDelta
+from dspark.outputs import merge_deltas
 from dspark.sampling_params import SamplingParams
 from dspark.sequence import Sequence
-from dspark.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from dspark.tokenizer import (
+    ChatTemplateError,
+    DeltaText,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    Tokenizer,
+)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -393,3 +400,53 @@ def test_output_processor_gives_the_same_stream_whatever_the_commit_sizes(
         chunked = _commit_stream(tokenizer, ids, _random_split(generated, rng), params)
         assert chunked == one_by_one
         assert one_by_one[2] is not None or len(one_by_one[0]) == len(generated)
+
+
+def _deltas(
+    tokenizer: Tokenizer, ids: list[int], chunks: list[list[int]], params: SamplingParams, defer: bool
+):
+    """The engine's deltas of `chunks` (`OutputProcessor.commit_ids`, then `PendingDelta.make`), their
+    text made now or left to the receiver (`defer`)."""
+    seq = Sequence("r", 0, ids[:2], params, None)
+    processor = OutputProcessor(seq, tokenizer, tokenizer.eos_token_ids, max_model_len=10_000)
+    deltas = []
+    for chunk in chunks:
+        appended, reason = processor.commit_ids(chunk)
+        deltas.append(PendingDelta(processor, tuple(appended), reason).make(defer_text=defer))
+        if reason is not None:
+            break
+    return deltas
+
+
+def test_text_made_by_the_receiver_equals_the_engines_whatever_the_merging(
+    tokenizer: Tokenizer, rng: random.Random
+) -> None:
+    """The engine process leaves a request's text to the adapter (`RequestDelta.text_pending`,
+    `DeltaText`): delta for delta, and over deltas merged as a slow reader merges them, the text is
+    the engine's own, with EOS, stop token ids and max_tokens ending the request mid-chunk."""
+    eos = tokenizer.eos_token_ids[0]
+    for _ in range(150):
+        text = " ".join(rng.sample(SAMPLE_TEXTS + CORPUS, 2))
+        ids = [tokenizer.token_to_id("<|im_start|>")] + tokenizer.encode(text, add_special_tokens=False)
+        generated = ids[2:] + [eos] * rng.randint(0, 1) + tokenizer.encode("tail", add_special_tokens=False)
+        params = SamplingParams(
+            max_tokens=rng.randint(1, len(generated) + 2),
+            stop_token_ids=[rng.choice(generated)] if rng.random() < 0.2 else [],
+            ignore_eos=rng.random() < 0.3,
+            skip_special_tokens=rng.random() < 0.8,
+        )
+        chunks = _random_split(generated, rng)
+        made = _deltas(tokenizer, ids, chunks, params, defer=False)
+        left = _deltas(tokenizer, ids, chunks, params, defer=True)
+        assert all(d.text_pending and d.new_text == "" for d in left)
+        assert [d.new_token_ids for d in left] == [d.new_token_ids for d in made]
+        # Merged in random runs (what crosses the pipe when the adapter reads slower than the engine).
+        merged, start = [], 0
+        while start < len(left):
+            end = start + rng.randint(1, 3)
+            merged.append(merge_deltas(left[start:end]))
+            start = end
+        receiver = DeltaText(tokenizer, ids[:2], params.skip_special_tokens)
+        texts = [receiver.text_of(d.new_token_ids, d.finish_reason) for d in merged]
+        assert "".join(texts) == "".join(d.new_text for d in made)
+        assert merged[-1].finish_reason == made[-1].finish_reason

@@ -189,6 +189,8 @@ class RequestDelta:
     """What one engine step produced for one request: new tokens and text, and whether it ended.
 
     `finish_reason` is one of "stop", "length", "abort", "error" once `finished` is True.
+    `text_pending`: `new_text` is not made yet (it is ""): the receiver makes its tokens' text
+    (`dspark.tokenizer.DeltaText`; the engine process leaves it to the adapter's process).
     `logprobs` (requests that ask, `SamplingParams.logprobs`): one entry per output token so far,
     this delta's included, so a consumer that merges deltas takes the last len(tokens) of the latest;
     `cumulative_logprob`: the sum of the chosen tokens' log probabilities so far.
@@ -205,6 +207,7 @@ class RequestDelta:
     error: str | None = None
     logprobs: LogprobsPrefix | None = None
     cumulative_logprob: float | None = None
+    text_pending: bool = False
 
     def __reduce__(self) -> tuple:
         # Positional, as SpecStats's (see there).
@@ -222,6 +225,7 @@ class RequestDelta:
                 self.error,
                 self.logprobs,
                 self.cumulative_logprob,
+                self.text_pending,
             ),
         )
 
@@ -246,6 +250,8 @@ def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
         last,
         new_token_ids=[token for delta in deltas for token in delta.new_token_ids],
         new_text="".join(delta.new_text for delta in deltas),
+        # Only an abort or error delta (no tokens, its text given) can follow pending ones.
+        text_pending=any(delta.text_pending for delta in deltas),
     )
 
 
@@ -267,7 +273,7 @@ def pack_deltas(deltas: Sequence[RequestDelta]) -> tuple:
     token_ends: list[int] = []
     texts: list[str] = []
     text_ends: list[int] = []
-    numbers: list[int] = []  # per delta: finished, prompt tokens, output tokens, 5 SpecStats counters
+    numbers: list[int] = []  # per delta: finished, text pending, prompt and output tokens, 5 SpecStats
     positions: list = []  # per delta: SpecStats's per-position lists, () when both are empty
     reasons: list[str | None] = []
     rare: list[tuple] = []
@@ -281,6 +287,7 @@ def pack_deltas(deltas: Sequence[RequestDelta]) -> tuple:
         spec = delta.spec_stats
         numbers += (
             delta.finished,
+            delta.text_pending,
             delta.num_prompt_tokens,
             delta.num_output_tokens,
             spec.drafted_tokens,
@@ -319,8 +326,8 @@ def unpack_deltas(packed: tuple) -> list[RequestDelta]:
     token_start = text_start = 0
     for index, request_id in enumerate(ids):
         token_end, text_end = token_ends[index], text_ends[index]
-        finished, prompt, output, drafted, verified, accepted, steps, drafting = numbers[
-            8 * index : 8 * index + 8
+        finished, pending, prompt, output, drafted, verified, accepted, steps, drafting = numbers[
+            9 * index : 9 * index + 9
         ]
         lists = positions[index] or ([], [])
         deltas.append(
@@ -333,6 +340,7 @@ def unpack_deltas(packed: tuple) -> list[RequestDelta]:
                 prompt,
                 output,
                 SpecStats(drafted, verified, accepted, steps, drafting, lists[0], lists[1]),
+                text_pending=bool(pending),
             )
         )
         token_start, text_start = token_end, text_end

@@ -336,6 +336,27 @@ class IncrementalDetokenizer:
         return new_text
 
 
+class DeltaText:
+    """One request's text, made from its deltas' committed token ids in order, as the engine's
+    `OutputProcessor.text_of` makes it for a request whose ids decide its finish (no stop strings):
+    where the engine leaves the text to the receiver of its deltas (`RequestDelta.text_pending`)."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> None:
+        """Start after the prompt, as the engine's detokenizer does."""
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+
+    def text_of(self, token_ids: Sequence[int], finish_reason: str | None) -> str:
+        """The new text of a delta's tokens: a stop id that ends the request stays among the ids, not
+        in the text (vLLM); a request that ended by its ids ("stop", "length") flushes what was held
+        back; an aborted or failed one drops it, as the engine does."""
+        text = self._detokenizer.push(token_ids[:-1] if finish_reason == "stop" else token_ids)
+        if finish_reason in ("stop", "length"):
+            text += self._detokenizer.flush()
+        return text
+
+
 class StopStringMatcher:
     """Cuts one request's streamed text at the first stop string, never emitting any part of it."""
 

@@ -135,6 +135,10 @@ class LLMEngine:
         # Per-phase step timing, off unless a benchmark or profiler turns it on.
         self.timer = StepTimer(device)
         self.loop_counters = LoopCounters()
+        # True: the text of a request whose token ids decide its finish (no stop strings) is left to
+        # the deltas' receiver (`RequestDelta.text_pending`): the engine process leaves it to the
+        # adapter's process, off the step loop's thread.
+        self.defer_text = False
         self._memory = (0, 0)  # GPU memory allocated and reserved, bytes, as last read (see `load`)
         self._memory_read_at = -MEMORY_READ_INTERVAL_S
         self.allocator = PageAllocator(config.num_kv_pages, page_size)
@@ -328,7 +332,7 @@ class LLMEngine:
             launched = self._launch()
             if launched is not None:
                 done += self._complete(launched)
-        deltas = failed + [pending.make() for pending in done]
+        deltas = failed + [pending.make(self.defer_text) for pending in done]
         if launched is not None or done:
             timer.finish("emit")
             self.loop_counters.add_call(time.perf_counter() - started)

@@ -151,13 +151,19 @@ class PendingDelta:
     text: str | None = None  # made already (stop strings, errors, aborts): None makes it now
     error: str | None = None
 
-    def make(self) -> RequestDelta:
+    def make(self, defer_text: bool = False) -> RequestDelta:
         """The RequestDelta (reads the request's counts and logprobs as they are now: no later step
-        may have committed to this request in between)."""
+        may have committed to this request in between). defer_text: leave text not made yet to the
+        receiver (`RequestDelta.text_pending`) instead of detokenizing here."""
         processor = self.processor
         seq = processor.seq
+        pending = self.text is None and defer_text
         text = (
-            self.text if self.text is not None else processor.text_of(list(self.tokens), self.finish_reason)
+            self.text
+            if self.text is not None
+            else ""
+            if pending
+            else processor.text_of(list(self.tokens), self.finish_reason)
         )
         finished = self.finish_reason is not None
         return RequestDelta(
@@ -172,4 +178,5 @@ class PendingDelta:
             error=self.error,
             logprobs=processor.logprobs_so_far(final=finished),
             cumulative_logprob=processor.cumulative_logprob,
+            text_pending=pending,
         )

@@ -10,7 +10,9 @@ response I/O. Two pipes connect them:
   names the bad field, so a bad request still fails at once and alone), `abort`, `shutdown`;
 - events (engine -> adapter): batches of deltas (everything committed since the last batch, one
   message per batch, as columns: `dspark.outputs.pack_deltas`) with an occupancy snapshot, and the
-  engine's death.
+  engine's death. The engine leaves the text of requests without stop strings to this side, which
+  makes it from their token ids (`DeltaText`) as the engine would: detokenizing every request at
+  every step took the step loop's time, and here it is done once per batch of a request's tokens.
 
 Faults: if the engine loop dies, its requests' failed deltas arrive first, then the death; if the
 engine process itself dies (killed, out of memory), the adapter sees its events pipe close and fails
@@ -35,7 +37,7 @@ from dspark.outputs import EngineLoad, RequestDelta, merge_by_request, pack_delt
 from dspark.parallel.tp_worker import python_executable, spawning_with
 from dspark.prompts import check_prompt
 from dspark.sampling_params import SamplingParams
-from dspark.tokenizer import Tokenizer
+from dspark.tokenizer import DeltaText, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ class EngineProcess:
         self.config = config
         self._on_death = on_death
         self._callbacks: dict[str, DeltaCallback] = {}
+        # Requests whose text this process makes from their token ids (the engine leaves it here).
+        self._texts: dict[str, DeltaText] = {}
         self._lock = threading.Lock()  # the callbacks
         self._control_lock = threading.Lock()  # one command at a time on the control pipe
         self._error: BaseException | None = None
@@ -128,12 +132,15 @@ class EngineProcess:
         )
         with self._lock:  # before the engine can answer: its first delta may come at once
             self._callbacks[request_id] = on_delta
+            if not params.stop:  # stop strings: the engine makes the text, it decides the finish
+                self._texts[request_id] = DeltaText(self.tokenizer, ids, params.skip_special_tokens)
         try:
             with self._control_lock:
                 self._control.send(("submit", request_id, params, ids))
         except (OSError, EOFError):
             with self._lock:
                 self._callbacks.pop(request_id, None)
+                self._texts.pop(request_id, None)
             raise EngineDeadError("engine is not running: the engine process is gone") from None
         return ids
 
@@ -189,6 +196,14 @@ class EngineProcess:
                 else self._callbacks.get(delta.request_id)
                 for delta in deltas
             ]
+            texts = [
+                (self._texts.pop if delta.finished else self._texts.get)(delta.request_id, None)
+                for delta in deltas
+            ]
+        for delta, text in zip(deltas, texts, strict=True):
+            if delta.text_pending and text is not None:  # made here, off the engine's step loop
+                delta.new_text = text.text_of(delta.new_token_ids, delta.finish_reason)
+                delta.text_pending = False
         for delta, callback in zip(deltas, callbacks, strict=True):
             if callback is not None:
                 callback(delta)
@@ -206,6 +221,7 @@ class EngineProcess:
     def _fail_all(self, message: str) -> None:
         with self._lock:
             callbacks, self._callbacks = self._callbacks, {}
+            self._texts = {}
         for request_id, callback in callbacks.items():
             callback(RequestDelta.failed(request_id, message))
 
@@ -234,6 +250,10 @@ def engine_main(
         return
     # The loop runs on this (the main) thread, commands are served beside it (AsyncEngine.run says why).
     engine.bind_to_current_thread()
+    if isinstance(engine, AsyncEngine):
+        # The adapter makes the text of requests without stop strings from their ids (`DeltaText`):
+        # detokenizing every request at every step took the step loop's time.
+        engine.engine.defer_text = True
     events.send(("ready", (engine.engine.model_config.vocab_size, engine.engine.limits.max_model_len)))
     sender = threading.Thread(target=_send_events_or_exit, args=(outbox, events, engine.load), daemon=True)
     sender.start()
