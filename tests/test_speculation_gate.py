@@ -111,6 +111,27 @@ def test_gate_turns_speculation_off_where_it_loses_and_keeps_tiers_apart() -> No
     assert sum(wins[2 * WARM_UP_STEPS :]) >= len(wins) - 2 * WARM_UP_STEPS - len(wins) // PROBE_INTERVAL - 1
 
 
+def test_a_warm_up_choice_on_a_prefill_step_is_made_again() -> None:
+    """Served, requests arrive one by one and many steps carry a prefill chunk, which the gate does
+    not measure. Here every plain step of the warm-up carries one: plain must be tried until it is
+    measured, and then win (it is the fastest), not stay unmeasured and never chosen."""
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    decisions = []
+    for step in range(200):
+        length = gate.draft_length(8)
+        gate.start_step(length)
+        clock.now += 0.001 * (1 + 0.5 * length)  # 8 / 7.3 / 6 / 5.2k tokens/s: plain wins
+        prefill = length == 0 and step < 4 * WARM_UP_STEPS
+        gate.finish_step([] if prefill else [1 + min(a, length) for a in (3, 1, 1, 0, 0, 0, 0, 0)])
+        decisions.append(length)
+    assert decisions[: 4 * WARM_UP_STEPS].count(0) == WARM_UP_STEPS  # all three on prefill steps
+    assert 0 in gate.rates(8)  # measured since
+    # Tried again at once, measured, and followed from then on (not only once a probe finds it).
+    after = decisions[5 * WARM_UP_STEPS : 5 * WARM_UP_STEPS + 20]
+    assert after.count(0) >= len(after) - 1, decisions[: 6 * WARM_UP_STEPS]
+
+
 def test_gate_follows_a_change_of_regime() -> None:
     clock = _Clock()
     gate = SpeculationGate(1, clock)

@@ -18,7 +18,10 @@ halves of that rate are measured apart:
   second instead let one request's 1 to 4 tokens a step decide between lengths a few percent apart.)
 
 A warm-up tries each length a few times, longest first, and a probe re-measures the losing lengths now
-and then, in turn.
+and then, in turn. A step that carries a prefill chunk is not measured (the chunk's cost is not the
+length's): a warm-up choice that lands on one is made again, up to a bound, so that under served
+load, where requests arrive one by one and many steps carry a chunk, no length stays unmeasured
+(and so never chosen) after the warm-up.
 
 Lossless: the decision reads only the wall times and token counts of earlier steps, never this step's
 drafts, and every length gives a lossless step. (A seeded sampling request keeps its distribution, but
@@ -34,7 +37,8 @@ from dataclasses import dataclass, field
 
 from dspark.runner.cuda_graphs import next_pow2
 
-WARM_UP_STEPS = 3  # steps of each length per batch tier before the averages decide
+WARM_UP_STEPS = 3  # measured steps of each length per batch tier before the averages decide
+WARM_UP_TRIES = 3 * WARM_UP_STEPS  # most warm-up choices of a length per tier, measured or not
 PROBE_INTERVAL = 32  # every this many steps of a tier, run one losing length once
 SMOOTHING = 0.05  # weight of the newest step in each moving average, once it has 1 / SMOOTHING steps
 
@@ -108,30 +112,37 @@ class SpeculationGate:
         self._tiers: dict[int, _TierStats] = {}
         # Launch times and lengths of the steps not yet finished, oldest first (with overlap scheduling
         # a step is launched before the one before it is accepted), and when the last one finished.
-        self._started: collections.deque[tuple[float, int]] = collections.deque()
+        self._started: collections.deque[tuple[float, int, _TierStats | None]] = collections.deque()
+        self._tier_of_next: _TierStats | None = None  # the tier of the last choice, for `start_step`
         self._last_finish = float("-inf")
 
     def draft_length(self, num_requests: int) -> int:
         """How many drafts a step with this many decoding requests verifies at most (0: a plain step)."""
         stats = self._tiers.setdefault(next_pow2(num_requests), _TierStats())
         stats.steps += 1
-        # The warm-up counts choices, not finished steps: a step launched ahead of the one before it is
-        # chosen before that one is measured.
+        # The warm-up counts measured steps and those still in flight (a step launched ahead of the one
+        # before it is chosen before that one is measured), so a choice that landed on a step with a
+        # prefill chunk (not measured) is made again, up to WARM_UP_TRIES.
+        in_flight = collections.Counter(length for _, length, tier in self._started if tier is stats)
         for length in reversed(self.lengths):  # longest first
-            if stats.chosen[length] < WARM_UP_STEPS:
+            measured = stats.seconds[length].count if length in stats.seconds else 0
+            if measured + in_flight[length] < WARM_UP_STEPS and stats.chosen[length] < WARM_UP_TRIES:
                 stats.chosen[length] += 1
+                self._tier_of_next = stats
                 return length
         winner = max(self.lengths, key=lambda n: stats.rate(n, num_requests))
         if stats.steps % PROBE_INTERVAL == 0:
             losers = [n for n in self.lengths if n != winner]
             winner = losers[(stats.steps // PROBE_INTERVAL) % len(losers)]
         stats.chosen[winner] += 1
+        self._tier_of_next = stats
         return winner
 
     def start_step(self, length: int, at: float | None = None) -> None:
         """Mark the launch of an engine step that verified up to `length` drafts (0: plain), begun `at`
         (the clock's time; None: now). Each launched step is finished, in launch order."""
-        self._started.append((self.clock() if at is None else at, length))
+        tier, self._tier_of_next = self._tier_of_next, None
+        self._started.append((self.clock() if at is None else at, length, tier))
 
     def finish_step(self, committed: Sequence[int]) -> None:
         """Record the oldest launched step, finished: the tokens each of its decoding requests committed
@@ -143,7 +154,7 @@ class SpeculationGate:
         previous, self._last_finish = self._last_finish, now
         if started is None or not committed:
             return
-        began, length = started
+        began, length, _ = started
         stats = self._tiers.setdefault(next_pow2(len(committed)), _TierStats())
         stats.seconds[length].add(max(now - max(began, previous), 1e-9))
         # One pass over the requests (this runs every step): how many committed n tokens, n capped at
