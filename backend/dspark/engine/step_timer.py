@@ -95,13 +95,4 @@ class LoopCounters:
 
     def totals(self) -> LoopTotals:
         """A snapshot."""
-        return LoopTotals(
-            steps=self.steps,
-            step_requests=self.step_requests,
-            graph_steps=self.graph_steps,
-            ahead_steps=self.ahead_steps,
-            prefill_steps=self.prefill_steps,
-            step_seconds=self.step_seconds,
-            accept_seconds=self.accept_seconds,
-            idle_seconds=self.idle_seconds,
-        )
+        return LoopTotals(**vars(self))  # the same names: LoopTotals is this, frozen
