@@ -9,7 +9,13 @@ import random
 import pytest
 
 from dspark import LLM, EngineConfig, SamplingParams
-from dspark.spec.gate import PROBE_INTERVAL, WARM_UP_STEPS, SpeculationGate, draft_lengths
+from dspark.spec.gate import (
+    LATER_TIER_WARM_UP_STEPS,
+    PROBE_INTERVAL,
+    WARM_UP_STEPS,
+    SpeculationGate,
+    draft_lengths,
+)
 
 
 class _Clock:
@@ -130,6 +136,20 @@ def test_a_warm_up_choice_on_a_prefill_step_is_made_again() -> None:
     # Tried again at once, measured, and followed from then on (not only once a probe finds it).
     after = decisions[5 * WARM_UP_STEPS : 5 * WARM_UP_STEPS + 20]
     assert after.count(0) >= len(after) - 1, decisions[: 6 * WARM_UP_STEPS]
+
+
+def test_a_later_tier_warms_up_in_one_step_a_length_on_the_shared_acceptance() -> None:
+    """Served, the request count moves between tiers; acceptance is the drafter's, not the batch's, so
+    a tier met after the first times each length once and decides on the acceptance measured so far."""
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    accepted = _cycle({0: 45, 1: 29, 2: 13, 3: 13})
+    cost = [1.0, 1.0, 1.3, 1.6]  # length 1 wins at any request count (see the test above)
+    _run_steps(gate, clock, 8, 100, lambda n: 0.001 * cost[n], lambda step: [accepted(step)[0]] * 8)
+    later = _run_steps(gate, clock, 3, 60, lambda n: 0.001 * cost[n], lambda step: [accepted(step)[0]] * 3)
+    warm = len(gate.lengths) * LATER_TIER_WARM_UP_STEPS
+    assert later[:warm] == [3, 2, 1, 0]
+    assert later[warm:].count(1) >= len(later) - warm - len(later) // PROBE_INTERVAL - 1
 
 
 def test_gate_follows_a_change_of_regime() -> None:

@@ -3,25 +3,28 @@
 Whether speculation pays, and with how long a verify window, depends on the machine, the model, the
 drafter's acceptance and the batch: on a small model at a large batch, drafting and verifying cost more
 than the extra tokens bring; on a CPU whose BLAS runs a window of 4 rows at 1.6x the cost of one, a
-window of 2 can pay where 4 loses. The gate estimates, per power-of-two count of decoding requests and
-per draft length (0 = plain, then powers of two below the block size, then the block size), the
+window of 2 can pay where 4 loses. The gate estimates, per power-of-two count of decoding requests (a tier)
+and per draft length (0 = plain, then powers of two below the block size, then the block size), the
 committed tokens per second of a decode-only step with that length, and picks the fastest. The two
 halves of that rate are measured apart:
 
-- seconds: a moving average of the wall time of the steps run with that length;
-- tokens: 1 + the sum over positions k <= length of the chance that drafts 1..k are all accepted, the
-  product of each position's chance given the ones before it, each a moving average over every step
-  that verified that position. A step that verified L drafts so says what every shorter length would
+- seconds, per tier: a moving average of the wall time of the steps run with that length;
+- tokens, shared by the tiers (acceptance is the drafter's and the requests', not the batch's): 1 +
+  the sum over positions k <= length of the chance that drafts 1..k are all accepted, the product of
+  each position's chance given the ones before it, each a moving average over every step that
+  verified that position. A step that verified L drafts so says what every shorter length would
   have committed (acceptance stops at the first rejected draft, whatever follows), so the lengths are
   compared on the same steps' acceptance, and a longer length that is not being run keeps the fresh
   chances of the positions it shares with the one that is. (Averaging each step's own tokens per
   second instead let one request's 1 to 4 tokens a step decide between lengths a few percent apart.)
 
-A warm-up tries each length a few times, longest first, and a probe re-measures the losing lengths now
-and then, in turn. A step that carries a prefill chunk is not measured (the chunk's cost is not the
-length's): a warm-up choice that lands on one is made again, up to a bound, so that under served
-load, where requests arrive one by one and many steps carry a chunk, no length stays unmeasured
-(and so never chosen) after the warm-up.
+A warm-up tries each length a few times in the first tier, longest first, and once in every later
+tier (the acceptance is known by then, only the step times are new: served, the request count moves
+between tiers as requests come and go, and a full warm-up in each was most of a short run); a probe
+re-measures the losing lengths now and then, in turn. A step that carries a prefill chunk is not
+measured (the chunk's cost is not the length's): a warm-up choice that lands on one is made again,
+up to a bound, so that under served load, where requests arrive one by one and many steps carry a
+chunk, no length stays unmeasured (and so never chosen) after the warm-up.
 
 Lossless: the decision reads only the wall times and token counts of earlier steps, never this step's
 drafts, and every length gives a lossless step. (A seeded sampling request keeps its distribution, but
@@ -37,7 +40,8 @@ from dataclasses import dataclass, field
 
 from dspark.runner.cuda_graphs import next_pow2
 
-WARM_UP_STEPS = 3  # measured steps of each length per batch tier before the averages decide
+WARM_UP_STEPS = 3  # measured steps of each length in the first tier before the averages decide
+LATER_TIER_WARM_UP_STEPS = 1  # the same in every later tier (the acceptance is shared, known already)
 WARM_UP_TRIES = 3 * WARM_UP_STEPS  # most warm-up choices of a length per tier, measured or not
 PROBE_INTERVAL = 32  # every this many steps of a tier, run one losing length once
 SMOOTHING = 0.05  # weight of the newest step in each moving average, once it has 1 / SMOOTHING steps
@@ -69,16 +73,12 @@ class _Average:
 
 
 @dataclass
-class _TierStats:
-    """One tier's averages: step seconds per draft length, and per draft position how many requests
-    reached it (their drafts before it were accepted) and passed it (it was accepted too); and how
-    many steps of each length it chose."""
+class _Acceptance:
+    """Per draft position, how many requests a step reached it with (their drafts before it were
+    accepted) and passed it (it was accepted too), as moving averages over the steps that verified it."""
 
-    seconds: dict[int, _Average] = field(default_factory=lambda: collections.defaultdict(_Average))
     reached: dict[int, _Average] = field(default_factory=lambda: collections.defaultdict(_Average))
     passed: dict[int, _Average] = field(default_factory=lambda: collections.defaultdict(_Average))
-    chosen: collections.Counter = field(default_factory=collections.Counter)
-    steps: int = 0
 
     def tokens_per_request(self, length: int) -> float:
         """Tokens a request commits in a step of this length: 1 + the sum over positions k <= length of
@@ -93,12 +93,23 @@ class _TierStats:
             tokens += survival
         return tokens
 
-    def rate(self, length: int, num_requests: int) -> float:
+
+@dataclass
+class _TierStats:
+    """One tier's step seconds per draft length, the measured steps each length needs before its warm-up
+    ends, and how many steps of each length it chose."""
+
+    warm_up: int
+    seconds: dict[int, _Average] = field(default_factory=lambda: collections.defaultdict(_Average))
+    chosen: collections.Counter = field(default_factory=collections.Counter)
+    steps: int = 0
+
+    def rate(self, length: int, num_requests: int, acceptance: _Acceptance) -> float:
         """Committed tokens per second of a step of this length (0.0 until its time is measured)."""
         seconds = self.seconds.get(length)
         if seconds is None or seconds.count == 0:
             return 0.0
-        return self.tokens_per_request(length) * num_requests / max(seconds.value, 1e-9)
+        return acceptance.tokens_per_request(length) * num_requests / max(seconds.value, 1e-9)
 
 
 class SpeculationGate:
@@ -110,6 +121,7 @@ class SpeculationGate:
         self.lengths = draft_lengths(block_size)
         self.clock = clock
         self._tiers: dict[int, _TierStats] = {}
+        self._acceptance = _Acceptance()
         # Launch times and lengths of the steps not yet finished, oldest first (with overlap scheduling
         # a step is launched before the one before it is accepted), and when the last one finished.
         self._started: collections.deque[tuple[float, int, _TierStats | None]] = collections.deque()
@@ -118,7 +130,7 @@ class SpeculationGate:
 
     def draft_length(self, num_requests: int) -> int:
         """How many drafts a step with this many decoding requests verifies at most (0: a plain step)."""
-        stats = self._tiers.setdefault(next_pow2(num_requests), _TierStats())
+        stats = self._tier(num_requests)
         stats.steps += 1
         # The warm-up counts measured steps and those still in flight (a step launched ahead of the one
         # before it is chosen before that one is measured), so a choice that landed on a step with a
@@ -126,11 +138,11 @@ class SpeculationGate:
         in_flight = collections.Counter(length for _, length, tier in self._started if tier is stats)
         for length in reversed(self.lengths):  # longest first
             measured = stats.seconds[length].count if length in stats.seconds else 0
-            if measured + in_flight[length] < WARM_UP_STEPS and stats.chosen[length] < WARM_UP_TRIES:
+            if measured + in_flight[length] < stats.warm_up and stats.chosen[length] < WARM_UP_TRIES:
                 stats.chosen[length] += 1
                 self._tier_of_next = stats
                 return length
-        winner = max(self.lengths, key=lambda n: stats.rate(n, num_requests))
+        winner = max(self.lengths, key=lambda n: stats.rate(n, num_requests, self._acceptance))
         if stats.steps % PROBE_INTERVAL == 0:
             losers = [n for n in self.lengths if n != winner]
             winner = losers[(stats.steps // PROBE_INTERVAL) % len(losers)]
@@ -155,21 +167,32 @@ class SpeculationGate:
         if started is None or not committed:
             return
         began, length, _ = started
-        stats = self._tiers.setdefault(next_pow2(len(committed)), _TierStats())
-        stats.seconds[length].add(max(now - max(began, previous), 1e-9))
+        self._tier(len(committed)).seconds[length].add(max(now - max(began, previous), 1e-9))
         # One pass over the requests (this runs every step): how many committed n tokens, n capped at
         # length + 1; position k was reached by those with n >= k and passed by those with n > k.
         committed_at = [0] * (length + 2)
         for n in committed:
             committed_at[min(n, length + 1)] += 1
         at_least = len(committed) - committed_at[0]  # requests that committed >= 1 token
+        acceptance = self._acceptance
         for position in range(1, length + 1):
             passed = at_least - committed_at[position]
-            stats.reached[position].add(at_least)
-            stats.passed[position].add(passed)
+            acceptance.reached[position].add(at_least)
+            acceptance.passed[position].add(passed)
             at_least = passed
 
     def rates(self, num_requests: int) -> dict[int, float]:
         """Committed tokens per second estimated for this many requests, per draft length run."""
-        stats = self._tiers.get(next_pow2(num_requests), _TierStats())
-        return {n: stats.rate(n, num_requests) for n in self.lengths if stats.seconds.get(n)}
+        stats = self._tiers.get(next_pow2(num_requests))
+        if stats is None:
+            return {}
+        acceptance = self._acceptance
+        return {n: stats.rate(n, num_requests, acceptance) for n in self.lengths if stats.seconds.get(n)}
+
+    def _tier(self, num_requests: int) -> _TierStats:
+        """The tier of this many decoding requests (made on first use: the first one warms up fully)."""
+        tier = next_pow2(num_requests)
+        stats = self._tiers.get(tier)
+        if stats is None:
+            stats = self._tiers[tier] = _TierStats(LATER_TIER_WARM_UP_STEPS if self._tiers else WARM_UP_STEPS)
+        return stats
