@@ -130,10 +130,12 @@ class EngineProcess:
         ids = check_prompt(
             prompt, prompt_token_ids, params, self.tokenizer, self._vocab_size, self._max_model_len
         )
+        # Stop strings: the engine makes the text (it decides the finish); else this side does.
+        text = None if params.stop else DeltaText(self.tokenizer, ids, params.skip_special_tokens)
         with self._lock:  # before the engine can answer: its first delta may come at once
             self._callbacks[request_id] = on_delta
-            if not params.stop:  # stop strings: the engine makes the text, it decides the finish
-                self._texts[request_id] = DeltaText(self.tokenizer, ids, params.skip_special_tokens)
+            if text is not None:
+                self._texts[request_id] = text
         try:
             with self._control_lock:
                 self._control.send(("submit", request_id, params, ids))
