@@ -40,6 +40,20 @@ def reference(tiny_target_dir, tiny_drafter_dir):
     return prompts, [o.token_ids for o in llm.generate(params=GREEDY, prompt_token_ids=prompts)]
 
 
+def test_a_tight_token_budget_shortens_the_windows_and_stays_lossless(
+    tiny_target_dir, tiny_drafter_dir, reference
+) -> None:
+    # 6 requests' windows of 5 tokens (blocks of 4) need 30 tokens a step; 16 fit: every request
+    # still decodes each step, on shorter windows, and prompts keep a share while they prefill.
+    prompts, expected = reference
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static", max_num_batched_tokens=16))
+    outs = llm.generate(params=GREEDY, prompt_token_ids=prompts)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.spec_stats.verified_tokens for o in outs) > 0  # shorter windows still draft
+    loop = llm.engine.load().loop
+    assert loop.step_requests / loop.steps > 4  # most steps run every request (6) at once
+
+
 def test_pages_are_freed_after_every_request_finishes(tiny_target_dir, tiny_drafter_dir, reference) -> None:
     prompts, expected = reference
     llm = LLM(_config(tiny_target_dir, tiny_drafter_dir))

@@ -351,8 +351,8 @@ class LLMEngine:
         if schedule is None or schedule.empty:
             return None
         timer.lap("schedule")
-        caps = [self._max_verify(seq, in_flight) for seq in schedule.decode]
-        length = self._draft_length(schedule.decode, caps)
+        caps = [min(self._max_verify(seq, in_flight), schedule.window - 1) for seq in schedule.decode]
+        length = min(self._draft_length(schedule.decode, caps), schedule.window - 1)
         caps = [min(cap, length) for cap in caps]
         drafts = self._draft(schedule.decode, caps)
         timer.lap("draft")

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from dspark.engine.page_allocator import PageAllocator
 from dspark.sequence import Sequence, SequenceStatus
 
+# With prompts to prefill, decode windows leave at least this share of the step's token budget to
+# them: at high concurrency the verify windows alone fill the budget, and a new request then waited
+# until enough others ended (time to first token in seconds at 256 streams).
+PREFILL_SHARE = 0.25
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -31,10 +36,13 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class StepSchedule:
-    """One step's work: decode windows and prefill chunks (run in one target forward)."""
+    """One step's work: decode windows and prefill chunks (run in one target forward), and the most
+    target tokens a decode window may take this step (1 + the drafts it may verify): the scheduler
+    shortens the windows rather than leave decoding requests out when they do not all fit."""
 
     decode: tuple[Sequence, ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
+    window: int = 1 << 30
 
     @property
     def empty(self) -> bool:
@@ -109,9 +117,19 @@ class Scheduler:
             self.waiting.remove(seq)
         self.allocator.release(seq)
 
-    def decode_tokens(self, seq: Sequence) -> int:
-        """Target tokens a decode step of `seq` may take (its whole admissible window)."""
-        return min(self.window_positions, max(seq.remaining_tokens, 1))
+    def decode_tokens(self, seq: Sequence, window: int | None = None) -> int:
+        """Target tokens a decode step of `seq` may take (its whole admissible window, or `window`)."""
+        return min(window or self.window_positions, max(seq.remaining_tokens, 1))
+
+    def _decode_window(self, decoding: int, budget: int, prefill_waits: bool) -> tuple[int, int]:
+        """The longest window `decoding` requests can all take within the budget, leaving
+        PREFILL_SHARE of it to prompts when some wait; and the budget the windows may use."""
+        if prefill_waits:
+            budget -= int(budget * PREFILL_SHARE)
+        window = self.window_positions
+        if decoding * window > budget:
+            window = max(1, budget // max(decoding, 1))
+        return window, budget
 
     def schedule(self, in_flight: InFlight | None = None) -> StepSchedule | None:
         """Choose this step's decode windows and prefill chunks.
@@ -122,11 +140,19 @@ class Scheduler:
         plan = _Building()
         budget = self.max_num_batched_tokens
         cached = in_flight.cached if in_flight is not None else _cached
-        for seq in self._by_arrival(in_flight):
-            if cached(seq) < seq.prefill_target or seq.status is not SequenceStatus.RUNNING:
+        by_arrival = self._by_arrival(in_flight)
+        decoding = [
+            s for s in by_arrival if cached(s) >= s.prefill_target and s.status is SequenceStatus.RUNNING
+        ]
+        admits = bool(self.waiting) and len(self.running) < self.max_num_seqs
+        window, decode_budget = self._decode_window(
+            len(decoding), budget, admits or len(decoding) < len(by_arrival)
+        )
+        for seq in decoding:
+            if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier one's reservation
                 continue
-            need = self.decode_tokens(seq)
-            if need > budget:
+            need = self.decode_tokens(seq, window)
+            if need > decode_budget:
                 continue
             if in_flight is not None:
                 # The window may start as late as everything in flight reaches, and reserves from there.
@@ -137,6 +163,7 @@ class Scheduler:
                 continue
             plan.decode.append(seq)
             budget -= need
+            decode_budget -= need
         # Afresh: the decode windows' reservations may have preempted some of the requests.
         for seq in self._by_arrival(in_flight):
             if cached(seq) < seq.prefill_target and budget > 0:
@@ -150,7 +177,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             budget -= chunk
-        return StepSchedule(tuple(plan.decode), tuple(plan.prefill))
+        return StepSchedule(tuple(plan.decode), tuple(plan.prefill), window)
 
     def _by_arrival(self, in_flight: InFlight | None) -> list[Sequence]:
         """The running requests, oldest first (less those sitting the step out)."""
