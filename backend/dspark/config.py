@@ -75,7 +75,9 @@ class EngineConfig:
     num_kv_pages: int = 2048
     # Most requests decoding at once.
     max_num_seqs: int = 32
-    # Most target tokens in one step (verify windows plus prefill chunks).
+    # Most target tokens in one step (verify windows plus prefill chunks). When the windows do not all
+    # fit, they shorten (fewer drafts that step) rather than leave requests out, and prompts waiting to
+    # prefill keep a quarter of it.
     max_num_batched_tokens: int = 512
     # Longest prompt plus completion; 0 takes the model's max_position_embeddings.
     max_model_len: int = 0
