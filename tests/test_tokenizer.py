@@ -446,7 +446,7 @@ def test_text_made_by_the_receiver_equals_the_engines_whatever_the_merging(
             end = start + rng.randint(1, 3)
             merged.append(merge_deltas(left[start:end]))
             start = end
-        receiver = DeltaText(tokenizer, ids[:2], params.skip_special_tokens)
+        receiver = DeltaText(IncrementalDetokenizer(tokenizer, ids[:2], params.skip_special_tokens))
         texts = [receiver.text_of(d.new_token_ids, d.finish_reason) for d in merged]
         assert "".join(texts) == "".join(d.new_text for d in made)
         assert merged[-1].finish_reason == made[-1].finish_reason

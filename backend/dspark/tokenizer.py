@@ -337,15 +337,13 @@ class IncrementalDetokenizer:
 
 
 class DeltaText:
-    """One request's text, made from its deltas' committed token ids in order, as the engine's
-    `OutputProcessor.text_of` makes it for a request whose ids decide its finish (no stop strings):
-    where the engine leaves the text to the receiver of its deltas (`RequestDelta.text_pending`)."""
+    """One request's text, made from its deltas' committed token ids in order, for a request whose ids
+    decide its finish (no stop strings): the engine's `OutputProcessor.text_of`, and the receiver of
+    its deltas where the engine leaves the text to it (`RequestDelta.text_pending`)."""
 
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
-    ) -> None:
-        """Start after the prompt, as the engine's detokenizer does."""
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+    def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
+        """Make the text with this request's detokenizer (started after its prompt)."""
+        self._detokenizer = detokenizer
 
     def text_of(self, token_ids: Sequence[int], finish_reason: str | None) -> str:
         """The new text of a delta's tokens: a stop id that ends the request stays among the ids, not

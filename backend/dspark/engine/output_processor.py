@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from dspark.outputs import LogprobsLog, LogprobsPrefix, RequestDelta, TokenLogprobs
 from dspark.sequence import Sequence
-from dspark.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from dspark.tokenizer import DeltaText, IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
 class OutputProcessor:
@@ -22,6 +22,7 @@ class OutputProcessor:
             tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens
         )
         self.stops = StopStringMatcher(seq.params.stop) if seq.params.stop else None
+        self._ids_text = DeltaText(self.detokenizer)  # the text of requests the ids end (`text_of`)
         # Token ids that end the request, and the sequence length at which it ends for length.
         eos = set() if seq.params.ignore_eos else set(eos_token_ids)
         self.stop_ids = eos | set(seq.params.stop_token_ids)
@@ -80,12 +81,9 @@ class OutputProcessor:
 
     def text_of(self, appended: list[int], reason: str | None) -> str:
         """The new text of tokens `commit_ids` appended (in one detokenizer call: a speculative step
-        commits several at once), flushed when they finished the request."""
-        # A stop id (EOS included) that ends the request is kept among the ids, not in the text (vLLM).
-        text = self.detokenizer.push(appended[:-1] if reason == "stop" else appended)
-        if reason is not None:
-            text += self._flush()
-        return text
+        commits several at once), flushed when they finished the request; a stop id (EOS included)
+        that ends the request is kept among the ids, not in the text (vLLM)."""
+        return self._ids_text.text_of(appended, reason)
 
     def _commit_matching_stops(self, new_token_ids: list[int]) -> tuple[list[int], str, str | None]:
         """`commit` for a request with stop strings: token by token, each one's text fed to the matcher

@@ -117,9 +117,10 @@ class Scheduler:
             self.waiting.remove(seq)
         self.allocator.release(seq)
 
-    def decode_tokens(self, seq: Sequence, window: int | None = None) -> int:
-        """Target tokens a decode step of `seq` may take (its whole admissible window, or `window`)."""
-        return min(window or self.window_positions, max(seq.remaining_tokens, 1))
+    @staticmethod
+    def decode_tokens(seq: Sequence, window: int) -> int:
+        """Target tokens a decode step of `seq` may take: the step's window, less past its max_tokens."""
+        return min(window, max(seq.remaining_tokens, 1))
 
     def _decode_window(self, decoding: int, budget: int, prefill_waits: bool) -> tuple[int, int]:
         """The longest window `decoding` requests can all take within the budget, leaving
@@ -128,7 +129,7 @@ class Scheduler:
             budget -= int(budget * PREFILL_SHARE)
         window = self.window_positions
         if decoding * window > budget:
-            window = max(1, budget // max(decoding, 1))
+            window = max(1, budget // decoding)
         return window, budget
 
     def schedule(self, in_flight: InFlight | None = None) -> StepSchedule | None:

@@ -37,7 +37,7 @@ from dspark.outputs import EngineLoad, RequestDelta, merge_by_request, pack_delt
 from dspark.parallel.tp_worker import python_executable, spawning_with
 from dspark.prompts import check_prompt
 from dspark.sampling_params import SamplingParams
-from dspark.tokenizer import DeltaText, Tokenizer
+from dspark.tokenizer import DeltaText, IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,11 @@ class EngineProcess:
             prompt, prompt_token_ids, params, self.tokenizer, self._vocab_size, self._max_model_len
         )
         # Stop strings: the engine makes the text (it decides the finish); else this side does.
-        text = None if params.stop else DeltaText(self.tokenizer, ids, params.skip_special_tokens)
+        text = (
+            None
+            if params.stop
+            else DeltaText(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
+        )
         with self._lock:  # before the engine can answer: its first delta may come at once
             self._callbacks[request_id] = on_delta
             if text is not None:
