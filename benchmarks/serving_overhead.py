@@ -113,6 +113,7 @@ def served(
     profile_levels: tuple[int, ...] = (),
     profile_s: float = 6.0,
     engine_cpus: set[int] | None = None,
+    requests_per_stream: int = 2,
 ) -> dict:
     """The same engine behind `dspark serve`: the load generator's result at each concurrency (and, at
     `profile_levels`, py-spy's samples of the server's Python processes while the load runs)."""
@@ -133,7 +134,7 @@ def served(
         for level in levels:
             time.sleep(0.3)  # the warm-up's or the last level's counters published
             before = served_loop_totals(ports[2])
-            result = run_load(f"localhost:{ports[1]}", level, 2 * level, max_tokens)
+            result = run_load(f"localhost:{ports[1]}", level, requests_per_stream * level, max_tokens)
             time.sleep(0.3)
             loop = loop_shares(before, served_loop_totals(ports[2]), result.seconds, result.output_tokens)
             if level in profile_levels:  # a longer run of this load, sampled, not timed
@@ -229,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-s", type=float, default=6.0)
     parser.add_argument("--served-only", action="store_true", help="skip the offline engine")
     parser.add_argument(
+        "--requests-per-stream",
+        type=int,
+        default=2,
+        help="served side: each closed-loop stream's requests, one after the other (more: the start-up "
+        "burst and the last requests' tail weigh less against steady load)",
+    )
+    parser.add_argument(
         "--engine-cpus",
         default="",
         help="served side: pin the engine process to these CPUs (e.g. 0,8: a core and its sibling) and "
@@ -260,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             profile_levels,
             args.profile_s,
             engine_cpus,
+            args.requests_per_stream,
         )
         runs[mode] = {"offline": offline, "server": server, "offline_loop": loops}
         (args.out / "overhead.json").write_text(json.dumps(runs, indent=1))
