@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from dspark import LLM, EngineConfig, SamplingParams
-from dspark.outputs import LoopTotals
+from dspark.outputs import STEP_PHASES, LoopTotals
 from dspark_client.bench import PROMPTS
 
 # name -> EngineConfig changes; the first is the reference. Plain decoding with every step waiting,
@@ -88,8 +88,8 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
     """What the engine loop did in a window of `seconds` that produced `output_tokens` (two
     `LoopTotals` snapshots around it): steps/s, requests and output tokens per step, the shares of the
     steps replayed from a graph, launched ahead and carrying a prefill chunk, the share of the window
-    in step calls, and per step: wall ms and the acceptance's ms (where the host waits for the
-    device)."""
+    in step calls, and per step: wall ms, the acceptance's ms (where the host waits for the device) and
+    the host's ms in each phase of the step (`<phase>_ms`)."""
     steps = max(after.steps - before.steps, 1)
     step_s = after.step_seconds - before.step_seconds
     return {
@@ -102,6 +102,9 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
         "in_steps": round(step_s / seconds, 3),
         "step_ms": round(1e3 * step_s / steps, 3),
         "accept_ms": round(1e3 * (after.accept_seconds - before.accept_seconds) / steps, 3),
+    } | {
+        f"{phase}_ms": round(1e3 * (getattr(after, name) - getattr(before, name)) / steps, 3)
+        for phase, name in ((phase, f"host_{phase}_seconds") for phase in STEP_PHASES)
     }
 
 

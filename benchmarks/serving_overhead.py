@@ -33,7 +33,7 @@ from load_generator import run_load  # noqa: E402
 from serving_ceiling import _process_table, start_server  # noqa: E402
 
 from dspark.config import EngineConfig  # noqa: E402
-from dspark.outputs import LoopTotals  # noqa: E402
+from dspark.outputs import STEP_PHASES, LoopTotals  # noqa: E402
 from dspark.serving.triton_config import DEFAULT_MODEL_REPOSITORY, render_config_pbtxt  # noqa: E402
 
 MODES = {
@@ -206,6 +206,22 @@ def loop_table(levels: list[int], runs: dict) -> str:
         "| mode | streams | " + " | ".join(keys) + " |",
         "|---|---:|" + "---:|" * len(keys),
     ]
+    lines += _loop_rows(levels, runs, keys)
+    phases = tuple(f"{phase}_ms" for phase in STEP_PHASES)
+    lines += [
+        "",
+        "The host's ms per step in each phase of the step, offline / served (they add up to about "
+        "step_ms; `accept` holds the wait for the device)",
+        "",
+        "| mode | streams | " + " | ".join(phases) + " |",
+        "|---|---:|" + "---:|" * len(phases),
+    ]
+    lines += _loop_rows(levels, runs, phases)
+    return "\n".join(lines)
+
+
+def _loop_rows(levels: list[int], runs: dict, keys: tuple[str, ...]) -> list[str]:
+    rows = []
     for mode, run in runs.items():
         if not isinstance(run, dict) or "server" not in run:
             continue
@@ -213,8 +229,8 @@ def loop_table(levels: list[int], runs: dict) -> str:
             offline = run.get("offline_loop", {}).get(level, {})
             server = run["server"].get(level, {}).get("loop", {})
             cells = [f"{offline.get(k, '-')} / {server.get(k, '-')}" for k in keys]
-            lines.append(f"| {mode} | {level} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            rows.append(f"| {mode} | {level} | " + " | ".join(cells) + " |")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ import pytest
 
 from dspark import LLM, EngineConfig, InvalidParameterError, SamplingParams
 from dspark.engine.async_engine import AsyncEngine
+from dspark.outputs import STEP_PHASES
 
 
 def _config(target_dir, draft_dir, **changes) -> EngineConfig:
@@ -228,6 +229,11 @@ def test_loop_totals_count_steps_requests_and_where_their_time_went(tiny_target_
     else:
         assert loop.graph_steps == 0
     assert loop.ahead_steps == 0
+    # The host's time by phase: every phase ran, and together they are the step calls' time but for the
+    # moments before a step's first phase.
+    phases = [getattr(loop, f"host_{phase}_seconds") for phase in STEP_PHASES]
+    assert all(seconds > 0 for seconds in phases)
+    assert 0.9 * loop.step_seconds < sum(phases) <= loop.step_seconds
     # Another run adds to the totals.
     llm.generate(params=GREEDY, prompt_token_ids=_prompts(1, seed=3))
     again = llm.engine.load().loop

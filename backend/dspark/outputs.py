@@ -384,6 +384,20 @@ class LoopTotals:
     step_seconds: float = 0.0
     accept_seconds: float = 0.0
     idle_seconds: float = 0.0
+    # The step calls' wall time by phase of the step (`STEP_PHASES`), as the host spends it: launching
+    # (schedule, draft, plan, layout, target), then accepting (accept, which holds the wait for the
+    # device, and emit: committing and making the deltas). They add up to about `step_seconds`.
+    host_schedule_seconds: float = 0.0
+    host_draft_seconds: float = 0.0
+    host_plan_seconds: float = 0.0
+    host_layout_seconds: float = 0.0
+    host_target_seconds: float = 0.0
+    host_accept_seconds: float = 0.0
+    host_emit_seconds: float = 0.0
+
+
+# The phases of an engine step, in the order a step that waits for its acceptance runs them.
+STEP_PHASES = ("schedule", "draft", "plan", "layout", "target", "accept", "emit")
 
 
 @dataclass

@@ -132,9 +132,10 @@ class LLMEngine:
         if capacity < 2:
             raise ValueError("num_kv_pages: the KV cache cannot hold even one request")
         self.limits = ResolvedLimits(device, dtype, block_size, min(limit, capacity))
-        # Per-phase step timing, off unless a benchmark or profiler turns it on.
-        self.timer = StepTimer(device)
         self.loop_counters = LoopCounters()
+        # Per-phase step timing: the host's time into the loop counters always, the device-synchronised
+        # split only when a benchmark or profiler turns it on.
+        self.timer = StepTimer(device, self.loop_counters)
         # True: the text of a request whose token ids decide its finish (no stop strings) is left to
         # the deltas' receiver (`RequestDelta.text_pending`): the engine process leaves it to the
         # adapter's process, off the step loop's thread.

@@ -1,5 +1,6 @@
-"""Where a step's wall time goes: per-phase timers that `LLMEngine.step` feeds when they are enabled, and
-the loop's always-on totals (`LoopCounters`)."""
+"""Where a step's wall time goes: per-phase timers that `LLMEngine.step` feeds (synchronised with the device
+when enabled, for benchmarks), and the loop's always-on totals (`LoopCounters`), the host's time per
+phase among them."""
 
 from __future__ import annotations
 
@@ -8,28 +9,34 @@ from collections import defaultdict
 
 import torch
 
-from dspark.outputs import LoopTotals
+from dspark.outputs import STEP_PHASES, LoopTotals
+
+_HOST_FIELDS = {phase: f"host_{phase}_seconds" for phase in STEP_PHASES}  # LoopTotals' field per phase
 
 
 class StepTimer:
-    """Wall time per phase of the engine step (schedule, draft, plan, layout, target, accept,
-    emit), for benchmarks and profiling; off by default, when each `lap` is one attribute check.
+    """Wall time per phase of the engine step (`STEP_PHASES`). Always: the host's time per phase, added
+    to `counters` (two clock reads a phase, no device sync). Enabled (benchmarks, profiling): also
+    the split that `summary` reports.
 
     Enabled on CUDA it synchronises the device at every phase boundary, so device work is charged to
     the phase that queued it (the step gets a little slower; the split is what it is for). With
     `synchronize` off it times the host alone: a phase's figure is then the host's time in it, and
     the phase where the host first waits for the device (greedy acceptance's copy) absorbs the wait."""
 
-    def __init__(self, device: torch.device, synchronize: bool = True) -> None:
+    def __init__(self, device: torch.device, counters: LoopCounters, synchronize: bool = True) -> None:
         self.enabled = False
         self.synchronize = synchronize
         self._cuda = device.type == "cuda"
+        self._counters = counters
+        self._host_last = 0.0
         self._last = 0.0
         self._seconds: dict[str, float] = defaultdict(float)
         self._steps = 0
 
     def start(self) -> None:
         """Mark the start of a step."""
+        self._host_last = time.perf_counter()
         if self.enabled:
             self._sync()
             self._last = time.perf_counter()
@@ -42,6 +49,9 @@ class StepTimer:
 
     def lap(self, phase: str) -> None:
         """Charge the time since the last mark to `phase`."""
+        now = time.perf_counter()
+        self._counters.add_host(phase, now - self._host_last)
+        self._host_last = now
         if self.enabled:
             self._sync()
             now = time.perf_counter()
@@ -79,6 +89,8 @@ class LoopCounters:
         self.step_seconds = 0.0
         self.accept_seconds = 0.0
         self.idle_seconds = 0.0
+        for phase in STEP_PHASES:
+            setattr(self, _HOST_FIELDS[phase], 0.0)
 
     def add_step(self, requests: int, graph: bool, ahead: bool, prefill: bool) -> None:
         """A step launched with `requests` requests: replayed from a graph or not, launched ahead of
@@ -92,6 +104,11 @@ class LoopCounters:
     def add_call(self, seconds: float) -> None:
         """One `LLMEngine.step` call that ran or completed a step: `seconds` of wall time."""
         self.step_seconds += seconds
+
+    def add_host(self, phase: str, seconds: float) -> None:
+        """`seconds` of the host's time in a phase of a step (`STEP_PHASES`)."""
+        field = _HOST_FIELDS[phase]
+        setattr(self, field, getattr(self, field) + seconds)
 
     def totals(self) -> LoopTotals:
         """A snapshot."""

@@ -21,7 +21,7 @@ import threading
 from typing import Any
 
 from dspark.config import EngineConfig
-from dspark.outputs import EngineLoad, LoopTotals
+from dspark.outputs import STEP_PHASES, EngineLoad, LoopTotals
 from dspark.runner.models.hf_config import ModelConfig
 from dspark.sampling_params import MAX_INT
 
@@ -38,6 +38,9 @@ LOOP_COUNTERS = {
     "step_seconds": "Wall seconds of the engine's steps",
     "accept_seconds": "Wall seconds of the steps' acceptance, where the host waits for the device",
     "idle_seconds": "Seconds the engine loop waited with no request to run",
+} | {
+    f"host_{phase}_seconds": f"Wall seconds of the engine's steps in their {phase} phase, on the host"
+    for phase in STEP_PHASES
 }
 VLLM_TTFT_BUCKETS = [
     0.001,
