@@ -1,6 +1,7 @@
 """The adapter's response pacing (model_repository/dspark/1/model.py), without a server: a request's first
-and final responses go at once, the others wait until their due time and merge what arrives meanwhile,
-and a send queue gives first responses, then due ones, then the rest."""
+and final responses go at once, ahead of the rest, the others wait until their due time and merge what
+arrives meanwhile, and a send queue gives first responses, then final ones, then due ones, then the
+rest."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def live(model, sent: bool):  # noqa: ANN001, ANN201
 
 
 def queued(sends) -> tuple[int, int, int]:  # noqa: ANN001
-    return len(sends._first), len(sends._later), len(sends._rest)
+    return len(sends._first) + len(sends._final), len(sends._later), len(sends._rest)
 
 
 def test_a_first_response_goes_at_once_ahead_of_the_rest(model):
@@ -93,8 +94,27 @@ def test_a_final_delta_goes_at_once_even_while_its_request_waits(model):
     self._on_delta(request, delta(1))
     self._on_delta(request, delta(1, finished=True))
     sends = self._send_queues[0]
-    assert queued(sends) == (0, 1, 1) and not request.deferred
+    assert queued(sends) == (1, 1, 0) and not request.deferred
     assert sends.take() is request  # the final one, now; the paced entry then finds nothing to send
+
+
+def test_a_final_delta_goes_ahead_of_the_queued_rest(model):
+    # Under load the send threads fall behind: a request queued among the rest must not keep its final
+    # response (which a closed-loop client waits on to send its next request) behind them.
+    self = adapter(model, 256, 0.0)  # unpaced: every update queues in order
+    sends = self._send_queues[0]
+    sends.put("another request's update")
+    request = live(model, sent=True)
+    self._on_delta(request, delta(1))
+    assert queued(sends) == (0, 0, 2)
+    self._on_delta(request, delta(1, finished=True))
+    assert queued(sends) == (1, 0, 2) and len(request.pending) == 2
+    assert sends.take() is request
+    # A request queued ahead already (its first response) takes its final update along.
+    fresh = live(model, sent=False)
+    self._on_delta(fresh, delta(1))
+    self._on_delta(fresh, delta(1, finished=True))
+    assert queued(sends) == (1, 0, 2) and len(fresh.pending) == 2
 
 
 def test_no_pacing_when_the_budget_is_zero_or_the_request_is_alone(model):
@@ -106,11 +126,12 @@ def test_no_pacing_when_the_budget_is_zero_or_the_request_is_alone(model):
         assert queued(self._send_queues[0]) == (0, 0, 1)
 
 
-def test_a_send_queue_takes_first_then_due_then_the_rest(model):
+def test_a_send_queue_takes_first_final_due_then_the_rest(model):
     sends = SendQueue()
     sends.put("rest")
     sends.put_later("due", time.monotonic() - 1)
     sends.put_later("later", time.monotonic() + 60)
-    sends.put("first", first=True)
-    assert [sends.take() for _ in range(3)] == ["first", "due", "rest"]
+    sends.put("final", SendQueue.FINAL)
+    sends.put("first", SendQueue.FIRST)
+    assert [sends.take() for _ in range(4)] == ["first", "final", "due", "rest"]
     assert queued(sends) == (0, 1, 0)

@@ -6,7 +6,8 @@ lock: the engine's side never waits on a response). Send threads (each request a
 one) merge a request's pending deltas into one response and `send()` it: while a send waits on its
 round trip to the server process, the engine's next tokens merge into the following one, so a stream
 gets fewer, fuller responses under load instead of falling behind, and one request's responses stay
-in order. A request's first response goes ahead of the rest (time to first token). Each response costs
+in order. A request's first response goes ahead of the rest (time to first token), and so does its
+final one (a closed-loop client sends its next request when it arrives). Each response costs
 the same (a round trip to the server, the server's gRPC write, the client's read) whatever it carries,
 so under load the responses are paced: a request's next response waits until `live requests /
 max_responses_per_s` seconds after its previous one (the config parameter; at its default, 2000, about
@@ -77,13 +78,15 @@ class _Live:
     cancelled: bool = False  # the client went away; the engine was told to abort
     # Guarded by the model's lock: the engine's deltas not yet sent (merged into one at send time);
     # when the first and the last of their tokens arrived; whether a send thread holds it in its
-    # queue (`deferred`: paced, due later); and whether its final response is decided (nothing may be
+    # queue (`ahead`: ahead of the rest, `deferred`: paced, due later); and whether its final
+    # response is decided (nothing may be
     # sent for it after that; it is set with the request's removal from the model's live requests, so
     # those are never closed).
     pending: list[RequestDelta] = field(default_factory=list)
     first_pending_at: float | None = None
     last_pending_at: float | None = None
     scheduled: bool = False
+    ahead: bool = False
     deferred: bool = False
     closed: bool = False
     # Held while its final response is sent and while its sender is asked whether the client went
@@ -256,20 +259,23 @@ class TritonPythonModel:
                 live.last_pending_at = now
                 if live.first_pending_at is None:
                     live.first_pending_at = now
-            if live.scheduled and not (delta.finished and live.deferred):
+            # Queued already: a later update goes with the one queued, but a final one goes ahead of
+            # a queued entry that is not (that entry then finds nothing left to send).
+            if live.scheduled and (live.ahead or not delta.finished):
                 return
-            # Paced (see the module) unless it is the first response or the final one (a final one
-            # whose request waits paced goes now; the paced entry then finds nothing left to send).
-            first = live.spec_seen is None  # no response sent yet
+            # The first response and the final one go ahead of the rest, unpaced; the others are
+            # paced (see the module).
+            first = live.spec_seen is None
+            kind = SendQueue.FIRST if first else SendQueue.FINAL if delta.finished else SendQueue.REST
             budget = self._responses_per_s
             due = live.sent_at + len(self._live) / budget if budget > 0 else 0.0
-            live.scheduled = True
-            live.deferred = defer = not first and not delta.finished and due > now
+            live.scheduled, live.ahead = True, kind != SendQueue.REST
+            live.deferred = defer = not live.ahead and due > now
         sends = self._send_queues[hash(live.engine_id) % len(self._send_queues)]
         if defer:
             sends.put_later(live, due)
         else:
-            sends.put(live, first=first)
+            sends.put(live, kind)
 
     def _on_engine_death(self, cause: BaseException) -> None:
         """Engine thread: its requests' failed deltas came first; the poll thread ends this process."""
@@ -295,7 +301,7 @@ class TritonPythonModel:
         with self._lock:
             deltas, first_at, last_at = live.pending, live.first_pending_at, live.last_pending_at
             live.pending, live.first_pending_at, live.last_pending_at = [], None, None
-            live.scheduled = live.deferred = False
+            live.scheduled = live.ahead = live.deferred = False
             if not deltas or live.closed:
                 return
             live.sent_at = time.monotonic()
