@@ -87,18 +87,21 @@ def offline_run(
 def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_tokens: int) -> dict:
     """What the engine loop did in a window of `seconds` that produced `output_tokens` (two
     `LoopTotals` snapshots around it): steps/s, requests and output tokens per step, the shares of the
-    steps replayed from a graph, launched ahead and carrying a prefill chunk, the share of the window
+    steps replayed from a graph, launched ahead and carrying a prefill chunk, the drafts a request
+    verified a step (the adaptive gate's choice), the share of the window
     in step calls, and per step: wall ms, the acceptance's ms (where the host waits for the device) and
     the host's ms in each phase of the step (`<phase>_ms`)."""
     steps = max(after.steps - before.steps, 1)
+    requests = after.step_requests - before.step_requests
     step_s = after.step_seconds - before.step_seconds
     return {
         "steps_per_s": round((after.steps - before.steps) / seconds, 1),
-        "requests_per_step": round((after.step_requests - before.step_requests) / steps, 2),
+        "requests_per_step": round(requests / steps, 2),
         "tokens_per_step": round(output_tokens / steps, 2),
         "graph": round((after.graph_steps - before.graph_steps) / steps, 3),
         "ahead": round((after.ahead_steps - before.ahead_steps) / steps, 3),
         "prefill": round((after.prefill_steps - before.prefill_steps) / steps, 3),
+        "drafts_per_request": round((after.verify_tokens - before.verify_tokens) / max(requests, 1), 3),
         "in_steps": round(step_s / seconds, 3),
         "step_ms": round(1e3 * step_s / steps, 3),
         "accept_ms": round(1e3 * (after.accept_seconds - before.accept_seconds) / steps, 3),

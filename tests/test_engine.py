@@ -229,6 +229,10 @@ def test_loop_totals_count_steps_requests_and_where_their_time_went(tiny_target_
     else:
         assert loop.graph_steps == 0
     assert loop.ahead_steps == 0
+    # `compact` without the gate drafts on its decode steps: at most a block a request (the tiny
+    # drafter's 4 positions, one of them the anchor: 3 drafts), fewer where its plan stops early or a
+    # request is near its end.
+    assert loop.step_requests < loop.verify_tokens <= 3 * loop.step_requests
     # The host's time by phase: every phase ran, and together they are the step calls' time but for the
     # moments before a step's first phase.
     phases = [getattr(loop, f"host_{phase}_seconds") for phase in STEP_PHASES]
@@ -242,6 +246,7 @@ def test_loop_totals_count_steps_requests_and_where_their_time_went(tiny_target_
     plain.generate(params=GREEDY, prompt_token_ids=_prompts(3, seed=2))
     ahead = plain.engine.load().loop
     assert 0 < ahead.ahead_steps < ahead.steps  # plain decode steps go ahead of the acceptance
+    assert ahead.verify_tokens == 0
 
 
 def test_a_smaller_engine_block_counts_only_its_own_drafts(tiny_target_dir, tiny_drafter_dir) -> None:

@@ -381,6 +381,9 @@ class LoopTotals:
     graph_steps: int = 0
     ahead_steps: int = 0
     prefill_steps: int = 0
+    # Draft tokens the steps verified, summed over their requests (/ step_requests: the drafts a
+    # request verified a step, as the adaptive gate chose them).
+    verify_tokens: int = 0
     step_seconds: float = 0.0
     accept_seconds: float = 0.0
     idle_seconds: float = 0.0

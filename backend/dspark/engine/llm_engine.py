@@ -372,6 +372,7 @@ class LLMEngine:
             graph=self.runner.replays(packed.step),
             ahead=in_flight is not None,
             prefill=bool(schedule.prefill),
+            verify_tokens=sum(plan.verify_lens),
         )
         result = self.runner.run(packed.step)
         timer.lap("target")

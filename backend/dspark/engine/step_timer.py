@@ -86,20 +86,23 @@ class LoopCounters:
         self.graph_steps = 0
         self.ahead_steps = 0
         self.prefill_steps = 0
+        self.verify_tokens = 0
         self.step_seconds = 0.0
         self.accept_seconds = 0.0
         self.idle_seconds = 0.0
         for phase in STEP_PHASES:
             setattr(self, _HOST_FIELDS[phase], 0.0)
 
-    def add_step(self, requests: int, graph: bool, ahead: bool, prefill: bool) -> None:
+    def add_step(self, requests: int, graph: bool, ahead: bool, prefill: bool, verify_tokens: int) -> None:
         """A step launched with `requests` requests: replayed from a graph or not, launched ahead of
-        the acceptance of the one before or not, with a prefill chunk or not."""
+        the acceptance of the one before or not, with a prefill chunk or not, verifying
+        `verify_tokens` drafts in all."""
         self.steps += 1
         self.step_requests += requests
         self.graph_steps += graph
         self.ahead_steps += ahead
         self.prefill_steps += prefill
+        self.verify_tokens += verify_tokens
 
     def add_call(self, seconds: float) -> None:
         """One `LLMEngine.step` call that ran or completed a step: `seconds` of wall time."""

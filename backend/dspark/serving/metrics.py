@@ -35,6 +35,7 @@ LOOP_COUNTERS = {
     "graph_steps": "Engine steps that replayed a captured CUDA graph (the rest ran eagerly)",
     "ahead_steps": "Engine steps launched before the step ahead of them was accepted (launch_ahead)",
     "prefill_steps": "Engine steps that carried a prefill chunk",
+    "verify_tokens": "Draft tokens the engine's steps verified (/ step_requests: a request's drafts a step)",
     "step_seconds": "Wall seconds of the engine's steps",
     "accept_seconds": "Wall seconds of the steps' acceptance, where the host waits for the device",
     "idle_seconds": "Seconds the engine loop waited with no request to run",
