@@ -13,7 +13,9 @@ needs the old sympy and numpy pinned above.)
 Four domains, each prompt recording its `source`, its `key` (the unit held out) and its `kind`:
 - chat: FAQ entries of Debian, Git and Python (the question alone, or a conversation in `messages`: the
   question, the FAQ's real answer, a follow-up), WordNet words (questions, and conversations whose answer
-  is the WordNet gloss), fortune quotes (discussed, or an earlier assistant turn), Debian Reference topics;
+  is the WordNet gloss), everyday questions about common WordNet concepts (how a thing works, why
+  something happens, tips, facts, recipes, comparisons; some as conversations), fortune quotes
+  (discussed, or an earlier assistant turn), Debian Reference topics;
 - code: one prompt per documented function of the Go, Rust, Ruby, Perl and Python standard libraries and
   per C man page (write it from its documentation, complete it, explain it, fix a planted bug, translate
   it, review or test it), perlfaq and Python FAQ conversations, Python documentation examples;
@@ -45,6 +47,7 @@ from prompt_code import library_prompts
 from prompt_common import EVAL_PERCENT, Prompt, held_out
 from prompt_math import MATH_EVAL_PERCENT, generated_prompts, word_problem_prompts
 from prompt_text import (
+    concept_prompts,
     debian_doc_prompts,
     fortune_prompts,
     git_doc_prompts,
@@ -61,6 +64,9 @@ DOMAIN_SHARES = {"chat": 0.30, "code": 0.30, "prose": 0.20, "math": 0.20}
 GROUP_WEIGHTS = {
     "code": {"python": 0.25, "go": 0.16, "rust": 0.12, "ruby": 0.15, "perl": 0.15, "c": 0.17},
     "math": {"mathematics-dataset": 3.0},
+    # Everyday questions about common things: what users ask most, so the largest chat group.
+    "chat": {"wordnet-base/concepts": 2.0},
+    "prose": {"wordnet-base/concepts": 0.5},
 }
 DEBIAN_PACKAGES = {
     "python3.11-doc": "PSF-2.0",
@@ -136,6 +142,7 @@ def collect(rng: random.Random) -> list[Prompt]:
         *perlfaq_prompts(rng),
         *git_doc_prompts(rng),
         *wordnet_prompts(rng),
+        *concept_prompts(rng),
         *fortune_prompts(rng),
         *word_prompts(rng),
         *library_prompts(rng),

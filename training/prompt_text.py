@@ -120,6 +120,128 @@ QUOTE_PROSE = (
 )
 
 
+# Everyday questions about a concept ({x}; {y}: another of its kind), by WordNet's lexicographer file of
+# the noun: what people ask an assistant most, and what the other chat sources hardly hold.
+CONCEPT_ASKS = {
+    "artifact": (
+        "How does a {x} work?",
+        "Explain how a {x} works in simple terms.",
+        "What is a {x} used for?",
+        "Give me three tips for choosing a good {x}.",
+        "What are the pros and cons of a {x}?",
+        "How do I take care of my {x} so it lasts longer?",
+        "Write a short product description for a {x}.",
+        "Who invented the {x}, and why was it important?",
+        "What is the difference between a {x} and a {y}?",
+    ),
+    "phenomenon": (
+        "Why does {x} happen?",
+        "Explain {x} to a ten-year-old.",
+        "What causes {x}?",
+        "Describe {x} in simple terms.",
+        "How does {x} affect everyday life?",
+    ),
+    "process": (
+        "Explain the process of {x} step by step.",
+        "What is {x}, and why does it matter?",
+        "Describe {x} in simple terms.",
+        "How does {x} work?",
+    ),
+    "event": (
+        "What usually happens during a {x}?",
+        "Describe a typical {x}.",
+        "How should I prepare for a {x}?",
+    ),
+    "act": (
+        "Give me three tips for {x}.",
+        "How can I get better at {x}?",
+        "What are the benefits of {x}?",
+        "How do I get started with {x}?",
+        "What are common mistakes people make with {x}?",
+        "Make a simple weekly plan for someone who wants to try {x}.",
+    ),
+    "animal": (
+        "Tell me three interesting facts about the {x}.",
+        "Where does the {x} live, and what does it eat?",
+        "Write a short poem about a {x}.",
+        "How is a {x} different from a {y}?",
+        "Describe the {x} for a children's book.",
+    ),
+    "plant": (
+        "How do I grow {x} at home?",
+        "Tell me three interesting facts about {x}.",
+        "Describe {x} and where it grows.",
+    ),
+    "food": (
+        "Give me a simple recipe that uses {x}.",
+        "Is {x} healthy? Explain briefly.",
+        "How is {x} made?",
+        "What goes well with {x}?",
+        "Describe the taste of {x} to someone who has never tried it.",
+    ),
+    "substance": (
+        "What is {x} made of?",
+        "What is {x} used for?",
+        "Where does {x} come from?",
+        "Is {x} dangerous? Explain briefly.",
+        "What is the difference between {x} and {y}?",
+    ),
+    "abstract": (
+        "What is {x}?",
+        "Explain the concept of {x}.",
+        "Why is {x} important?",
+        "Write a short paragraph about {x}.",
+        "How would you explain {x} to a child?",
+        "What is the difference between {x} and {y}?",
+    ),
+    "person": (
+        "What does a {x} do?",
+        "What skills does a good {x} need?",
+        "How do I become a {x}?",
+        "Describe a day in the life of a {x}.",
+    ),
+    "place": (
+        "Describe a typical {x}.",
+        "What would I find in a {x}?",
+        "Write a short scene set in a {x}.",
+    ),
+}
+CONCEPT_FILES = {  # WordNet's noun lexicographer files (lexnames) -> the question kind above
+    4: "act",
+    5: "animal",
+    6: "artifact",
+    7: "abstract",
+    9: "abstract",
+    10: "abstract",
+    11: "event",
+    12: "abstract",
+    13: "food",
+    15: "place",
+    18: "person",
+    19: "phenomenon",
+    20: "plant",
+    22: "process",
+    26: "abstract",
+    27: "substance",
+}
+CONCEPT_MIN_TAGS = 1
+CONCEPT_FOLLOW_UPS = (
+    "Can you give me an example?",
+    "Can you explain that more simply?",
+    "Why does that matter?",
+    "Tell me more.",
+    "Can you sum that up in one sentence?",
+    "What else should I know about it?",
+)
+CONCEPT_PROSE = (
+    "Write a short story about a {x}.",
+    "Write a haiku about {x}.",
+    "Write a short poem about {x}.",
+    "Write a paragraph describing {x} for a travel magazine.",
+    "Write a short, funny dialogue about a {x}.",
+)
+
+
 def clean_rst(text: str) -> str:
     """Plain text of a reST fragment: roles, literals, links and emphasis reduced to their words."""
     text = re.sub(r":[a-z:]+:`~?([^`<]*?)(?:\s*<[^>]*>)?`", r"\1", text)
@@ -448,3 +570,60 @@ def word_prompts(rng: random.Random, count: int = 3000) -> Iterator[Prompt]:
         b = rng.choice(sides[held_out(f"word:{a}")])
         prompt = rng.choice(WORD_WRITING).format(a=a, b=b)
         yield Prompt(f"wamerican:{a}:{b}", "prose", prompt, source, f"word:{a}", "prose/words")
+
+
+def concept_nouns() -> dict[str, list[tuple[str, str, str]]]:
+    """Question kind -> [(lemma, definition, its synset's id)] for WordNet nouns of the lexicographer files
+    in CONCEPT_FILES whose sense there is common: tagged at least CONCEPT_MIN_TAGS times in WordNet's
+    sense-tagged corpus (`cntlist.rev`; "tooth" is tagged as a body part, not as an act)."""
+    tagged = set()  # (lemma, lexicographer file) of common noun senses
+    for line in (WORDNET / "cntlist.rev").read_text(encoding="utf-8", errors="replace").splitlines():
+        sense_key, _, count = line.split(" ")
+        lemma, sense = sense_key.split("%", 1)
+        pos, lexfile = sense.split(":")[:2]
+        if pos == "1" and int(count) >= CONCEPT_MIN_TAGS:
+            tagged.add((lemma, int(lexfile)))
+    kinds: dict[str, list[tuple[str, str, str]]] = {}
+    seen = set()
+    for line in (WORDNET / "data.noun").read_text(encoding="utf-8", errors="replace").splitlines():
+        if line.startswith(" ") or "|" not in line:
+            continue
+        fields, gloss = line.split("|", 1)
+        parts = fields.split()
+        kind = CONCEPT_FILES.get(int(parts[1]))
+        if kind is None:
+            continue
+        count = int(parts[3], 16)
+        for raw in parts[4 : 4 + 2 * count : 2]:
+            lemma = re.sub(r"\(.*\)$", "", raw)
+            common = (lemma, int(parts[1])) in tagged and lemma not in seen
+            if common and re.fullmatch(r"[a-z]{3,15}(_[a-z]{2,12}){0,2}", lemma):
+                seen.add(lemma)
+                definition = gloss.split(";")[0].strip()
+                kinds.setdefault(kind, []).append((lemma.replace("_", " "), definition, parts[0]))
+    return kinds
+
+
+def concept_prompts(rng: random.Random) -> Iterator[Prompt]:
+    """Everyday questions about common concepts (how a thing works, why something happens, tips, facts,
+    recipes, comparisons), some as a conversation whose first answer is the WordNet gloss, and a few
+    writing tasks; a concept's key is its word's, shared with the other word prompts."""
+    source = f"wordnet-base/concepts:{WORDNET}"
+    for kind, nouns in sorted(concept_nouns().items()):
+        for lemma, definition, synset in nouns:
+            key = f"word:{lemma}"
+            side = [n for n, _, _ in nouns if n != lemma and held_out(f"word:{n}") == held_out(key)]
+            other = rng.choice(side) if side else lemma
+            ask = rng.choice(CONCEPT_ASKS[kind]).format(x=lemma, y=other)
+            r = rng.random()
+            pid = f"concept:{synset}:{lemma}"
+            if r < 0.7:
+                yield Prompt(pid, "chat", styled(rng, ask), source, key, f"chat/concept-{kind}")
+            elif r < 0.88:
+                answer = f"{lemma[0].upper() + lemma[1:]}: {definition}."
+                messages = conversation(ask, answer, rng.choice(CONCEPT_FOLLOW_UPS))
+                follow = messages[-1]["content"]
+                yield Prompt(pid, "chat", follow, source, key, "chat/concept-multi-turn", messages)
+            else:
+                task = rng.choice(CONCEPT_PROSE).format(x=lemma)
+                yield Prompt(pid, "prose", task, source, key, "prose/concept")
