@@ -90,7 +90,7 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
     steps replayed from a graph, launched ahead and carrying a prefill chunk, the drafts a request
     verified a step (the adaptive gate's choice), the share of the window
     in step calls, and per step: wall ms, the acceptance's ms (where the host waits for the device) and
-    the host's ms in each phase of the step (`<phase>_ms`)."""
+    the host's ms in each phase of the step (`host_<phase>_ms`)."""
     steps = max(after.steps - before.steps, 1)
     requests = after.step_requests - before.step_requests
     step_s = after.step_seconds - before.step_seconds
@@ -106,7 +106,7 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
         "step_ms": round(1e3 * step_s / steps, 3),
         "accept_ms": round(1e3 * (after.accept_seconds - before.accept_seconds) / steps, 3),
     } | {
-        f"{phase}_ms": round(1e3 * (getattr(after, name) - getattr(before, name)) / steps, 3)
+        f"host_{phase}_ms": round(1e3 * (getattr(after, name) - getattr(before, name)) / steps, 3)
         for phase, name in ((phase, f"host_{phase}_seconds") for phase in STEP_PHASES)
     }
 

@@ -196,34 +196,29 @@ def table(levels: list[int], runs: dict) -> str:
 def loop_table(levels: list[int], runs: dict) -> str:
     """Markdown: the engine loop offline and served, per mode and level (`agreement.loop_shares`)."""
     keys = ("steps_per_s", "requests_per_step", "tokens_per_step", "drafts_per_request", "graph", "ahead")
-    keys += ("prefill",)
-    keys += ("in_steps", "step_ms", "accept_ms")
-    lines = [
+    keys += ("prefill", "in_steps", "step_ms", "accept_ms")
+    loop = _loop_rows(
+        levels,
+        runs,
+        keys,
         "Engine loop, offline / served (`agreement.loop_shares`): steps/s, requests and output tokens "
         "per step, drafts a request verified a step, the shares of steps replayed from a graph, "
-        "launched ahead and with a prefill chunk, "
-        "the share of the measured window in step calls, and per step: wall ms and the acceptance's ms "
-        "(the host waiting for the device)",
-        "",
-        "| mode | streams | " + " | ".join(keys) + " |",
-        "|---|---:|" + "---:|" * len(keys),
-    ]
-    lines += _loop_rows(levels, runs, keys)
-    phases = tuple(f"{phase}_ms" for phase in STEP_PHASES)
-    lines += [
-        "",
+        "launched ahead and with a prefill chunk, the share of the measured window in step calls, and "
+        "per step: wall ms and the acceptance's ms (the host waiting for the device)",
+    )
+    phases = _loop_rows(
+        levels,
+        runs,
+        tuple(f"host_{phase}_ms" for phase in STEP_PHASES),
         "The host's ms per step in each phase of the step, offline / served (they add up to about "
         "step_ms; `accept` holds the wait for the device)",
-        "",
-        "| mode | streams | " + " | ".join(phases) + " |",
-        "|---|---:|" + "---:|" * len(phases),
-    ]
-    lines += _loop_rows(levels, runs, phases)
-    return "\n".join(lines)
+    )
+    return loop + "\n\n" + phases
 
 
-def _loop_rows(levels: list[int], runs: dict, keys: tuple[str, ...]) -> list[str]:
-    rows = []
+def _loop_rows(levels: list[int], runs: dict, keys: tuple[str, ...], title: str) -> str:
+    """A titled table of `keys` of the loop figures, "offline / served" per mode and level."""
+    lines = [title, "", "| mode | streams | " + " | ".join(keys) + " |", "|---|---:|" + "---:|" * len(keys)]
     for mode, run in runs.items():
         if not isinstance(run, dict) or "server" not in run:
             continue
@@ -231,8 +226,8 @@ def _loop_rows(levels: list[int], runs: dict, keys: tuple[str, ...]) -> list[str
             offline = run.get("offline_loop", {}).get(level, {})
             server = run["server"].get(level, {}).get("loop", {})
             cells = [f"{offline.get(k, '-')} / {server.get(k, '-')}" for k in keys]
-            rows.append(f"| {mode} | {level} | " + " | ".join(cells) + " |")
-    return rows
+            lines.append(f"| {mode} | {level} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

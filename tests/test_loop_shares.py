@@ -1,0 +1,36 @@
+"""benchmarks/agreement.py's loop_shares: the engine loop's figures per step from two LoopTotals
+snapshots, each counter under its own key (the acceptance's wait and the host's accept phase apart)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark.outputs import STEP_PHASES, LoopTotals
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from agreement import loop_shares  # noqa: E402
+
+
+def test_loop_shares_are_per_step_differences_under_distinct_keys() -> None:
+    before = LoopTotals(steps=5, step_requests=10, verify_tokens=4, step_seconds=1.0, accept_seconds=0.5)
+    phases = {f"host_{phase}_seconds": 0.5 + 0.01 * (i + 1) for i, phase in enumerate(STEP_PHASES)}
+    after = LoopTotals(
+        steps=15,
+        step_requests=50,
+        verify_tokens=64,
+        prefill_steps=2,
+        step_seconds=1.1,
+        accept_seconds=0.502,
+        **phases,
+    )
+    shares = loop_shares(before, after, seconds=0.2, output_tokens=120)
+    assert shares["steps_per_s"] == 50.0 and shares["requests_per_step"] == 4.0
+    assert shares["tokens_per_step"] == 12.0 and shares["prefill"] == 0.2
+    assert shares["drafts_per_request"] == 1.5  # 60 drafts over 40 request-steps
+    assert shares["step_ms"] == pytest.approx(10.0) and shares["accept_ms"] == pytest.approx(0.2)
+    for i, phase in enumerate(STEP_PHASES):
+        assert shares[f"host_{phase}_ms"] == pytest.approx(1e3 * (0.5 + 0.01 * (i + 1)) / 10)
