@@ -221,18 +221,18 @@ def test_loop_totals_count_steps_requests_and_where_their_time_went(tiny_target_
     assert loop.step_requests > 2 * steps
     assert 0 < loop.accept_seconds < loop.step_seconds
     assert loop.idle_seconds == 0  # offline, the loop never waits for requests
-    # Graphs replay only on CUDA (never on a prefill step); the first step prefills; `compact` drafts
-    # apart: nothing goes ahead.
+    # Graphs replay only on CUDA (a step with a small prefill chunk may replay one too); the first step
+    # prefills; `compact` drafts apart: nothing goes ahead.
     assert 1 <= loop.prefill_steps < loop.steps
     if llm.engine.limits.device.type == "cuda":
-        assert 0 < loop.graph_steps <= loop.steps - loop.prefill_steps
+        assert 0 < loop.graph_steps <= loop.steps
     else:
         assert loop.graph_steps == 0
     assert loop.ahead_steps == 0
     # `compact` without the gate drafts on its decode steps: at most a block a request (the tiny
     # drafter's 4 positions, one of them the anchor: 3 drafts), fewer where its plan stops early or a
     # request is near its end.
-    assert loop.step_requests < loop.verify_tokens <= 3 * loop.step_requests
+    assert 0 < loop.verify_tokens <= 3 * loop.step_requests
     # The host's time by phase: every phase ran, and together they are the step calls' time but for the
     # moments before a step's first phase.
     phases = [getattr(loop, f"host_{phase}_seconds") for phase in STEP_PHASES]
