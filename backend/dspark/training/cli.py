@@ -347,6 +347,12 @@ def train_draft(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step")
     parser.add_argument("--anchors", type=int, default=defaults.anchors_per_sequence, help="per sequence")
     parser.add_argument("--max-length", type=int, default=defaults.max_length)
+    parser.add_argument(
+        "--length-group",
+        type=int,
+        default=defaults.length_group,
+        help="batches per pool of sequences sorted by length before batching (less padding; 1: random)",
+    )
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
     parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
@@ -386,6 +392,7 @@ def train_draft(argv: list[str]) -> int:
         batch_size=args.batch_size,
         anchors_per_sequence=args.anchors,
         max_length=args.max_length,
+        length_group=args.length_group,
         lr=args.lr * args.lr_run_decay**run_index,
         run_index=run_index,
         warmup_steps=args.warmup_steps,

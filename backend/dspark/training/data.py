@@ -164,7 +164,14 @@ class TrainBatch:
 class AnchorSampler:
     """Batches of sequences with random anchors. Anchors are drawn uniformly among the response positions
     followed by at least `min_following` tokens (inference anchors only after the prompt): training needs
-    one next token, calibration a whole block."""
+    one next token, calibration a whole block.
+
+    Each epoch visits every sequence once in a random order. With `length_group` G > 1, each run of G
+    batches' worth of that order is sorted by length before it is cut into batches, and the batches are
+    shuffled: a batch is padded to its longest sequence, and random batches of the distilled answers
+    were half padding (the target's pass over it was half wasted); pools of 16 batches cut that to a
+    tenth. The last batch of an epoch is filled up with sequences drawn again, so batches never straddle
+    two epochs."""
 
     def __init__(
         self,
@@ -174,6 +181,7 @@ class AnchorSampler:
         max_length: int,
         seed: int,
         min_following: int = 1,
+        length_group: int = 1,
     ) -> None:
         # (tokens, prompt length, decoding temperature) of every sequence long enough for one anchor.
         self.sequences = [
@@ -186,8 +194,9 @@ class AnchorSampler:
         self.batch_size = batch_size
         self.anchors_per_sequence = anchors_per_sequence
         self.min_following = min_following
+        self.length_group = length_group
         self.rng = random.Random(seed)
-        self._order: list[int] = []
+        self._order: list[int] = []  # the epoch's sequences still to draw, the next one last
 
     def state(self) -> dict:
         """What a resumed run needs to continue the same stream."""
@@ -233,6 +242,24 @@ class AnchorSampler:
 
     def _next_index(self) -> int:
         if not self._order:
-            self._order = list(range(len(self.sequences)))
-            self.rng.shuffle(self._order)
+            self._order = self._epoch_order()
         return self._order.pop()
+
+    def _epoch_order(self) -> list[int]:
+        """Every sequence once (and the last batch filled up), batch by batch, to be popped from the end."""
+        order = list(range(len(self.sequences)))
+        self.rng.shuffle(order)
+        # Popped from the end: the filler (each sequence at most once, unless there are fewer sequences
+        # than it needs) goes first in the list, into the epoch's last batch.
+        short = -len(order) % self.batch_size
+        filler = self.rng.sample(order, short) if short <= len(order) else self.rng.choices(order, k=short)
+        order = filler + order
+        if self.length_group <= 1:
+            return order
+        pool = self.batch_size * self.length_group
+        batches = []
+        for start in range(0, len(order), pool):
+            chunk = sorted(order[start : start + pool], key=lambda i: len(self.sequences[i][0]))
+            batches += [chunk[b : b + self.batch_size] for b in range(0, len(chunk), self.batch_size)]
+        self.rng.shuffle(batches)
+        return [i for batch in batches for i in batch]

@@ -46,6 +46,9 @@ class TrainConfig:
     batch_size: int = 32
     anchors_per_sequence: int = 32
     max_length: int = 1024
+    # Batches per pool of sequences sorted by length before batching (`AnchorSampler`; 1: random
+    # batches, about half padding on the distilled answers).
+    length_group: int = 16
     lr: float = 1e-3
     min_lr_ratio: float = 0.05
     warmup_steps: int = 50
@@ -206,6 +209,7 @@ class Trainer:
             config.anchors_per_sequence,
             config.max_length,
             config.seed + 7919 * config.run_index,
+            length_group=config.length_group,
         )
         decay, keep = [], []
         for name, param in self.drafter.named_parameters():
