@@ -315,8 +315,7 @@ class LLMEngine:
         the step too. Without it a call launches a step and waits for it. The scheduling of a step
         follows the acceptance of the one before either way, so both run the same steps."""
         timer = self.timer
-        timer.start()
-        started = time.perf_counter()
+        started = timer.start()
         failed, self._pending = self._pending, []
         if self.config.overlap_scheduling:
             earlier, launched, done = self._in_flight, None, []

@@ -34,12 +34,13 @@ class StepTimer:
         self._seconds: dict[str, float] = defaultdict(float)
         self._steps = 0
 
-    def start(self) -> None:
-        """Mark the start of a step."""
+    def start(self) -> float:
+        """Mark the start of a step; returns that moment (`time.perf_counter`)."""
         self._host_last = time.perf_counter()
         if self.enabled:
             self._sync()
             self._last = time.perf_counter()
+        return self._host_last
 
     def finish(self, phase: str) -> None:
         """The last lap of a step that ran: charge it to `phase` and count the step."""
@@ -81,17 +82,8 @@ class LoopCounters:
     counts when it is launched; the time of every `LLMEngine.step` call counts."""
 
     def __init__(self) -> None:
-        self.steps = 0
-        self.step_requests = 0
-        self.graph_steps = 0
-        self.ahead_steps = 0
-        self.prefill_steps = 0
-        self.verify_tokens = 0
-        self.step_seconds = 0.0
-        self.accept_seconds = 0.0
-        self.idle_seconds = 0.0
-        for phase in STEP_PHASES:
-            setattr(self, _HOST_FIELDS[phase], 0.0)
+        # LoopTotals' fields, at zero: `totals` freezes them back into one.
+        self.__dict__.update(vars(LoopTotals()))
 
     def add_step(self, requests: int, graph: bool, ahead: bool, prefill: bool, verify_tokens: int) -> None:
         """A step launched with `requests` requests: replayed from a graph or not, launched ahead of

@@ -79,9 +79,8 @@ class _Live:
     # Guarded by the model's lock: the engine's deltas not yet sent (merged into one at send time);
     # when the first and the last of their tokens arrived; whether a send thread holds it in its
     # queue (`ahead`: ahead of the rest, `deferred`: paced, due later); and whether its final
-    # response is decided (nothing may be
-    # sent for it after that; it is set with the request's removal from the model's live requests, so
-    # those are never closed).
+    # response is decided (nothing may be sent for it after that; it is set with the request's removal
+    # from the model's live requests, so those are never closed).
     pending: list[RequestDelta] = field(default_factory=list)
     first_pending_at: float | None = None
     last_pending_at: float | None = None
