@@ -5,8 +5,9 @@ run, per concurrency and speculation mode; greedy, `--max-tokens` tokens, ignore
     python benchmarks/serving_overhead.py --levels 1,8,64,128,256 --out /tmp/overhead
 
 Writes overhead.json and overhead.md under --out. `--modes` picks the engine configurations:
-`off` (plain decoding), `default` (the serve default), `default-inprocess` (the default with the
-engine in the adapter's process: engine_process false, the design before the engine process).
+`off` (plain decoding), `default` (the serve default), `static` (the default without its gate: every
+step drafts the block), `default-inprocess` (the default with the engine in the adapter's process:
+engine_process false, the design before the engine process).
 `--profile-levels 64,256` then runs a longer load at those levels (at least 10 requests a stream),
 untimed, while py-spy (when installed) samples the server's Python processes: collapsed stacks in
 `<out>/<mode>/py-spy-<level>.txt`.
@@ -39,6 +40,8 @@ from dspark.serving.triton_config import DEFAULT_MODEL_REPOSITORY, render_config
 MODES = {
     "off": {"spec_mode": "off"},
     "default": {},
+    # A fixed draft length (no gate): does a served drafting step cost more than an offline one by itself?
+    "static": {"adaptive_speculation": False},
     "default-inprocess": {"engine_process": False},
     # Responses unpaced (one whenever the engine commits): the same engines, the served side only.
     "off-unpaced": {"spec_mode": "off", "max_responses_per_s": 0},

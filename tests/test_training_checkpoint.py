@@ -1,6 +1,6 @@
 """A trained drafter survives the DSpark checkpoint format: save -> load gives identical weights and
-outputs, bf16 files hold the bf16 rounding of the weights, calibrated temperatures are read back, and a
-warm restart from a checkpoint continues from its loss."""
+outputs, bf16 files hold the bf16 rounding of the weights, calibrated temperatures are read back, a
+warm restart from a checkpoint continues from its loss, and a deepened drafter starts where it was."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from dspark.training.trainer import (
     LOG_FILE,
     TrainConfig,
     Trainer,
+    deepened,
     drafter_loss,
     new_drafter,
     trainable_from_checkpoint,
@@ -129,3 +130,25 @@ def test_a_warm_restart_starts_from_the_checkpoints_loss_not_a_fresh_drafters(
     assert (first["run"], first["step"]) == (1, 1)
     assert first["loss"] == pytest.approx(restored_loss, abs=1e-4)
     assert abs(first["loss"] - fresh_loss) > 0.01
+
+
+def test_a_deepened_drafter_computes_what_it_did_then_trains_its_new_layers(tiny_target_dir, tmp_path) -> None:
+    target, drafter = _trained(tiny_target_dir, tmp_path)
+    save_drafter(drafter, tmp_path / "one", dtype=torch.float32)
+    grown = deepened(trainable_from_checkpoint(tmp_path / "one", 4), 3)
+    assert grown.config.num_hidden_layers == 3 and len(grown.layers) == 3
+    assert deepened(drafter, 1) is drafter
+    with pytest.raises(ValueError, match="num_layers"):
+        deepened(grown, 2)
+    with torch.no_grad():
+        for a, b in zip(_outputs(target, drafter), _outputs(target, grown), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    rng = random.Random(3)
+    prompts = [(str(i), "code", [rng.randrange(1, 8) for _ in range(4)]) for i in range(8)]
+    records = distill(target, prompts, [0.0] * 8, [], 12, 8, seed=0)
+    config = TrainConfig(steps=2, batch_size=4, anchors_per_sequence=2, warmup_steps=1, save_every=100)
+    trained = Trainer(target, grown, records, config, tmp_path / "work3", torch.device("cpu")).run()
+    for layer in trained.layers[1:]:
+        assert layer.self_attn.o_proj.weight.abs().sum() > 0 and layer.mlp.down_proj.weight.abs().sum() > 0
+    save_drafter(trained, tmp_path / "three", dtype=torch.float32)
+    assert load_drafter(tmp_path / "three", torch.float32, "cpu").config.num_hidden_layers == 3

@@ -52,6 +52,9 @@ LR=${LR:-1e-3}
 LR_RUN_DECAY=${LR_RUN_DECAY:-0.8}
 RUN=${RUN:--1}
 PROFILE_SPS=${PROFILE_SPS:-1}
+# Drafter layers (0: a fresh drafter's 1, else INIT_DRAFT's own; more than INIT_DRAFT's grows it, each new
+# layer starting as a copy of its last whose output projections are zero: the same drafter, deeper).
+NUM_LAYERS=${NUM_LAYERS:-0}
 START=$(date +%s)
 export PYTHONUNBUFFERED=1
 # shellcheck source=training/lib.sh
@@ -108,10 +111,10 @@ run() {
   fi
   local init=()
   [[ -z "$INIT_DRAFT" ]] || init=(--init-draft "$INIT_DRAFT")
-  stage "train the drafter (block size 7, 1 layer, Markov rank 32; time budget ${minutes} min, 0: steps only;" \
+  stage "train the drafter (block size 7, layers ${NUM_LAYERS} (0: 1 or INIT_DRAFT's), Markov rank 32; time budget ${minutes} min, 0: steps only;" \
     "start: ${INIT_DRAFT:-a fresh drafter}; data: ${data[*]})"
   dspark train-draft --data "${data[@]}" --out "$WORK/drafter" --work-dir "$WORK/train" \
-    --block-size 7 --num-layers 1 --markov-rank 32 --num-target-features 3 --seed 0 --lr "$LR" \
+    --block-size 7 --num-layers "$NUM_LAYERS" --markov-rank 32 --num-target-features 3 --seed 0 --lr "$LR" \
     --lr-run-decay "$LR_RUN_DECAY" --run-index "$RUN" --max-minutes "$minutes" "${init[@]}" "${TRAIN_ARGS[@]}"
   out_drafter
 

@@ -334,7 +334,12 @@ def train_draft(argv: list[str]) -> int:
         help="the peak learning rate of run k is --lr times this to the power k",
     )
     parser.add_argument("--block-size", type=int, default=7)
-    parser.add_argument("--num-layers", type=int, default=1)
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        default=0,
+        help="drafter layers (0: 1 for a fresh drafter, --init-draft's own; more than its own grows it)",
+    )
     parser.add_argument("--markov-rank", type=int, default=32)
     parser.add_argument("--num-target-features", type=int, default=3, help="target layers, evenly spread")
     parser.add_argument(
@@ -372,6 +377,7 @@ def train_draft(argv: list[str]) -> int:
         LOG_FILE,
         STATE_FILE,
         Trainer,
+        deepened,
         init_from_target,
         new_drafter,
         next_run_index,
@@ -403,13 +409,15 @@ def train_draft(argv: list[str]) -> int:
         weights=LossWeights(args.l1_weight, args.confidence_weight, args.decay),
     )
     if args.init_draft:
+        # --num-layers above the checkpoint's grows it (`deepened`); the other shape flags are its own.
         drafter = trainable_from_checkpoint(args.init_draft, args.block_size)
+        drafter = deepened(drafter, args.num_layers or drafter.config.num_hidden_layers)
     else:
         layer_ids = [int(i) for i in args.target_layers.split(",")] if args.target_layers else None
         drafter = new_drafter(
             target.config,
             args.block_size,
-            args.num_layers,
+            args.num_layers or 1,
             args.markov_rank,
             args.num_target_features,
             args.seed,

@@ -118,6 +118,28 @@ def trainable_from_checkpoint(draft_dir: str | Path, block_size: int) -> Drafter
 
 
 @torch.no_grad()
+def deepened(drafter: Drafter, num_layers: int) -> Drafter:
+    """The same drafter with `num_layers` layers, computing exactly what it did: each new layer copies
+    the last one with its attention and MLP output projections zeroed, so it adds nothing to the
+    residual stream until training moves them (a warm start for a deeper drafter)."""
+    have = drafter.config.num_hidden_layers
+    if num_layers < have:
+        raise ValueError(f"num_layers: the drafter has {have} layers; it can grow, not shrink, to {num_layers}")
+    if num_layers == have:
+        return drafter
+    grown = Drafter(dataclasses.replace(drafter.config, num_hidden_layers=num_layers))
+    grown.to(dtype=drafter.fc.weight.dtype, device=drafter.fc.weight.device)
+    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and all(name.startswith("layers.") for name in missing), (missing, unexpected)
+    last = drafter.layers[-1].state_dict()
+    for layer in grown.layers[have:]:
+        layer.load_state_dict(last)
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    return grown.train().requires_grad_(True)
+
+
+@torch.no_grad()
 def init_from_target(drafter: Drafter, target: CausalLM) -> None:
     """Start the drafter where the target ends: its layers copy the target's last layers, its final
     norm the target's (calibrated for the shared LM head), and `fc` passes the deepest captured feature
