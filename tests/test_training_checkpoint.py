@@ -132,7 +132,9 @@ def test_a_warm_restart_starts_from_the_checkpoints_loss_not_a_fresh_drafters(
     assert abs(first["loss"] - fresh_loss) > 0.01
 
 
-def test_a_deepened_drafter_computes_what_it_did_then_trains_its_new_layers(tiny_target_dir, tmp_path) -> None:
+def test_a_deepened_drafter_computes_what_it_did_then_trains_its_new_layers(
+    tiny_target_dir, tmp_path
+) -> None:
     target, drafter = _trained(tiny_target_dir, tmp_path)
     save_drafter(drafter, tmp_path / "one", dtype=torch.float32)
     grown = deepened(trainable_from_checkpoint(tmp_path / "one", 4), 3)

@@ -124,7 +124,7 @@ def deepened(drafter: Drafter, num_layers: int) -> Drafter:
     residual stream until training moves them (a warm start for a deeper drafter)."""
     have = drafter.config.num_hidden_layers
     if num_layers < have:
-        raise ValueError(f"num_layers: the drafter has {have} layers; it can grow, not shrink, to {num_layers}")
+        raise ValueError(f"num_layers: {num_layers} is fewer than the drafter's {have} layers")
     if num_layers == have:
         return drafter
     grown = Drafter(dataclasses.replace(drafter.config, num_hidden_layers=num_layers))
