@@ -1,0 +1,102 @@
+"""Is the served engine's slower step the engine process's own doing, or the server's? The served
+engine's host phases run 1.5-2x their offline time on the H200 host (issue 18). This runs the same
+engine three ways side by side, at each concurrency, with the load generator's closed loop (each of
+`level` streams submits its next request when the last one ends; greedy, ignore_eos):
+
+- offline: `dspark.LLM` in this process (`agreement.offline_run`, one batch of `level` prompts);
+- engine process: `EngineProcess` (the spawned engine process the adapter runs, its control and
+  sender threads, the delta pipe, the adapter-side text) driven from this process, no tritonserver;
+- (through tritonserver is serving_overhead.py's served side).
+
+    python benchmarks/engine_process_check.py --levels 1,64 --mode static
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from agreement import loop_shares, offline_run  # noqa: E402
+from serving_overhead import MODES, engine_config  # noqa: E402
+
+from dspark import SamplingParams  # noqa: E402
+from dspark.serving.engine_process import EngineProcess  # noqa: E402
+from dspark_client.bench import PROMPTS  # noqa: E402
+
+
+def closed_loop(engine: EngineProcess, level: int, requests: int, max_tokens: int) -> tuple[float, int]:
+    """`level` streams, `requests` in all, each stream's next submitted when its last ends: seconds and
+    output tokens."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    lock, done = threading.Lock(), threading.Event()
+    state = {"submitted": 0, "finished": 0, "tokens": 0}
+
+    def submit_next() -> None:
+        with lock:
+            if state["submitted"] >= requests:
+                return
+            index = state["submitted"]
+            state["submitted"] += 1
+        engine.submit(f"r{index}", params, on_delta, prompt=PROMPTS[index % len(PROMPTS)])
+
+    def on_delta(delta) -> None:  # noqa: ANN001 - RequestDelta
+        with lock:
+            state["tokens"] += len(delta.new_token_ids)
+            if delta.finished:
+                state["finished"] += 1
+                if state["finished"] == requests:
+                    done.set()
+        if delta.finished:
+            submit_next()
+
+    started = time.perf_counter()
+    for _ in range(level):
+        submit_next()
+    done.wait()
+    return time.perf_counter() - started, state["tokens"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--levels", default="1,64")
+    parser.add_argument("--mode", default="static", choices=sorted(MODES))
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--requests-per-stream", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",")]
+    config = engine_config(args.mode, max(levels))
+    results: dict = {"offline": {}, "engine_process": {}}
+    loops: dict = {}
+    rates, _ = offline_run(config, levels, args.max_tokens, loops)
+    for level in levels:
+        results["offline"][level] = {"tokens_per_s": rates[level], "loop": loops[level]}
+        print(f"offline        {level:>4}: {rates[level]:.0f} tok/s, loop {loops[level]}", flush=True)
+    engine = EngineProcess(config)
+    engine.start()
+    try:
+        closed_loop(engine, 8, 16, 16)  # warm-up
+        for level in levels:
+            time.sleep(0.3)  # the last batch's load snapshot arrived
+            before = engine.load().loop
+            seconds, tokens = closed_loop(engine, level, args.requests_per_stream * level, args.max_tokens)
+            time.sleep(0.3)
+            loop = loop_shares(before, engine.load().loop, seconds, tokens)
+            results["engine_process"][level] = {"tokens_per_s": round(tokens / seconds, 1), "loop": loop}
+            print(f"engine process {level:>4}: {tokens / seconds:.0f} tok/s, loop {loop}", flush=True)
+    finally:
+        engine.shutdown()
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
