@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
 from dspark.outputs import EngineLoad, SpecStats
-from dspark.serving.metrics import Metrics, TritonMetrics
+from dspark.serving.metrics import UPDATE_OBSERVATIONS_PER_S, Metrics, TritonMetrics
 
 
 class FakeFamily:
@@ -156,3 +158,27 @@ def test_engine_loop_counters_move_by_the_difference_between_loads():
     load(steps=3, step_requests=3, step_seconds=0.1)
     assert metric("dspark_engine_steps_total").value == 18
     assert metric("dspark_engine_idle_seconds_total").value == 2.0
+
+
+def test_streamed_latencies_are_a_uniform_sample_of_at_most_the_budget_a_second():
+    FakeFamily.created = {}
+    now = [0.0]
+    metrics = TritonMetrics(
+        FakeFamily, {"model": "dspark", "version": "1"}, 512, clock=lambda: now[0], rng=random.Random(0)
+    )
+    gaps = [0.001 * (1 + i % 100) for i in range(20_000)]  # 20,000 updates of one token in 2 s
+    for gap in gaps:
+        metrics.tokens_generated(1, since_arrival=None, since_last=gap)
+    now[0] = 2.0
+    metrics.flush()
+    itl = list(metric("dspark_inter_token_latency_seconds").observed)
+    assert len(itl) == 2 * UPDATE_OBSERVATIONS_PER_S
+    assert metric("vllm:time_per_output_token_seconds").observed == itl
+    assert set(itl) <= set(gaps)
+    assert abs(sum(itl) / len(itl) - sum(gaps) / len(gaps)) < 0.005  # the mean holds (0.0505)
+    assert metric("dspark_generation_tokens_total").value == 20_000  # counters stay exact
+    for gap in gaps[:10]:  # fewer than the budget: every one
+        metrics.tokens_generated(2, since_arrival=None, since_last=gap)
+    now[0] = 3.0
+    metrics.flush()
+    assert metric("dspark_inter_token_latency_seconds").observed[len(itl) :] == [g / 2 for g in gaps[:10]]

@@ -17,7 +17,10 @@ it, so `vllm:spec_decode_num_draft_tokens_total` counts verified drafts (all dra
 
 from __future__ import annotations
 
+import random
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from dspark.config import EngineConfig
@@ -26,6 +29,9 @@ from dspark.runner.models.hf_config import ModelConfig
 from dspark.sampling_params import MAX_INT
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+# Streamed updates' seconds per token published at most this often a second per histogram (inter-token
+# latency, vLLM's time per output token), a uniform sample of them (`TritonMetrics.flush` says why).
+UPDATE_OBSERVATIONS_PER_S = 500
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 SPEC_COUNTERS = ("drafted_tokens", "verified_tokens", "accepted_tokens", "steps", "drafting_steps")
 # The engine loop's totals (dspark.outputs.LoopTotals fields) as `dspark_engine_<name>_total` counters.
@@ -117,9 +123,20 @@ class Metrics:
 class TritonMetrics(Metrics):
     """Prometheus families on Triton's metrics endpoint, labelled with the model name and version."""
 
-    def __init__(self, family: Any, labels: dict[str, str], max_model_len: int = 0) -> None:
-        """`max_model_len` bounds vLLM's token-count buckets (0: unknown, up to MAX_INT)."""
+    def __init__(
+        self,
+        family: Any,
+        labels: dict[str, str],
+        max_model_len: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        """`max_model_len` bounds vLLM's token-count buckets (0: unknown, up to MAX_INT); `clock` and
+        `rng` time and draw the sample of streamed updates' latencies (`flush`)."""
         self._family = family
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._flushed_at = clock()
         self._labels = dict(labels)
         self._families: list[Any] = []  # a family is unregistered when garbage-collected
         self._vllm = _VllmFamilies(self, max_model_len or MAX_INT)
@@ -138,7 +155,8 @@ class TritonMetrics(Metrics):
         self._itl = self._metric(
             family.HISTOGRAM,
             "dspark_inter_token_latency_seconds",
-            "Seconds between streamed tokens: one observation per response, its gap over its tokens",
+            "Seconds between streamed tokens: one observation per response, its gap over its tokens "
+            f"(a uniform sample of at most {UPDATE_OBSERVATIONS_PER_S} responses a second)",
             buckets=ITL_BUCKETS,
         )
         self._spec = {
@@ -187,6 +205,7 @@ class TritonMetrics(Metrics):
         self._pending: dict[Any, float] = {}  # counter -> increment not yet published
         self._gauges: dict[Any, float] = {}  # gauge -> value not yet published
         self._observations: list[tuple[Any, float]] = []  # (histogram, value) not yet published
+        self._per_token: list[float] = []  # streamed updates' seconds per token, not yet published
         # The adapter reports from several threads (its send threads and its poll thread): `_lock`
         # guards the state above. The Python backend's metric calls must not run concurrently (its
         # stub crashed when two threads observed at once), and each is a round trip to the server:
@@ -230,8 +249,7 @@ class TritonMetrics(Metrics):
             elif since_last is not None:
                 # One observation per update, not per token: each observe is a round trip to the server
                 # process, and an update carries every token the engine committed since the last one.
-                per_token = since_last / count
-                self._observations += [(self._itl, per_token), (self._vllm.tpot, per_token)]
+                self._per_token.append(since_last / count)
 
     def speculation(self, before: dict | None, after: dict) -> None:
         with self._lock:
@@ -283,10 +301,21 @@ class TritonMetrics(Metrics):
                     self._add(counter, moved)
 
     def flush(self) -> None:
+        now = self._clock()
         with self._lock:
             pending, self._pending = self._pending, {}
             gauges, self._gauges = self._gauges, {}
             observations, self._observations = self._observations, []
+            per_token, self._per_token = self._per_token, []
+        # Each observation is a round trip to the server process that holds this process's GIL (the
+        # backend's Metric calls do not release it), and under load there is one per streamed
+        # response: the send threads waited on them. A uniform sample keeps the histograms' quantiles
+        # and mean (sum over count); their count is the sample's.
+        budget = max(1, round(UPDATE_OBSERVATIONS_PER_S * (now - self._flushed_at)))
+        self._flushed_at = now
+        if len(per_token) > budget:
+            per_token = self._rng.sample(per_token, budget)
+        observations += [(h, value) for value in per_token for h in (self._itl, self._vllm.tpot)]
         with self._publish:
             for counter, amount in pending.items():
                 counter.increment(amount)
