@@ -8,13 +8,15 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dspark import LLM, EngineConfig, SamplingParams, SpecStats
 from dspark.runner.models.loader import load_target_model
 from dspark.spec.draft_checkpoint import save_drafter
 from dspark.training.data import AnchorSampler, distill, distill_with_engine
+from dspark.training.draft_forward import block_hidden
 from dspark.training.losses import LossWeights, position_weights
-from dspark.training.trainer import TrainConfig, Trainer, drafter_loss, new_drafter
+from dspark.training.trainer import TrainConfig, Trainer, block_targets, drafter_loss, new_drafter
 
 BLOCK = 4
 
@@ -89,6 +91,34 @@ def test_loss_decreases_over_a_few_steps(tiny_target, records, tmp_path) -> None
         after = drafter_loss(tiny_target, drafter, fixed, LossWeights(), autocast=False)
     assert float(after.total) < 0.8 * float(before.total)
     assert float(after.ce) < float(before.ce) and float(after.l1) < float(before.l1)
+
+
+def test_the_soft_cross_entropy_is_against_the_targets_distribution(tiny_target, records, tmp_path) -> None:
+    fixed = next(AnchorSampler(records, 16, 4, 64, seed=124))
+    drafter = _drafter(tiny_target)
+    soft = LossWeights(ce_target="target")
+    with torch.no_grad():
+        hard_parts = drafter_loss(tiny_target, drafter, fixed, LossWeights(), autocast=False)
+        soft_parts = drafter_loss(tiny_target, drafter, fixed, soft, autocast=False)
+        features, targets = block_targets(tiny_target, fixed, BLOCK, list(drafter.config.target_layer_ids))
+        hidden = block_hidden(
+            drafter, tiny_target.embed_tokens.weight, features, fixed.token_ids, fixed.anchors
+        )
+        logits = drafter.corrected_logits(
+            F.linear(hidden.flatten(0, 1), tiny_target.lm_head.weight).float(),
+            drafter.markov_features(targets.previous),
+        )
+        expected = -(torch.softmax(targets.target_logits.float(), -1) * torch.log_softmax(logits, -1)).sum(-1)
+        w = position_weights(BLOCK, soft.decay, expected.device)[None, :] * targets.valid
+    torch.testing.assert_close(soft_parts.ce, (w * expected).sum() / w.sum())
+    torch.testing.assert_close(soft_parts.l1, hard_parts.l1)  # only the cross-entropy's label changes
+    assert abs(float(soft_parts.ce) - float(hard_parts.ce)) > 1e-4
+    Trainer(tiny_target, drafter, records, _config(30, weights=soft), tmp_path, torch.device("cpu")).run()
+    with torch.no_grad():
+        after = drafter_loss(tiny_target, drafter, fixed, soft, autocast=False)
+    assert float(after.total) < 0.8 * float(soft_parts.total)
+    with pytest.raises(ValueError, match="ce_target"):
+        LossWeights(ce_target="labels")
 
 
 def test_resumed_run_ends_where_an_uninterrupted_run_does(tiny_target, records, tmp_path) -> None:

@@ -55,6 +55,8 @@ PROFILE_SPS=${PROFILE_SPS:-1}
 # Drafter layers (0: a fresh drafter's 1, else INIT_DRAFT's own; more than INIT_DRAFT's grows it, each new
 # layer starting as a copy of its last whose output projections are zero: the same drafter, deeper).
 NUM_LAYERS=${NUM_LAYERS:-0}
+# The cross-entropy's label: data (the answers' next tokens) or target (the target's distribution there).
+CE_TARGET=${CE_TARGET:-data}
 START=$(date +%s)
 export PYTHONUNBUFFERED=1
 # shellcheck source=training/lib.sh
@@ -114,7 +116,7 @@ run() {
   stage "train the drafter (block size 7, layers ${NUM_LAYERS} (0: 1 or INIT_DRAFT's), Markov rank 32; time budget ${minutes} min, 0: steps only;" \
     "start: ${INIT_DRAFT:-a fresh drafter}; data: ${data[*]})"
   dspark train-draft --data "${data[@]}" --out "$WORK/drafter" --work-dir "$WORK/train" \
-    --block-size 7 --num-layers "$NUM_LAYERS" --markov-rank 32 --num-target-features 3 --seed 0 --lr "$LR" \
+    --block-size 7 --num-layers "$NUM_LAYERS" --ce-target "$CE_TARGET" --markov-rank 32 --num-target-features 3 --seed 0 --lr "$LR" \
     --lr-run-decay "$LR_RUN_DECAY" --run-index "$RUN" --max-minutes "$minutes" "${init[@]}" "${TRAIN_ARGS[@]}"
   out_drafter
 

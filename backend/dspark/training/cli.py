@@ -290,7 +290,7 @@ def _generate(
 
 def train_draft(argv: list[str]) -> int:
     """`dspark train-draft`: train a DSpark drafter on self-distillation data."""
-    from dspark.training.losses import LossWeights
+    from dspark.training.losses import CE_TARGETS, LossWeights
     from dspark.training.trainer import TrainConfig
 
     defaults, weights = TrainConfig(), LossWeights()
@@ -364,6 +364,12 @@ def train_draft(argv: list[str]) -> int:
     parser.add_argument("--l1-weight", type=float, default=weights.l1)
     parser.add_argument("--confidence-weight", type=float, default=weights.confidence)
     parser.add_argument("--decay", type=float, default=weights.decay, help="position weight exp(-k/decay)")
+    parser.add_argument(
+        "--ce-target",
+        choices=CE_TARGETS,
+        default=weights.ce_target,
+        help="the cross-entropy's label: the data's next token, or the target's distribution there",
+    )
     parser.add_argument("--log-every", type=int, default=defaults.log_every)
     parser.add_argument("--save-every", type=int, default=defaults.save_every)
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -406,7 +412,7 @@ def train_draft(argv: list[str]) -> int:
         seed=args.seed,
         log_every=args.log_every,
         save_every=args.save_every,
-        weights=LossWeights(args.l1_weight, args.confidence_weight, args.decay),
+        weights=LossWeights(args.l1_weight, args.confidence_weight, args.decay, args.ce_target),
     )
     if args.init_draft:
         # --num-layers above the checkpoint's grows it (`deepened`); the other shape flags are its own.

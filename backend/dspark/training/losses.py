@@ -2,7 +2,9 @@
 
 Per block position k (0-based; slot k predicts the token after position anchor + k):
 - cross-entropy of the Markov-corrected logits U_k + W2 · W1[x_{k-1}] against the true next token, with
-  teacher forcing (x_{k-1} is the true token at anchor + k; the anchor itself for k = 0);
+  teacher forcing (x_{k-1} is the true token at anchor + k; the anchor itself for k = 0), or, with
+  `ce_target="target"`, against the target's distribution there (a soft label: the data's next token is
+  one draw of it when the answer was sampled at temperature 1, the argmax when greedy);
 - the L1 distance between the draft and target distributions, ‖p_d − p_t‖₁;
 - binary cross-entropy of the confidence head against 1 − ½‖p_d − p_t‖₁, the chance that speculative
   sampling accepts the draft.
@@ -19,14 +21,23 @@ import torch.nn.functional as F
 from dspark.spec.drafter import Drafter
 from dspark.training.draft_forward import confidence_logits
 
+CE_TARGETS = ("data", "target")
+
 
 @dataclass
 class LossWeights:
-    """How the three terms and the block positions are weighted."""
+    """How the three terms and the block positions are weighted, and what the cross-entropy is against."""
 
     l1: float = 1.0
     confidence: float = 0.5
     decay: float = 4.0
+    # What the cross-entropy's label is: "data" (the next token of the training sequence) or "target"
+    # (the target's distribution at that position, which the L1 term computes anyway).
+    ce_target: str = "data"
+
+    def __post_init__(self) -> None:
+        if self.ce_target not in CE_TARGETS:
+            raise ValueError(f"ce_target: one of {CE_TARGETS}, got {self.ce_target!r}")
 
 
 @dataclass
@@ -68,8 +79,11 @@ def dspark_loss(
     markov = drafter.markov_features(targets.previous)
     logits = drafter.corrected_logits(F.linear(hidden, lm_head.to(hidden.dtype)).float(), markov)
     log_pd = torch.log_softmax(logits, dim=-1)
-    ce = -log_pd.gather(-1, targets.labels[..., None]).squeeze(-1)
     p_t = torch.softmax(targets.target_logits.float(), dim=-1)
+    if weights.ce_target == "target":
+        ce = -(p_t * log_pd).sum(-1)
+    else:
+        ce = -log_pd.gather(-1, targets.labels[..., None]).squeeze(-1)
     l1 = (log_pd.exp() - p_t).abs().sum(-1)
     # The confidence head reads the drafter without steering it: its inputs and target are detached.
     acceptance = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
