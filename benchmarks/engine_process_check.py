@@ -8,13 +8,18 @@ engine three ways side by side, at each concurrency, with the load generator's c
   sender threads, the delta pipe, the adapter-side text) driven from this process, no tritonserver;
 - (through tritonserver is serving_overhead.py's served side).
 
-    python benchmarks/engine_process_check.py --levels 1,64 --mode static
+    python benchmarks/engine_process_check.py --levels 1,64 --mode static [--profile-level 64 --out-dir D]
+
+`--profile-level L` then runs a longer load at L on each side, untimed, while py-spy (when installed)
+samples this process and its engine process: collapsed stacks and their summary
+(`benchmarks/pyspy_top.py`) in `--out-dir` (offline-L.txt, engine-process-L.txt and *-top.txt).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -24,9 +29,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from agreement import loop_shares, offline_run  # noqa: E402
-from serving_overhead import MODES, engine_config  # noqa: E402
+from pyspy_top import summarize  # noqa: E402
+from serving_overhead import MODES, engine_config, start_profile  # noqa: E402
 
-from dspark import SamplingParams  # noqa: E402
+from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.serving.engine_process import EngineProcess  # noqa: E402
 from dspark_client.bench import PROMPTS  # noqa: E402
 
@@ -63,6 +69,19 @@ def closed_loop(engine: EngineProcess, level: int, requests: int, max_tokens: in
     return time.perf_counter() - started, state["tokens"]
 
 
+def profile(out: Path, seconds: float, load) -> None:  # noqa: ANN001 - one round of the load
+    """py-spy samples of this process and its children (from 3 s in, `seconds` long) while rounds of
+    `load` run back to back, and their summary beside them."""
+    profiler = start_profile(os.getpid(), out, seconds)
+    ends = time.monotonic() + seconds + 4
+    while time.monotonic() < ends:
+        load()
+    if profiler is not None:
+        profiler.wait(seconds + 30)
+        if out.exists():
+            out.with_name(out.stem + "-top.txt").write_text(summarize(out, 30))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--levels", default="1,64")
@@ -70,15 +89,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests-per-stream", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile-level", type=int, default=0, help="a level to sample with py-spy")
+    parser.add_argument("--profile-s", type=float, default=6.0)
+    parser.add_argument("--out-dir", type=Path, default=Path("/tmp/dspark-engine-process-check"))
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
-    config = engine_config(args.mode, max(levels))
+    config = engine_config(args.mode, max(levels + [args.profile_level]))
     results: dict = {"offline": {}, "engine_process": {}}
     loops: dict = {}
     rates, _ = offline_run(config, levels, args.max_tokens, loops)
     for level in levels:
         results["offline"][level] = {"tokens_per_s": rates[level], "loop": loops[level]}
         print(f"offline        {level:>4}: {rates[level]:.0f} tok/s, loop {loops[level]}", flush=True)
+    level = args.profile_level
+    if level:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        with LLM(config) as llm:
+            params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(level)]
+            llm.generate(prompts, params)
+            profile(
+                args.out_dir / f"offline-{level}.txt",
+                args.profile_s,
+                lambda: llm.generate(prompts, params),
+            )
     engine = EngineProcess(config)
     engine.start()
     try:
@@ -91,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
             loop = loop_shares(before, engine.load().loop, seconds, tokens)
             results["engine_process"][level] = {"tokens_per_s": round(tokens / seconds, 1), "loop": loop}
             print(f"engine process {level:>4}: {tokens / seconds:.0f} tok/s, loop {loop}", flush=True)
+        level = args.profile_level
+        if level:
+            profile(
+                args.out_dir / f"engine-process-{level}.txt",
+                args.profile_s,
+                lambda: closed_loop(engine, level, 4 * level, args.max_tokens),
+            )
     finally:
         engine.shutdown()
     if args.out is not None:
