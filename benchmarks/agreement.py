@@ -89,11 +89,14 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
     `LoopTotals` snapshots around it): steps/s, requests and output tokens per step, the shares of the
     steps replayed from a graph, launched ahead and carrying a prefill chunk, the drafts a request
     verified a step (the adaptive gate's choice), the share of the window
-    in step calls, and per step: wall ms, the acceptance's ms (where the host waits for the device) and
-    the host's ms in each phase of the step (`host_<phase>_ms`)."""
+    in step calls, and per step: wall ms (also apart for the steps that carried a prefill chunk and the
+    others), the acceptance's ms (where the host waits for the device) and the host's ms in each phase
+    of the step (`host_<phase>_ms`)."""
     steps = max(after.steps - before.steps, 1)
     requests = after.step_requests - before.step_requests
     step_s = after.step_seconds - before.step_seconds
+    prefill_s = after.prefill_step_seconds - before.prefill_step_seconds
+    prefill_steps = after.prefill_steps - before.prefill_steps
     return {
         "steps_per_s": round((after.steps - before.steps) / seconds, 1),
         "requests_per_step": round(requests / steps, 2),
@@ -104,6 +107,9 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
         "drafts_per_request": round((after.verify_tokens - before.verify_tokens) / max(requests, 1), 3),
         "in_steps": round(step_s / seconds, 3),
         "step_ms": round(1e3 * step_s / steps, 3),
+        # Steps that carried a prefill chunk, and the others: what admitting a prompt costs a step.
+        "prefill_step_ms": round(1e3 * prefill_s / max(prefill_steps, 1), 3),
+        "decode_step_ms": round(1e3 * (step_s - prefill_s) / max(steps - prefill_steps, 1), 3),
         "accept_ms": round(1e3 * (after.accept_seconds - before.accept_seconds) / steps, 3),
     } | {
         f"host_{phase}_ms": round(1e3 * (getattr(after, name) - getattr(before, name)) / steps, 3)

@@ -224,6 +224,7 @@ def test_loop_totals_count_steps_requests_and_where_their_time_went(tiny_target_
     # Graphs replay only on CUDA (a step with a small prefill chunk may replay one too); the first step
     # prefills; `compact` drafts apart: nothing goes ahead.
     assert 1 <= loop.prefill_steps < loop.steps
+    assert 0 < loop.prefill_step_seconds < loop.step_seconds
     if llm.engine.limits.device.type == "cuda":
         assert 0 < loop.graph_steps <= loop.steps
     else:

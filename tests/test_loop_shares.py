@@ -24,6 +24,7 @@ def test_loop_shares_are_per_step_differences_under_distinct_keys() -> None:
         verify_tokens=64,
         prefill_steps=2,
         step_seconds=1.1,
+        prefill_step_seconds=0.03,
         accept_seconds=0.502,
         **phases,
     )
@@ -32,5 +33,9 @@ def test_loop_shares_are_per_step_differences_under_distinct_keys() -> None:
     assert shares["tokens_per_step"] == 12.0 and shares["prefill"] == 0.2
     assert shares["drafts_per_request"] == 1.5  # 60 drafts over 40 request-steps
     assert shares["step_ms"] == pytest.approx(10.0) and shares["accept_ms"] == pytest.approx(0.2)
+    # 2 prefill-carrying steps took 30 ms, the other 8 took 70.
+    assert shares["prefill_step_ms"] == pytest.approx(15.0) and shares["decode_step_ms"] == pytest.approx(
+        8.75
+    )
     for i, phase in enumerate(STEP_PHASES):
         assert shares[f"host_{phase}_ms"] == pytest.approx(1e3 * (0.5 + 0.01 * (i + 1)) / 10)

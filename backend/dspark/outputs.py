@@ -385,6 +385,9 @@ class LoopTotals:
     # request verified a step, as the adaptive gate chose them).
     verify_tokens: int = 0
     step_seconds: float = 0.0
+    # Of `step_seconds`: the calls that launched a step carrying a prefill chunk (with overlap such a call
+    # also accepts the step before it): against the rest, what a step that admits a prompt costs.
+    prefill_step_seconds: float = 0.0
     accept_seconds: float = 0.0
     idle_seconds: float = 0.0
     # The step calls' wall time by phase of the step (`STEP_PHASES`), as the host spends it: launching

@@ -335,7 +335,8 @@ class LLMEngine:
         deltas = failed + [pending.make(self.defer_text) for pending in done]
         if launched is not None or done:
             timer.finish("emit")
-            self.loop_counters.add_call(time.perf_counter() - started)
+            prefill = launched is not None and bool(launched.schedule.prefill)
+            self.loop_counters.add_call(time.perf_counter() - started, prefill)
         return deltas
 
     def _launch(

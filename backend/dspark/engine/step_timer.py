@@ -96,9 +96,12 @@ class LoopCounters:
         self.prefill_steps += prefill
         self.verify_tokens += verify_tokens
 
-    def add_call(self, seconds: float) -> None:
-        """One `LLMEngine.step` call that ran or completed a step: `seconds` of wall time."""
+    def add_call(self, seconds: float, prefill: bool = False) -> None:
+        """One `LLMEngine.step` call that ran or completed a step: `seconds` of wall time; `prefill`:
+        the step it launched carries a prefill chunk."""
         self.step_seconds += seconds
+        if prefill:
+            self.prefill_step_seconds += seconds
 
     def add_host(self, phase: str, seconds: float) -> None:
         """`seconds` of the host's time in a phase of a step (`STEP_PHASES`)."""

@@ -43,6 +43,7 @@ LOOP_COUNTERS = {
     "prefill_steps": "Engine steps that carried a prefill chunk",
     "verify_tokens": "Draft tokens the engine's steps verified (/ step_requests: a request's drafts a step)",
     "step_seconds": "Wall seconds of the engine's steps",
+    "prefill_step_seconds": "Of step_seconds: the steps that carried a prefill chunk",
     "accept_seconds": "Wall seconds of the steps' acceptance, where the host waits for the device",
     "idle_seconds": "Seconds the engine loop waited with no request to run",
 } | {
