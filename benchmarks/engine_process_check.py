@@ -143,14 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
     config = engine_config(args.mode, max(levels + [args.profile_level]))
-    results: dict = {"offline": {}, "engine_process": {}}
+    results: dict = {"offline": {}, "in_process": {}, "engine_process": {}}
     loops: dict = {}
     rates, _ = offline_run(config, levels, args.max_tokens, loops)
     for level in levels:
         results["offline"][level] = {"tokens_per_s": rates[level], "loop": loops[level]}
         print(f"offline        {level:>4}: {rates[level]:.0f} tok/s, loop {loops[level]}", flush=True)
     # The same closed loop on an engine in this process: the arrivals' cost without the engine process.
-    results["in_process"] = {}
     with LLM(config) as llm:
         in_process_loop(llm.engine, 8, 16, 16)  # warm-up
         for level in levels:

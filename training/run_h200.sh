@@ -113,10 +113,12 @@ run() {
   fi
   local init=()
   [[ -z "$INIT_DRAFT" ]] || init=(--init-draft "$INIT_DRAFT")
-  stage "train the drafter (block size 7, layers ${NUM_LAYERS} (0: 1 or INIT_DRAFT's), Markov rank 32; time budget ${minutes} min, 0: steps only;" \
+  stage "train the drafter (block size 7, layers ${NUM_LAYERS} (0: 1 or INIT_DRAFT's), Markov rank 32," \
+    "cross-entropy against the $CE_TARGET; time budget ${minutes} min, 0: steps only;" \
     "start: ${INIT_DRAFT:-a fresh drafter}; data: ${data[*]})"
   dspark train-draft --data "${data[@]}" --out "$WORK/drafter" --work-dir "$WORK/train" \
-    --block-size 7 --num-layers "$NUM_LAYERS" --ce-target "$CE_TARGET" --markov-rank 32 --num-target-features 3 --seed 0 --lr "$LR" \
+    --block-size 7 --num-layers "$NUM_LAYERS" --ce-target "$CE_TARGET" --markov-rank 32 \
+    --num-target-features 3 --seed 0 --lr "$LR" \
     --lr-run-decay "$LR_RUN_DECAY" --run-index "$RUN" --max-minutes "$minutes" "${init[@]}" "${TRAIN_ARGS[@]}"
   out_drafter
 
