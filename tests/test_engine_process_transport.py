@@ -82,3 +82,62 @@ def test_packed_logprobs_cross_a_real_pipe_in_order():
     one, two = unpack_deltas(mine.recv())[0], unpack_deltas(mine.recv())[0]
     assert one.logprobs.last(1) == entries[:1]
     assert two.logprobs.last(2) == entries[1:] and list(two.logprobs) == entries
+
+
+def _delta(request_id: str, tokens: list[int], finished: bool = False) -> RequestDelta:
+    reason = "length" if finished else None
+    return RequestDelta(request_id, tokens, "", finished, reason, 1, len(tokens), SpecStats())
+
+
+def test_the_step_loop_writes_a_steps_deltas_into_the_pipe_itself_when_it_has_room():
+    from dspark.serving.engine_process import _Outbox, _PipeRoom
+
+    ours, theirs = mp.Pipe(duplex=False)
+    pipe = _PipeRoom.of(theirs)
+    assert pipe is not None and pipe.room() > 64 * 1024  # Linux: the pipe says how much it takes
+    outbox = _Outbox(pipe)
+    outbox.bind_load(lambda: "load-1")
+    outbox.put(_delta("a", [1, 2]))
+    outbox.put(_delta("b", [3]))
+    outbox.wake()  # no sender thread runs: the loop's own write is all there is
+    assert ours.poll(5)
+    kind, packed, load = ours.recv()
+    assert (kind, load) == ("deltas", "load-1")
+    assert [(d.request_id, d.new_token_ids) for d in unpack_deltas(packed)] == [("a", [1, 2]), ("b", [3])]
+    assert outbox.take(0) == [] and not ours.poll(0)
+    outbox.sent()
+
+
+def test_what_does_not_fit_waits_for_the_sender_which_merges_it_and_nothing_overtakes_it():
+    from dspark.serving.engine_process import _Outbox, _send_events
+
+    class Full:
+        """A pipe with no room left (the adapter reads slower than the engine steps)."""
+
+        def __init__(self) -> None:
+            self.room = 0
+
+        def write_if_room(self, message) -> bool:
+            return len(message) <= self.room and bool(theirs.send_bytes(message) or True)
+
+    ours, theirs = mp.Pipe(duplex=False)
+    full = Full()
+    outbox = _Outbox(full)
+    outbox.bind_load(lambda: "load")
+    outbox.put(_delta("a", [1]))
+    outbox.wake()
+    outbox.put(_delta("a", [2]))
+    outbox.put(_delta("b", [5]))
+    outbox.wake()
+    full.room = 1 << 20  # room again, but the waiting deltas go first: this step waits behind them
+    outbox.put(_delta("a", [3], finished=True))
+    outbox.wake()
+    outbox.put_now(None)  # the end: the sender returns once it is sent
+    _send_events(outbox, theirs, lambda: "load")
+    kind, packed, _ = ours.recv()
+    received = unpack_deltas(packed)
+    assert [(d.request_id, d.new_token_ids, d.finished) for d in received] == [
+        ("a", [1, 2, 3], True),
+        ("b", [5], False),
+    ]
+    assert not ours.poll(0)
