@@ -89,27 +89,37 @@ def _delta(request_id: str, tokens: list[int], finished: bool = False) -> Reques
     return RequestDelta(request_id, tokens, "", finished, reason, 1, len(tokens), SpecStats())
 
 
-def test_the_step_loop_writes_a_steps_deltas_into_the_pipe_itself_when_it_has_room():
-    from dspark.serving.engine_process import _Outbox, _PipeRoom
+def test_the_step_loop_writes_a_busy_steps_deltas_into_the_pipe_itself_when_it_has_room():
+    from dspark.serving.engine_process import DIRECT_MIN_DELTAS, _Outbox, _PipeRoom
 
     ours, theirs = mp.Pipe(duplex=False)
     pipe = _PipeRoom.of(theirs)
     assert pipe is not None and pipe.room() > 64 * 1024  # Linux: the pipe says how much it takes
     outbox = _Outbox(pipe)
     outbox.bind_load(lambda: "load-1")
-    outbox.put(_delta("a", [1, 2]))
-    outbox.put(_delta("b", [3]))
+    busy = [_delta(f"r{i}", [i, i + 1]) for i in range(DIRECT_MIN_DELTAS)]
+    for delta in busy:
+        outbox.put(delta)
     outbox.wake()  # no sender thread runs: the loop's own write is all there is
     assert ours.poll(5)
     kind, packed, load = ours.recv()
     assert (kind, load) == ("deltas", "load-1")
-    assert [(d.request_id, d.new_token_ids) for d in unpack_deltas(packed)] == [("a", [1, 2]), ("b", [3])]
+    received = [(d.request_id, d.new_token_ids) for d in unpack_deltas(packed)]
+    assert received == [(d.request_id, d.new_token_ids) for d in busy]
     assert outbox.take(0) == [] and not ours.poll(0)
+    outbox.sent()
+    # A step of few deltas leaves them to the sender (its work fits in the loop's waits for the device).
+    outbox.put(_delta("x", [9]))
+    outbox.wake()
+    assert [d.request_id for d in outbox.take(0)] == ["x"] and not ours.poll(0)
     outbox.sent()
 
 
-def test_what_does_not_fit_waits_for_the_sender_which_merges_it_and_nothing_overtakes_it():
+def test_what_does_not_fit_waits_for_the_sender_which_merges_it_and_nothing_overtakes_it(monkeypatch):
+    from dspark.serving import engine_process
     from dspark.serving.engine_process import _Outbox, _send_events
+
+    monkeypatch.setattr(engine_process, "DIRECT_MIN_DELTAS", 1)
 
     class Full:
         """A pipe with no room left (the adapter reads slower than the engine steps)."""
