@@ -5,7 +5,12 @@ from __future__ import annotations
 import random
 
 from dspark.outputs import EngineLoad, SpecStats
-from dspark.serving.metrics import UPDATE_OBSERVATIONS_PER_S, Metrics, TritonMetrics
+from dspark.serving.metrics import (
+    REQUEST_OBSERVATIONS_PER_S,
+    UPDATE_OBSERVATIONS_PER_S,
+    Metrics,
+    TritonMetrics,
+)
 
 
 class FakeFamily:
@@ -182,3 +187,30 @@ def test_streamed_latencies_are_a_uniform_sample_of_at_most_the_budget_a_second(
     now[0] = 3.0
     metrics.flush()
     assert metric("dspark_inter_token_latency_seconds").observed[len(itl) :] == [g / 2 for g in gaps[:10]]
+
+
+def test_per_request_histograms_are_a_uniform_sample_of_at_most_the_budget_a_second():
+    FakeFamily.created = {}
+    now = [0.0]
+    metrics = TritonMetrics(
+        FakeFamily, {"model": "dspark", "version": "1"}, 512, clock=lambda: now[0], rng=random.Random(1)
+    )
+    requests = 5 * REQUEST_OBSERVATIONS_PER_S  # in 2 s: 2.5x the budget
+    for i in range(requests):
+        metrics.tokens_generated(1, since_arrival=0.01 * (1 + i % 50), since_last=None)
+        metrics.request_completed(prompt_tokens=10 + i % 7, generation_tokens=100, e2e_latency=1.0 + i % 3)
+        metrics.request_finished("length")
+    now[0] = 2.0
+    metrics.flush()
+    ttft = list(metric("dspark_time_to_first_token_seconds").observed)
+    assert len(ttft) == 2 * REQUEST_OBSERVATIONS_PER_S
+    assert metric("vllm:time_to_first_token_seconds").observed == ttft
+    assert abs(sum(ttft) / len(ttft) - 0.255) < 0.03  # the mean holds
+    e2e = metric("vllm:e2e_request_latency_seconds").observed
+    assert len(e2e) == len(metric("vllm:request_prompt_tokens").observed) == 2 * REQUEST_OBSERVATIONS_PER_S
+    assert metric("vllm:request_params_n").observed == [1] * len(e2e)
+    assert metric("dspark_generation_tokens_total").value == requests  # counters stay exact
+    metrics.tokens_generated(1, since_arrival=0.5, since_last=None)  # fewer than the budget: every one
+    now[0] = 3.0
+    metrics.flush()
+    assert metric("dspark_time_to_first_token_seconds").observed[len(ttft) :] == [0.5]

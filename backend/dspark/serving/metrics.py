@@ -31,7 +31,10 @@ from dspark.sampling_params import MAX_INT
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 # Streamed updates' seconds per token published at most this often a second per histogram (inter-token
 # latency, vLLM's time per output token), a uniform sample of them (`TritonMetrics.flush` says why).
-UPDATE_OBSERVATIONS_PER_S = 500
+UPDATE_OBSERVATIONS_PER_S = 200
+# Likewise the per-request histograms (time to first token; vLLM's end-to-end latency, prompt and
+# generation lengths, n): at most this many requests' observations a second, a uniform sample beyond.
+REQUEST_OBSERVATIONS_PER_S = 100
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 SPEC_COUNTERS = ("drafted_tokens", "verified_tokens", "accepted_tokens", "steps", "drafting_steps")
 # The engine loop's totals (dspark.outputs.LoopTotals fields) as `dspark_engine_<name>_total` counters.
@@ -150,7 +153,8 @@ class TritonMetrics(Metrics):
         self._ttft = self._metric(
             family.HISTOGRAM,
             "dspark_time_to_first_token_seconds",
-            "Seconds from request arrival to its first streamed token",
+            "Seconds from request arrival to its first streamed token "
+            f"(a uniform sample of at most {REQUEST_OBSERVATIONS_PER_S} requests a second)",
             buckets=TTFT_BUCKETS,
         )
         self._itl = self._metric(
@@ -205,8 +209,9 @@ class TritonMetrics(Metrics):
         self._verified_at: list[int] = []
         self._pending: dict[Any, float] = {}  # counter -> increment not yet published
         self._gauges: dict[Any, float] = {}  # gauge -> value not yet published
-        self._observations: list[tuple[Any, float]] = []  # (histogram, value) not yet published
         self._per_token: list[float] = []  # streamed updates' seconds per token, not yet published
+        self._first_tokens: list[float] = []  # requests' seconds to their first token, not yet published
+        self._completions: list[tuple[float, int, int]] = []  # (e2e seconds, prompt, generation) likewise
         # The adapter reports from several threads (its send threads and its poll thread): `_lock`
         # guards the state above. The Python backend's metric calls must not run concurrently (its
         # stub crashed when two threads observed at once), and each is a round trip to the server:
@@ -225,14 +230,8 @@ class TritonMetrics(Metrics):
             self._add(self._by_reason[finish_reason], 1)
 
     def request_completed(self, prompt_tokens: int, generation_tokens: int, e2e_latency: float) -> None:
-        vllm = self._vllm
         with self._lock:
-            self._observations += [
-                (vllm.e2e, e2e_latency),
-                (vllm.request_prompt, prompt_tokens),
-                (vllm.request_generation, generation_tokens),
-                (vllm.n, 1),
-            ]
+            self._completions.append((e2e_latency, prompt_tokens, generation_tokens))
 
     def prompt_tokens(self, count: int) -> None:
         with self._lock:
@@ -246,7 +245,7 @@ class TritonMetrics(Metrics):
             self._add(self._generated, count)
             self._add(self._vllm.generation, count)
             if since_arrival is not None:
-                self._observations += [(self._ttft, since_arrival), (self._vllm.ttft, since_arrival)]
+                self._first_tokens.append(since_arrival)
             elif since_last is not None:
                 # One observation per update, not per token: each observe is a round trip to the server
                 # process, and an update carries every token the engine committed since the last one.
@@ -306,17 +305,24 @@ class TritonMetrics(Metrics):
         with self._lock:
             pending, self._pending = self._pending, {}
             gauges, self._gauges = self._gauges, {}
-            observations, self._observations = self._observations, []
             per_token, self._per_token = self._per_token, []
+            first_tokens, self._first_tokens = self._first_tokens, []
+            completions, self._completions = self._completions, []
         # Each observation is a round trip to the server process that holds this process's GIL (the
-        # backend's Metric calls do not release it), and under load there is one per streamed
-        # response: the send threads waited on them. A uniform sample keeps the histograms' quantiles
-        # and mean (sum over count); their count is the sample's.
-        budget = max(1, round(UPDATE_OBSERVATIONS_PER_S * (now - self._flushed_at)))
-        self._flushed_at = now
-        if len(per_token) > budget:
-            per_token = self._rng.sample(per_token, budget)
-        observations += [(h, value) for value in per_token for h in (self._itl, self._vllm.tpot)]
+        # backend's Metric calls do not release it), and under load there is one per streamed response
+        # and six per request: the send threads and new requests waited on them. A uniform sample of
+        # each keeps the histograms' quantiles and mean (sum over count); their count is the sample's
+        # (the counters stay exact).
+        elapsed, self._flushed_at = now - self._flushed_at, now
+        per_token = self._sample(per_token, UPDATE_OBSERVATIONS_PER_S * elapsed)
+        first_tokens = self._sample(first_tokens, REQUEST_OBSERVATIONS_PER_S * elapsed)
+        completions = self._sample(completions, REQUEST_OBSERVATIONS_PER_S * elapsed)
+        vllm = self._vllm
+        observations = [(h, value) for value in per_token for h in (self._itl, vllm.tpot)]
+        observations += [(h, value) for value in first_tokens for h in (self._ttft, vllm.ttft)]
+        for e2e, prompt, generation in completions:
+            observations += [(vllm.e2e, e2e), (vllm.request_prompt, prompt)]
+            observations += [(vllm.request_generation, generation), (vllm.n, 1)]
         with self._publish:
             for counter, amount in pending.items():
                 counter.increment(amount)
@@ -324,6 +330,11 @@ class TritonMetrics(Metrics):
                 gauge.set(value)
             for histogram, value in observations:
                 histogram.observe(value)
+
+    def _sample(self, values: list, budget: float) -> list:
+        """`values`, or a uniform sample of round(budget) of them (at least one) when there are more."""
+        budget = max(1, round(budget))
+        return self._rng.sample(values, budget) if len(values) > budget else values
 
     def _add(self, counter: Any, amount: float) -> None:
         self._pending[counter] = self._pending.get(counter, 0) + amount
