@@ -96,9 +96,10 @@ def test_loss_decreases_over_a_few_steps(tiny_target, records, tmp_path) -> None
 def test_the_soft_cross_entropy_is_against_the_targets_distribution(tiny_target, records, tmp_path) -> None:
     fixed = next(AnchorSampler(records, 16, 4, 64, seed=124))
     drafter = _drafter(tiny_target)
-    soft = LossWeights(ce_target="target")
+    soft = LossWeights()  # the default
+    assert soft.ce_target == "target"
     with torch.no_grad():
-        hard_parts = drafter_loss(tiny_target, drafter, fixed, LossWeights(), autocast=False)
+        hard_parts = drafter_loss(tiny_target, drafter, fixed, LossWeights(ce_target="data"), autocast=False)
         soft_parts = drafter_loss(tiny_target, drafter, fixed, soft, autocast=False)
         features, targets = block_targets(tiny_target, fixed, BLOCK, list(drafter.config.target_layer_ids))
         hidden = block_hidden(
