@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-dir", type=Path, help="keep the py-spy samples here")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    from serving_overhead import intake_counters, intake_split
+
     profile_levels = [int(x) for x in args.profile_levels.split(",") if x]
     http_port, grpc_port, metrics_port = (int(p) for p in args.ports.split(","))
     results = []
@@ -186,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             for level in (int(c) for c in args.concurrency.split(",")):
                 cpu_before, load_before, started = server_cpu(server.pid), _children_cpu(), time.monotonic()
+                intake_before = intake_counters(metrics_port)
                 result = run_load(
                     f"localhost:{grpc_port}",
                     level,
@@ -194,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.processes or None,
                 )
                 cpu_after, load_after = server_cpu(server.pid), _children_cpu()
+                time.sleep(0.3)  # the stub publishes its metrics every 0.1 s
+                intake = intake_split(intake_before, intake_counters(metrics_port))
                 per_1k = {
                     k: 1e6 * (cpu_after[k] - cpu_before[k]) / max(result.output_tokens, 1) for k in cpu_after
                 }
@@ -204,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{level:>7} {offered:>13.0f} {result.tokens_per_s:>9.0f} {ratio:>6.2f} "
                     f"{result.responses_per_s:>9.0f} {result.ttft_p50_ms:>11.1f} {result.gap_p50_ms:>10.2f} "
                     f"{result.gap_p90_ms:>10.2f} {result.errors:>6} | {per_1k['stub']:>24.1f} "
-                    f"{per_1k['engine']:>6.1f} {per_1k['tritonserver']:>6.1f} {load_cores:>10.2f}",
+                    f"{per_1k['engine']:>6.1f} {per_1k['tritonserver']:>6.1f} {load_cores:>10.2f} | "
+                    f"per request, ms: Triton's queue {intake['queue_ms']}, execute {intake['execute_ms']}, "
+                    f"execute to first token {intake['to_first_token_ms']}",
                     flush=True,
                 )
                 cpu = {f"cpu_ms_per_1k_tokens_{k}": round(v, 2) for k, v in per_1k.items()}
@@ -214,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                         "offered_tokens_per_s": offered,
                         **cpu,
                         "load_cores": round(load_cores, 2),
+                        "intake": intake,
                     }
                 )
             for level in profile_levels:

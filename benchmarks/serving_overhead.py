@@ -80,6 +80,43 @@ def served_loop_totals(metrics_port: int) -> LoopTotals:
     return LoopTotals(**{f.name: type(f.default)(values.get(f.name, 0)) for f in fields(LoopTotals)})
 
 
+# Where a request's time to its first token goes before the engine, from the server's own counters:
+# Triton's queue (before the backend's execute), the backend's execute (the stub's intake: inputs,
+# tokenization, the hand-over to the engine process), and from execute to the first token's response
+# (the stub's TTFT histogram: the engine's queue, prefill and the response path).
+INTAKE_COUNTERS = (
+    "nv_inference_request_success",
+    "nv_inference_queue_duration_us",
+    "nv_inference_compute_infer_duration_us",
+    "dspark_time_to_first_token_seconds_sum",
+    "dspark_time_to_first_token_seconds_count",
+)
+
+
+def intake_counters(metrics_port: int) -> dict[str, float]:
+    """The INTAKE_COUNTERS of the model `dspark` now, from the metrics port."""
+    text = urllib.request.urlopen(f"http://localhost:{metrics_port}/metrics", timeout=10).read().decode()
+    values = dict.fromkeys(INTAKE_COUNTERS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in values and 'model="dspark"' in line:
+            values[name] += float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def intake_split(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per request between two readings, in ms: the mean wait in Triton's queue, in the backend's
+    execute, and from execute to the first token (the last a mean of the stub's sampled histogram)."""
+    moved = {name: after[name] - before[name] for name in INTAKE_COUNTERS}
+    requests = max(moved["nv_inference_request_success"], 1.0)
+    first = max(moved["dspark_time_to_first_token_seconds_count"], 1.0)
+    return {
+        "queue_ms": round(moved["nv_inference_queue_duration_us"] / requests / 1e3, 2),
+        "execute_ms": round(moved["nv_inference_compute_infer_duration_us"] / requests / 1e3, 2),
+        "to_first_token_ms": round(1e3 * moved["dspark_time_to_first_token_seconds_sum"] / first, 2),
+    }
+
+
 def pin_server(server_pid: int, engine_cpus: set[int]) -> str:
     """Pin every thread of the served engine process (the spawned child of the backend stub) to
     `engine_cpus` and every other thread of the server, and this process (so the load generator's
@@ -136,20 +173,21 @@ def served(
         run_load(f"localhost:{ports[1]}", 8, 8, 16)  # warm-up
         for level in levels:
             time.sleep(0.3)  # the warm-up's or the last level's counters published
-            before = served_loop_totals(ports[2])
+            before, intake_before = served_loop_totals(ports[2]), intake_counters(ports[2])
             result = run_load(f"localhost:{ports[1]}", level, requests_per_stream * level, max_tokens)
             time.sleep(0.3)
             loop = loop_shares(before, served_loop_totals(ports[2]), result.seconds, result.output_tokens)
+            intake = intake_split(intake_before, intake_counters(ports[2]))
             if level in profile_levels:  # a longer run of this load, sampled, not timed
                 profiler = start_profile(server.pid, root / f"py-spy-{level}.txt", profile_s)
                 run_load(f"localhost:{ports[1]}", level, max(10 * level, 1280), max_tokens)
                 if profiler is not None:
                     profiler.wait(profile_s + 30)
-            results[level] = asdict(result) | {"loop": loop}
+            results[level] = asdict(result) | {"loop": loop, "intake": intake}
             print(
                 f"server  {level:>4} streams: {result.tokens_per_s:.0f} tok/s, "
                 f"TTFT p50 {result.ttft_p50_ms:.1f} ms, {result.responses_per_s:.0f} responses/s, "
-                f"errors {result.errors}, loop {loop}",
+                f"errors {result.errors}, intake {intake}, loop {loop}",
                 flush=True,
             )
     finally:
@@ -218,6 +256,29 @@ def loop_table(levels: list[int], runs: dict) -> str:
         "step_ms; `accept` holds the wait for the device)",
     )
     return loop + "\n\n" + phases
+
+
+def intake_table(levels: list[int], runs: dict) -> str:
+    """Markdown: where a served request's time before its first token went (`intake_split`), per mode
+    and level, beside the client's TTFT."""
+    keys = ("queue_ms", "execute_ms", "to_first_token_ms")
+    lines = [
+        "Served requests' time before their first token, mean ms per request (`intake_split`): in "
+        "Triton's queue, in the backend's execute, from execute to the first token; and the client's "
+        "TTFT p50",
+        "",
+        "| mode | streams | " + " | ".join(keys) + " | TTFT p50 ms |",
+        "|---|---:|" + "---:|" * (len(keys) + 1),
+    ]
+    for mode, run in runs.items():
+        if not isinstance(run, dict) or "server" not in run:
+            continue
+        for level in levels:
+            served = run["server"].get(level, {})
+            intake = served.get("intake", {})
+            cells = [f"{intake.get(k, '-')}" for k in keys] + [f"{served.get('ttft_p50_ms', '-')}"]
+            lines.append(f"| {mode} | {level} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _loop_rows(levels: list[int], runs: dict, keys: tuple[str, ...], title: str) -> str:
@@ -289,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         runs[mode] = {"offline": offline, "server": server, "offline_loop": loops}
         (args.out / "overhead.json").write_text(json.dumps(runs, indent=1))
-    markdown = table(levels, runs) + "\n\n" + loop_table(levels, runs)
+    markdown = table(levels, runs) + "\n\n" + loop_table(levels, runs) + "\n\n" + intake_table(levels, runs)
     if outputs.get("off") and outputs.get("default"):
         # Greedy with and without speculation, same prompts and batch: identical sequences (exact in
         # fp32; in bf16 the verify window's shape changes the target's rounding, and near-ties flip).
