@@ -54,7 +54,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 
 # Wheels for serving (parked in /tmp/carry; nvidia-pytriton in parts): the stub embeds this Python and
 # needs numpy < 2 in it, so numpy 1.26 replaces the image's (torch runs with either).
-cp /tmp/carry/*.whl* .carry/ 2>/dev/null || true
+# What the call carried in a subfolder of .carry/ (e.g. .carry/c4) counts as carried in .carry/ itself.
+mkdir -p .carry
+cp /tmp/carry/*.whl* .carry/*/*.whl* .carry/*/*.gguf.* .carry/ 2>/dev/null || true
 if compgen -G ".carry/*.whl.part-*" >/dev/null || compgen -G ".carry/*.whl" >/dev/null; then
   mkdir -p /tmp/wheels
   for first in .carry/*.whl.part-00; do
