@@ -3,14 +3,18 @@ engine's host phases run 1.5-2x their offline time on the H200 host (issue 18). 
 engine three ways side by side, at each concurrency, with the load generator's closed loop (each of
 `level` streams submits its next request when the last one ends; greedy, ignore_eos):
 
-- offline: `dspark.LLM` in this process (`agreement.offline_run`, one batch of `level` prompts);
+- offline: `dspark.LLM` in this process (one generate() of a batch of `level` prompts);
 - in process: the same engine stepped from this process's thread, fed by the closed loop (the
-  arrivals' cost alone);
+  arrivals' cost, with this benchmark's own client work on the loop's thread);
 - engine process: `EngineProcess` (the spawned engine process the adapter runs, its control and
   sender threads, the delta pipe, the adapter-side text) driven from this process, no tritonserver;
 - (through tritonserver is serving_overhead.py's served side).
 
     python benchmarks/engine_process_check.py --levels 1,64 --mode static [--profile-level 64 --out-dir D]
+
+Both engines live through the whole run, and each of `--rounds` rounds (default 3) measures the three
+sides of each level back to back: the host's speed drifts within a call (up to 2x on the H200 host), so
+the ratios are taken within a round and their medians reported (`ratios`).
 
 `--sync-debug` counts, by Python line, the calls that made the host wait for the device in the
 in-process loop at the largest level (`torch.cuda.set_sync_debug_mode`; CUDA only).
@@ -25,6 +29,7 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -35,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-from agreement import loop_shares, offline_run  # noqa: E402
+from agreement import loop_shares  # noqa: E402
 from pyspy_top import summarize  # noqa: E402
 from serving_overhead import MODES, engine_config, start_profile  # noqa: E402
 
@@ -93,6 +98,63 @@ def in_process_loop(engine: LLMEngine, level: int, requests: int, max_tokens: in
     return time.perf_counter() - started, tokens
 
 
+def offline_once(llm: LLM, level: int, max_tokens: int) -> dict:
+    """One generate() of `level` bench prompts (as `agreement.offline_run` times it): tokens/s and the
+    loop's shares."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(level)]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    before = llm.engine.load().loop
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {
+        "tokens_per_s": round(tokens / seconds, 1),
+        "loop": loop_shares(before, llm.engine.load().loop, seconds, tokens),
+    }
+
+
+def in_process_once(llm: LLM, level: int, requests_per_stream: int, max_tokens: int) -> dict:
+    """`in_process_loop` at `level`: tokens/s and the loop's shares."""
+    before = llm.engine.load().loop
+    seconds, tokens = in_process_loop(llm.engine, level, requests_per_stream * level, max_tokens)
+    return {
+        "tokens_per_s": round(tokens / seconds, 1),
+        "loop": loop_shares(before, llm.engine.load().loop, seconds, tokens),
+    }
+
+
+def engine_process_once(engine: EngineProcess, level: int, requests_per_stream: int, max_tokens: int) -> dict:
+    """`closed_loop` on the engine process at `level`: tokens/s and the loop's shares (from the load
+    snapshots that travel with its deltas)."""
+    time.sleep(0.3)  # the last batch's load snapshot arrived
+    before = engine.load().loop
+    seconds, tokens = closed_loop(engine, level, requests_per_stream * level, max_tokens)
+    time.sleep(0.3)
+    return {
+        "tokens_per_s": round(tokens / seconds, 1),
+        "loop": loop_shares(before, engine.load().loop, seconds, tokens),
+    }
+
+
+def ratios(rounds: dict, levels: list[int]) -> dict:
+    """Per level, the median over rounds of each side's tokens/s and of the ratios measured within a
+    round: the engine process to the in-process loop, and each of them to offline."""
+    out = {}
+    for level in levels:
+        rates = {side: [f["tokens_per_s"] for f in rounds[side][level]] for side in rounds}
+        per_round = list(zip(rates["offline"], rates["in_process"], rates["engine_process"], strict=True))
+        out[level] = {
+            **{f"{side}_tokens_per_s": round(statistics.median(values), 1) for side, values in rates.items()},
+            "engine_process_to_in_process": round(statistics.median(e / i for _, i, e in per_round), 3),
+            "engine_process_to_offline": round(statistics.median(e / o for o, _, e in per_round), 3),
+            "in_process_to_offline": round(statistics.median(i / o for o, i, _ in per_round), 3),
+        }
+    return out
+
+
 def synchronizing_calls(run) -> collections.Counter:  # noqa: ANN001 - a callable
     """Where `run` made the host wait for the device (`torch.cuda.set_sync_debug_mode`): the count of
     each synchronizing call by the Python line that made it."""
@@ -139,26 +201,58 @@ def main(argv: list[str] | None = None) -> int:
         help="count where the in-process loop at the largest level makes the host wait for the device",
     )
     parser.add_argument("--profile-s", type=float, default=6.0)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds of the three sides; medians are reported"
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/dspark-engine-process-check"))
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
     config = engine_config(args.mode, max(levels + [args.profile_level]))
-    results: dict = {"offline": {}, "in_process": {}, "engine_process": {}}
-    loops: dict = {}
-    rates, _ = offline_run(config, levels, args.max_tokens, loops)
-    for level in levels:
-        results["offline"][level] = {"tokens_per_s": rates[level], "loop": loops[level]}
-        print(f"offline        {level:>4}: {rates[level]:.0f} tok/s, loop {loops[level]}", flush=True)
-    # The same closed loop on an engine in this process: the arrivals' cost without the engine process.
+    sides = ("offline", "in_process", "engine_process")
+    rounds: dict = {side: {level: [] for level in levels} for side in sides}
+    # Both engines live through every round: each round measures the three sides of a level back to
+    # back, so a drift of the host's speed (up to 2x within one call on the H200 host) moves all three.
     with LLM(config) as llm:
-        in_process_loop(llm.engine, 8, 16, 16)  # warm-up
-        for level in levels:
-            before = llm.engine.load().loop
-            requests = args.requests_per_stream * level
-            seconds, tokens = in_process_loop(llm.engine, level, requests, args.max_tokens)
-            loop = loop_shares(before, llm.engine.load().loop, seconds, tokens)
-            results["in_process"][level] = {"tokens_per_s": round(tokens / seconds, 1), "loop": loop}
-            print(f"in process     {level:>4}: {tokens / seconds:.0f} tok/s, loop {loop}", flush=True)
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+        in_process_loop(llm.engine, 8, 16, 16)
+        engine = EngineProcess(config)
+        engine.start()
+        try:
+            closed_loop(engine, 8, 16, 16)  # warm-up
+            for r in range(args.rounds):
+                for level in levels:
+                    measured = {
+                        "offline": offline_once(llm, level, args.max_tokens),
+                        "in_process": in_process_once(llm, level, args.requests_per_stream, args.max_tokens),
+                        "engine_process": engine_process_once(
+                            engine, level, args.requests_per_stream, args.max_tokens
+                        ),
+                    }
+                    for side, figures in measured.items():
+                        rounds[side][level].append(figures)
+                        print(
+                            f"round {r} {side:<14} {level:>4}: {figures['tokens_per_s']:.0f} tok/s, "
+                            f"loop {figures['loop']}",
+                            flush=True,
+                        )
+            if args.profile_level:
+                level = args.profile_level
+                args.out_dir.mkdir(parents=True, exist_ok=True)
+                params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+                prompts = [PROMPTS[i % len(PROMPTS)] for i in range(level)]
+                profile(
+                    args.out_dir / f"offline-{level}.txt",
+                    args.profile_s,
+                    lambda: llm.generate(prompts, params),
+                )
+                profile(
+                    args.out_dir / f"engine-process-{level}.txt",
+                    args.profile_s,
+                    lambda: closed_loop(engine, level, 4 * level, args.max_tokens),
+                )
+        finally:
+            engine.shutdown()
+        results: dict = {"rounds": rounds, "ratios": ratios(rounds, levels)}
         if args.sync_debug:
             level = max(levels)
             syncs = synchronizing_calls(
@@ -169,39 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"synchronizing calls, in process at {level} streams: {dict(syncs.most_common(20))}",
                 flush=True,
             )
-    level = args.profile_level
-    if level:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        with LLM(config) as llm:
-            params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(level)]
-            llm.generate(prompts, params)
-            profile(
-                args.out_dir / f"offline-{level}.txt",
-                args.profile_s,
-                lambda: llm.generate(prompts, params),
-            )
-    engine = EngineProcess(config)
-    engine.start()
-    try:
-        closed_loop(engine, 8, 16, 16)  # warm-up
-        for level in levels:
-            time.sleep(0.3)  # the last batch's load snapshot arrived
-            before = engine.load().loop
-            seconds, tokens = closed_loop(engine, level, args.requests_per_stream * level, args.max_tokens)
-            time.sleep(0.3)
-            loop = loop_shares(before, engine.load().loop, seconds, tokens)
-            results["engine_process"][level] = {"tokens_per_s": round(tokens / seconds, 1), "loop": loop}
-            print(f"engine process {level:>4}: {tokens / seconds:.0f} tok/s, loop {loop}", flush=True)
-        level = args.profile_level
-        if level:
-            profile(
-                args.out_dir / f"engine-process-{level}.txt",
-                args.profile_s,
-                lambda: closed_loop(engine, level, 4 * level, args.max_tokens),
-            )
-    finally:
-        engine.shutdown()
+    for level in levels:
+        print(f"level {level:>4}, median of {args.rounds} rounds: {results['ratios'][level]}", flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1))
     return 0
