@@ -4,6 +4,10 @@ run, per concurrency and speculation mode; greedy, `--max-tokens` tokens, ignore
 
     python benchmarks/serving_overhead.py --levels 1,8,64,128,256 --out /tmp/overhead
 
+The offline engine lives beside the server and each level's offline figure is measured right before
+its served one (`Offline`): the H200 host's speed drifts within a call, and offline levels measured
+minutes before the served ones gave ratios that moved with the drift.
+
 Writes overhead.json and overhead.md under --out. `--modes` picks the engine configurations:
 `off` (plain decoding), `default` (the serve default), `static` (the default without its gate: every
 step drafts the block), `default-inprocess` (the default with the engine in the adapter's process:
@@ -16,6 +20,7 @@ untimed, while py-spy (when installed) samples the server's Python processes: co
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -29,13 +34,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from agreement import loop_shares, offline_run  # noqa: E402
+import torch  # noqa: E402
+from agreement import loop_shares  # noqa: E402
 from load_generator import run_load  # noqa: E402
 from serving_ceiling import _process_table, start_server  # noqa: E402
 
+from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.config import EngineConfig  # noqa: E402
 from dspark.outputs import STEP_PHASES, LoopTotals  # noqa: E402
 from dspark.serving.triton_config import DEFAULT_MODEL_REPOSITORY, render_config_pbtxt  # noqa: E402
+from dspark_client.bench import PROMPTS  # noqa: E402
 
 MODES = {
     "off": {"spec_mode": "off"},
@@ -57,15 +65,45 @@ def engine_config(mode: str, max_seqs: int) -> EngineConfig:
     return EngineConfig(max_num_seqs=max_seqs, num_kv_pages=pages, **MODES[mode])
 
 
-def offline_tokens_per_s(
-    config: EngineConfig, levels: list[int], max_tokens: int, loops: dict
-) -> tuple[dict[int, float], dict[int, list[list[int]]]]:
-    """dspark.LLM at each batch size (`agreement.offline_run`), printing each figure; `loops` receives
-    the engine loop's shares of each level's time (`agreement.loop_shares`)."""
-    rates, tokens = offline_run(config, levels, max_tokens, loops)
-    for level in levels:
-        print(f"offline {level:>4} streams: {rates[level]:.0f} tok/s, loop {loops[level]}", flush=True)
-    return rates, tokens
+class Offline:
+    """The offline engine (`dspark.LLM`), alive beside the server so that each level's offline figure is
+    measured right before its served one: this host's speed drifts within a call (offline plain at 64
+    streams ran 24.7k and 39.4k tok/s in two calls, and one call's levels moved by 2x)."""
+
+    def __init__(self, config: EngineConfig, max_tokens: int) -> None:
+        self.llm = LLM(config)
+        self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))
+        self.rates: dict[int, float] = {}
+        self.tokens: dict[int, list[list[int]]] = {}
+        self.loops: dict[int, dict] = {}
+
+    def measure(self, level: int) -> None:
+        """One timed generate() of `level` bench prompts, after an untimed one (as
+        `agreement.offline_run`): its tokens/s, tokens and loop shares, printed and kept."""
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(level)]
+        self.llm.generate(prompts, self.params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        before = self.llm.engine.load().loop
+        started = time.perf_counter()
+        outputs = self.llm.generate(prompts, self.params)
+        seconds = time.perf_counter() - started
+        output_tokens = sum(len(o.token_ids) for o in outputs)
+        self.rates[level] = round(output_tokens / seconds, 1)
+        self.loops[level] = loop_shares(before, self.llm.engine.load().loop, seconds, output_tokens)
+        self.tokens[level] = [list(o.token_ids) for o in outputs]
+        print(
+            f"offline {level:>4} streams: {self.rates[level]:.0f} tok/s, loop {self.loops[level]}", flush=True
+        )
+
+    def close(self) -> None:
+        """Free the engine and its GPU memory."""
+        self.llm.engine.close()
+        del self.llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def served_loop_totals(metrics_port: int) -> LoopTotals:
@@ -154,9 +192,11 @@ def served(
     profile_s: float = 6.0,
     engine_cpus: set[int] | None = None,
     requests_per_stream: int = 2,
+    offline: Offline | None = None,
 ) -> dict:
     """The same engine behind `dspark serve`: the load generator's result at each concurrency (and, at
-    `profile_levels`, py-spy's samples of the server's Python processes while the load runs)."""
+    `profile_levels`, py-spy's samples of the server's Python processes while the load runs).
+    `offline`: measured at each level right before the served load."""
     repo = root / "model_repository"
     shutil.copytree(
         DEFAULT_MODEL_REPOSITORY / "dspark", repo / "dspark", ignore=shutil.ignore_patterns("__pycache__")
@@ -172,6 +212,8 @@ def served(
     try:
         run_load(f"localhost:{ports[1]}", 8, 8, 16)  # warm-up
         for level in levels:
+            if offline is not None:
+                offline.measure(level)
             time.sleep(0.3)  # the warm-up's or the last level's counters published
             before, intake_before = served_loop_totals(ports[2]), intake_counters(ports[2])
             result = run_load(f"localhost:{ports[1]}", level, requests_per_stream * level, max_tokens)
@@ -329,25 +371,32 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes.split(","):
         config = engine_config(mode, max(levels))
         print(f"=== {mode}: {config}", flush=True)
-        offline, tokens, loops = {}, {}, {}
-        if mode in OFFLINE_OF and OFFLINE_OF[mode] in runs:
+        engine = None
+        if not (mode in OFFLINE_OF and OFFLINE_OF[mode] in runs) and not mode.endswith("inprocess"):
+            engine = None if args.served_only else Offline(config, args.max_tokens)
+        engine_cpus = {int(c) for c in args.engine_cpus.split(",") if c}
+        try:
+            server = served(
+                config,
+                levels,
+                args.max_tokens,
+                args.out / mode,
+                ports,
+                profile_levels,
+                args.profile_s,
+                engine_cpus,
+                args.requests_per_stream,
+                engine,
+            )
+        finally:
+            if engine is not None:
+                engine.close()
+        offline, loops = {}, {}
+        if engine is not None:
+            offline, loops, outputs[mode] = engine.rates, engine.loops, engine.tokens
+        elif mode in OFFLINE_OF and OFFLINE_OF[mode] in runs:
             offline = runs[OFFLINE_OF[mode]]["offline"]
             loops = runs[OFFLINE_OF[mode]]["offline_loop"]
-        elif not mode.endswith("inprocess") and not args.served_only:
-            offline, tokens = offline_tokens_per_s(config, levels, args.max_tokens, loops)
-        outputs[mode] = tokens
-        engine_cpus = {int(c) for c in args.engine_cpus.split(",") if c}
-        server = served(
-            config,
-            levels,
-            args.max_tokens,
-            args.out / mode,
-            ports,
-            profile_levels,
-            args.profile_s,
-            engine_cpus,
-            args.requests_per_stream,
-        )
         runs[mode] = {"offline": offline, "server": server, "offline_loop": loops}
         (args.out / "overhead.json").write_text(json.dumps(runs, indent=1))
     markdown = table(levels, runs) + "\n\n" + loop_table(levels, runs) + "\n\n" + intake_table(levels, runs)
