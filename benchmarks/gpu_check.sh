@@ -22,6 +22,9 @@
 #      category, GEMM bandwidth against the copy bandwidth and F.linear alone, gaps; batch 1, 8, 64 and
 #      batch 1 window 8; chrome traces of batch 1) in $OUT/step-profile/ (STEP_PROFILE_S, default 0:
 #      skipped; the run is told to start nothing 20 s before it; STEP_PROFILE_ARGS);
+#   (before 6) benchmarks/engine_process_check.py: the offline engine, the same engine stepped in
+#      process by a closed loop, and in its engine process without tritonserver, interleaved rounds
+#      (EPC_S, default 0: skipped; EPC_ARGS, e.g. "--levels 1,8,64 --mode static"; $OUT/epc.{json,log});
 #   (between 4 and 5) benchmarks/overlap.py: overlap scheduling on and off, tokens/s per mode and batch
 #      size and the GPU's busy share of steady decode (OVERLAP_S, default 0: skipped; OVERLAP_ARGS).
 # Limits (seconds): TESTS_S (default 420; 0 skips them), PROFILE_S and E2E_S (default 0: skipped, the
@@ -179,6 +182,17 @@ else
     > "$OUT/gpu-serving-tests.log" 2>&1
   echo "pytest exit $? after $((SECONDS - started)) s"
   tail -3 "$OUT/gpu-serving-tests.log"
+fi
+
+echo "=== benchmarks/engine_process_check.py (offline, in-process loop, engine process; no server)"
+if [[ "${EPC_S:-0}" == 0 ]]; then
+  echo "skipped (EPC_S=0)"
+else
+  # shellcheck disable=SC2086  # EPC_ARGS is a list of arguments
+  timeout "$EPC_S" python3 benchmarks/engine_process_check.py --out "$OUT/epc.json" ${EPC_ARGS:-} \
+    > "$OUT/epc.log" 2>&1
+  echo "engine_process_check exit $?"
+  grep "^level\|^synchronizing" "$OUT/epc.log" | tail -10
 fi
 
 echo "=== benchmarks/serving_overhead.py (offline engine vs the same engine behind the server)"
