@@ -63,25 +63,36 @@ def offline_run(
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))
     rates, tokens = {}, {}
     for batch in batch_sizes:
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
-        llm.generate(prompts, params)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        before = llm.engine.load().loop
-        started = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - started
-        output_tokens = sum(len(o.token_ids) for o in outputs)
-        rates[batch] = round(output_tokens / seconds, 1)
+        llm.generate(bench_prompts(batch), params)
+        rates[batch], tokens[batch], loop = timed_generate(llm, batch, params)
         if loops is not None:
-            loops[batch] = loop_shares(before, llm.engine.load().loop, seconds, output_tokens)
-        tokens[batch] = [list(o.token_ids) for o in outputs]
+            loops[batch] = loop
     llm.engine.close()
     del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rates, tokens
+
+
+def bench_prompts(count: int) -> list[str]:
+    """`count` of the bench prompts, cycled."""
+    return [PROMPTS[i % len(PROMPTS)] for i in range(count)]
+
+
+def timed_generate(llm: LLM, batch: int, params: SamplingParams) -> tuple[float, list[list[int]], dict]:
+    """One timed generate() of `batch` bench prompts: output tokens/s, the tokens, and the engine loop's
+    shares of its time (`loop_shares`)."""
+    prompts = bench_prompts(batch)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    before = llm.engine.load().loop
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - started
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    loop = loop_shares(before, llm.engine.load().loop, seconds, output_tokens)
+    return round(output_tokens / seconds, 1), [list(o.token_ids) for o in outputs], loop
 
 
 def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_tokens: int) -> dict:

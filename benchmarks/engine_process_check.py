@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-from agreement import loop_shares  # noqa: E402
+from agreement import loop_shares, timed_generate  # noqa: E402
 from pyspy_top import summarize  # noqa: E402
 from serving_overhead import MODES, engine_config, start_profile  # noqa: E402
 
@@ -99,21 +99,10 @@ def in_process_loop(engine: LLMEngine, level: int, requests: int, max_tokens: in
 
 
 def offline_once(llm: LLM, level: int, max_tokens: int) -> dict:
-    """One generate() of `level` bench prompts (as `agreement.offline_run` times it): tokens/s and the
+    """One timed generate() of `level` bench prompts (`agreement.timed_generate`): tokens/s and the
     loop's shares."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(level)]
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    before = llm.engine.load().loop
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - started
-    tokens = sum(len(o.token_ids) for o in outputs)
-    return {
-        "tokens_per_s": round(tokens / seconds, 1),
-        "loop": loop_shares(before, llm.engine.load().loop, seconds, tokens),
-    }
+    rate, _, loop = timed_generate(llm, level, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return {"tokens_per_s": rate, "loop": loop}
 
 
 def in_process_once(llm: LLM, level: int, requests_per_stream: int, max_tokens: int) -> dict:

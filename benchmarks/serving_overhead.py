@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-from agreement import loop_shares  # noqa: E402
+from agreement import bench_prompts, loop_shares, timed_generate  # noqa: E402
 from load_generator import run_load  # noqa: E402
 from serving_ceiling import _process_table, start_server  # noqa: E402
 
@@ -81,18 +81,10 @@ class Offline:
     def measure(self, level: int) -> None:
         """One timed generate() of `level` bench prompts, after an untimed one (as
         `agreement.offline_run`): its tokens/s, tokens and loop shares, printed and kept."""
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(level)]
-        self.llm.generate(prompts, self.params)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        before = self.llm.engine.load().loop
-        started = time.perf_counter()
-        outputs = self.llm.generate(prompts, self.params)
-        seconds = time.perf_counter() - started
-        output_tokens = sum(len(o.token_ids) for o in outputs)
-        self.rates[level] = round(output_tokens / seconds, 1)
-        self.loops[level] = loop_shares(before, self.llm.engine.load().loop, seconds, output_tokens)
-        self.tokens[level] = [list(o.token_ids) for o in outputs]
+        self.llm.generate(bench_prompts(level), self.params)
+        self.rates[level], self.tokens[level], self.loops[level] = timed_generate(
+            self.llm, level, self.params
+        )
         print(
             f"offline {level:>4} streams: {self.rates[level]:.0f} tok/s, loop {self.loops[level]}", flush=True
         )
