@@ -308,11 +308,11 @@ class TritonMetrics(Metrics):
             per_token, self._per_token = self._per_token, []
             first_tokens, self._first_tokens = self._first_tokens, []
             completions, self._completions = self._completions, []
-        # Each observation is a round trip to the server process that holds this process's GIL (the
-        # backend's Metric calls do not release it), and under load there is one per streamed response
-        # and six per request: the send threads and new requests waited on them. A uniform sample of
-        # each keeps the histograms' quantiles and mean (sum over count); their count is the sample's
-        # (the counters stay exact).
+        # Each observation is a round trip to the server process, one at a time (`_publish`; where the
+        # backend's binding does not release the GIL, holding it), and under load there is one per
+        # streamed response and six per request: the send threads and new requests waited on them. A
+        # uniform sample of each keeps the histograms' quantiles and mean (sum over count); their count
+        # is the sample's (the counters stay exact).
         elapsed, self._flushed_at = now - self._flushed_at, now
         per_token = self._sample(per_token, UPDATE_OBSERVATIONS_PER_S * elapsed)
         first_tokens = self._sample(first_tokens, REQUEST_OBSERVATIONS_PER_S * elapsed)
