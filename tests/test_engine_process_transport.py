@@ -89,17 +89,16 @@ def _delta(request_id: str, tokens: list[int], finished: bool = False) -> Reques
     return RequestDelta(request_id, tokens, "", finished, reason, 1, len(tokens), SpecStats())
 
 
-def test_the_step_loop_writes_a_busy_steps_deltas_into_the_pipe_itself_when_it_has_room():
+def test_the_step_loop_writes_a_busy_steps_deltas_into_the_pipe_itself_while_the_adapter_keeps_up():
     from dspark.serving.engine_process import DIRECT_MIN_DELTAS, _Outbox, _PipeRoom
 
     ours, theirs = mp.Pipe(duplex=False)
     pipe = _PipeRoom.of(theirs)
-    assert pipe is not None  # Linux: the pipe says how much it takes without blocking its writer
-    empty = pipe.room()
-    assert empty >= 64 * 1024
-    assert pipe.write_if_room(b"x" * 1000) and pipe.room() == empty - 1004  # the message and its length
-    assert not pipe.write_if_room(b"y" * empty)  # more than it takes now: nothing written
-    assert ours.recv_bytes() == b"x" * 1000 and pipe.room() == empty
+    assert pipe is not None and pipe.unread() == 0  # Linux: the pipe says what is not read yet
+    assert pipe.write_if_drained(b"x" * 1000) and pipe.unread() == 1004  # the message and its length
+    assert not pipe.write_if_drained(b"y")  # the adapter has not read the last one: nothing written
+    assert ours.recv_bytes() == b"x" * 1000 and pipe.unread() == 0
+    assert not pipe.write_if_drained(b"z" * (1 << 20))  # larger than the pipe: never straight
     outbox = _Outbox(pipe)
     outbox.bind_load(lambda: "load-1")
     busy = [_delta(f"r{i}", [i, i + 1]) for i in range(DIRECT_MIN_DELTAS)]
@@ -126,25 +125,25 @@ def test_what_does_not_fit_waits_for_the_sender_which_merges_it_and_nothing_over
 
     monkeypatch.setattr(engine_process, "DIRECT_MIN_DELTAS", 1)
 
-    class Full:
-        """A pipe with no room left (the adapter reads slower than the engine steps)."""
+    class Behind:
+        """A pipe whose adapter has not read the last batch yet (it reads slower than the engine steps)."""
 
         def __init__(self) -> None:
-            self.room = 0
+            self.drained = False
 
-        def write_if_room(self, message) -> bool:
-            return len(message) <= self.room and bool(theirs.send_bytes(message) or True)
+        def write_if_drained(self, message) -> bool:
+            return self.drained and bool(theirs.send_bytes(message) or True)
 
     ours, theirs = mp.Pipe(duplex=False)
-    full = Full()
-    outbox = _Outbox(full)
+    behind = Behind()
+    outbox = _Outbox(behind)
     outbox.bind_load(lambda: "load")
     outbox.put(_delta("a", [1]))
     outbox.wake()
     outbox.put(_delta("a", [2]))
     outbox.put(_delta("b", [5]))
     outbox.wake()
-    full.room = 1 << 20  # room again, but the waiting deltas go first: this step waits behind them
+    behind.drained = True  # caught up, but the waiting deltas go first: this step waits behind them
     outbox.put(_delta("a", [3], finished=True))
     outbox.wake()
     outbox.put_now(None)  # the end: the sender returns once it is sent

@@ -9,7 +9,7 @@ response I/O. Two pipes connect them:
 - control (duplex): the adapter's `submit` (answered with the prompt's token ids, or the error that
   names the bad field, so a bad request still fails at once and alone), `abort`, `shutdown`;
 - events (engine -> adapter): batches of deltas (a step's, as columns: `dspark.outputs.pack_deltas`,
-  written by the step loop itself while the pipe has room; when the adapter reads slower than the
+  written by the step loop itself while the adapter keeps up; when the adapter reads slower than the
   engine steps, everything committed meanwhile in one batch: `_Outbox`) with an occupancy snapshot,
   and the engine's death. The engine leaves the text of requests without stop strings to this side,
   which makes it from their token ids (`DeltaText`) as the engine would: detokenizing every request
@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # past the engine's own shutdown, before its process is killed
 LOAD_INTERVAL_S = 0.1  # how often an idle engine process reports a changed occupancy
 SENDER_FAILED_STATUS = 70  # the engine process's exit status when its events could not be sent
-PIPE_BYTES = 1 << 20  # the events pipe's capacity asked for (Linux's default limit for a user)
 # A step with fewer deltas leaves them to the sender thread: its little work then fits in the loop's
 # waits for the device (at 1 stream on the H200 the loop's own writes cost 6% of tokens/s), while at
 # 64 streams a sender woken every step cost the loop 17% (`_Outbox`).
@@ -294,13 +293,13 @@ class _Outbox:
 
     A step's deltas are put by the step loop (`put`) and sent at the step's end (`wake`, on the loop's
     thread): when there are DIRECT_MIN_DELTAS or more, one message written straight into the events
-    pipe when the pipe has room for it and nothing older is waiting. A sender thread woken at every
-    step's end took the GIL from the step loop in the middle of the next step, at every handoff
-    (py-spy, H200, 64 streams: the loop's first host copy of a step held 18% of its samples, 4%
-    offline; steps 2.49 ms against 2.10 ms for the same closed loop in one process). What does not go
-    straight (few deltas, no room: the adapter reads slower than the engine steps; no `pipe`; events)
-    waits for the sender thread (`take`), which sends it with each request's waiting deltas merged
-    into one."""
+    pipe when the adapter has read everything before (`_PipeRoom`) and nothing older is waiting. A
+    sender thread woken at every step's end took the GIL from the step loop in the middle of the next
+    step, at every handoff (py-spy, H200, 64 streams: the loop's first host copy of a step held 18% of
+    its samples, 4% offline; steps 2.49 ms against 2.10 ms for the same closed loop in one process).
+    What does not go straight (few deltas; the adapter reads slower than the engine steps; no `pipe`;
+    events) waits for the sender thread (`take`), which sends it with each request's waiting deltas
+    merged into one."""
 
     def __init__(self, pipe: _PipeRoom | None = None) -> None:
         """pipe: the events pipe's writer, when the loop may write into it itself."""
@@ -344,7 +343,7 @@ class _Outbox:
                     message = ForkingPickler.dumps(("deltas", pack_deltas(merge_by_request(deltas)), load))
                 except Exception:  # noqa: BLE001 - the sender fails on it again and ends the process
                     message = None
-                if message is not None and self._pipe.write_if_room(message):
+                if message is not None and self._pipe.write_if_drained(message):
                     self.last_load = load
                     return
             self._waiting += deltas
@@ -367,9 +366,11 @@ class _Outbox:
 
 
 class _PipeRoom:
-    """The events pipe's sending end, written without blocking: a message goes in only when the pipe
-    has room for all of it (Linux: its capacity, raised to PIPE_BYTES where allowed, less the bytes
-    not yet read, FIONREAD)."""
+    """The events pipe's sending end, written by the step loop only when the adapter has read
+    everything before (Linux: FIONREAD, the bytes not yet read) and the message fits the pipe's
+    capacity: the loop never blocks on it, and an adapter that falls behind gets what the engine
+    commits meanwhile from the sender thread, merged into fewer, fuller batches (its pipe then fills
+    at the default capacity and the sender waits, merging, as before)."""
 
     def __init__(self, events: Connection) -> None:
         import fcntl
@@ -378,31 +379,28 @@ class _PipeRoom:
         self._events = events
         fd = events.fileno()
         self._ioctl, self._fionread = fcntl.ioctl, termios.FIONREAD
-        try:
-            self._capacity = fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-        except OSError:
-            self._capacity = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+        self._capacity = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
         self._unread = array("i", [0])
         self._fd = fd
-        self.room()  # raises OSError where a pipe's unread bytes cannot be asked
+        self.unread()  # raises OSError where a pipe's unread bytes cannot be asked
 
     @classmethod
     def of(cls, events: Connection) -> _PipeRoom | None:
-        """The writer, or None where the pipe cannot say its room (not Linux, not a pipe)."""
+        """The writer, or None where the pipe cannot say what is unread (not Linux, not a pipe)."""
         try:
             return cls(events)
         except (ImportError, AttributeError, OSError):
             return None
 
-    def room(self) -> int:
-        """Bytes the pipe takes now without blocking its writer."""
+    def unread(self) -> int:
+        """Bytes in the pipe the adapter has not read yet."""
         self._ioctl(self._fd, self._fionread, self._unread, True)
-        return self._capacity - self._unread[0]
+        return self._unread[0]
 
-    def write_if_room(self, message: bytes | memoryview) -> bool:
-        """Send `message` (a pickled object, as `Connection.send` frames it) if it fits now; False,
-        nothing written, if not."""
-        if len(message) + FRAME_HEADER_BYTES > self.room():
+    def write_if_drained(self, message: bytes | memoryview) -> bool:
+        """Send `message` (a pickled object, as `Connection.send` frames it) if the adapter has read
+        everything before and it fits the empty pipe; False, nothing written, if not."""
+        if len(message) + FRAME_HEADER_BYTES > self._capacity or self.unread():
             return False
         self._events.send_bytes(message)
         return True
