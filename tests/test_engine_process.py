@@ -177,5 +177,5 @@ def test_an_engine_process_whose_events_cannot_be_sent_exits():
     bad.error = lambda: None  # no pickle for a lambda
     outbox.put_now(bad)
     statuses: list[int] = []
-    _send_events_or_exit(outbox, theirs, lambda: None, exit_process=statuses.append)
+    _send_events_or_exit(outbox, theirs, exit_process=statuses.append)
     assert statuses == [SENDER_FAILED_STATUS]

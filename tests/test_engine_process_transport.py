@@ -147,7 +147,7 @@ def test_what_does_not_fit_waits_for_the_sender_which_merges_it_and_nothing_over
     outbox.put(_delta("a", [3], finished=True))
     outbox.wake()
     outbox.put_now(None)  # the end: the sender returns once it is sent
-    _send_events(outbox, theirs, lambda: "load")
+    _send_events(outbox, theirs)
     kind, packed, _ = ours.recv()
     received = unpack_deltas(packed)
     assert [(d.request_id, d.new_token_ids, d.finished) for d in received] == [

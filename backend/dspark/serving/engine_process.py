@@ -270,7 +270,7 @@ def engine_main(
         engine.engine.defer_text = True
     events.send(("ready", (engine.engine.model_config.vocab_size, engine.engine.limits.max_model_len)))
     outbox.bind_load(engine.load)
-    sender = threading.Thread(target=_send_events_or_exit, args=(outbox, events, engine.load), daemon=True)
+    sender = threading.Thread(target=_send_events_or_exit, args=(outbox, events), daemon=True)
     sender.start()
 
     def serve_control() -> None:
@@ -313,8 +313,18 @@ class _Outbox:
         self.last_load: EngineLoad | None = None  # sent with the latest batch of deltas
 
     def bind_load(self, load: Callable[[], EngineLoad]) -> None:
-        """The occupancy snapshot that travels with each batch of deltas the loop sends."""
+        """The engine's occupancy snapshot, sent with each batch of deltas and, while idle, on change."""
         self._load = load
+
+    def occupancy(self) -> EngineLoad | None:
+        """The engine's occupancy now (None before `bind_load`)."""
+        return self._load() if self._load is not None else None
+
+    def batch(self, deltas: list[RequestDelta]) -> tuple:
+        """The message of a batch of deltas: each request's merged into one, packed as columns, with the
+        occupancy now (kept as `last_load`)."""
+        self.last_load = self.occupancy()
+        return ("deltas", pack_deltas(merge_by_request(deltas)), self.last_load)
 
     def put(self, delta: RequestDelta) -> None:
         """Queue one of the step's deltas (sent at the step's end)."""
@@ -339,12 +349,10 @@ class _Outbox:
             direct = len(deltas) >= DIRECT_MIN_DELTAS and self._pipe is not None
             if direct and not self._waiting and not self._sending:
                 try:
-                    load = self._load() if self._load is not None else None
-                    message = ForkingPickler.dumps(("deltas", pack_deltas(merge_by_request(deltas)), load))
+                    message = ForkingPickler.dumps(self.batch(deltas))
                 except Exception:  # noqa: BLE001 - the sender fails on it again and ends the process
                     message = None
                 if message is not None and self._pipe.write_if_drained(message):
-                    self.last_load = load
                     return
             self._waiting += deltas
         self._ready.set()
@@ -432,22 +440,19 @@ def _serve_control(
 
 
 def _send_events_or_exit(
-    outbox: _Outbox,
-    events: Connection,
-    load: Callable[[], EngineLoad],
-    exit_process: Callable[[int], None] = os._exit,
+    outbox: _Outbox, events: Connection, exit_process: Callable[[int], None] = os._exit
 ) -> None:
     """`_send_events`, ending this process if it raises: an engine whose deltas can no longer reach the
     adapter must not live on (its requests would never end); the adapter sees the events pipe close and
     fails every request it was waiting on."""
     try:
-        _send_events(outbox, events, load)
+        _send_events(outbox, events)
     except BaseException:
         logger.error("dspark engine process: sending events failed; exiting\n%s", traceback.format_exc())
         exit_process(SENDER_FAILED_STATUS)
 
 
-def _send_events(outbox: _Outbox, events: Connection, load: Callable[[], EngineLoad]) -> None:
+def _send_events(outbox: _Outbox, events: Connection) -> None:
     """Send what the step loop could not (`_Outbox`): each run of waiting deltas as one batch, each
     request's merged into one (when the adapter reads slower than the engine steps, a batch spans
     steps: fewer, fuller deltas), and the engine's death, in order; while nothing waits, the occupancy
@@ -456,8 +461,8 @@ def _send_events(outbox: _Outbox, events: Connection, load: Callable[[], EngineL
         items = outbox.take(LOAD_INTERVAL_S)
         try:
             if not items:
-                now = load()
-                if now != outbox.last_load:
+                now = outbox.occupancy()
+                if now is not None and now != outbox.last_load:
                     events.send(("load", now))
                     outbox.last_load = now
                 continue
@@ -467,14 +472,12 @@ def _send_events(outbox: _Outbox, events: Connection, load: Callable[[], EngineL
                     deltas.append(item)
                     continue
                 if deltas:
-                    outbox.last_load = load()
-                    events.send(("deltas", pack_deltas(merge_by_request(deltas)), outbox.last_load))
+                    events.send(outbox.batch(deltas))
                     deltas = []
                 if item is None:
                     return
                 events.send(item)
             if deltas:
-                outbox.last_load = load()
-                events.send(("deltas", pack_deltas(merge_by_request(deltas)), outbox.last_load))
+                events.send(outbox.batch(deltas))
         finally:
             outbox.sent()
