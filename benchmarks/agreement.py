@@ -58,21 +58,37 @@ def offline_run(
     untimed one at that size: the adaptive gate settles, every graph tier it uses is warm), and the
     tokens it gave (greedy, ignore_eos). `loops`, when given, receives each timed generate()'s engine
     loop totals (`loop_shares`)."""
-    llm = LLM(config)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine = OfflineEngine(config, max_tokens)
     rates, tokens = {}, {}
     for batch in batch_sizes:
-        llm.generate(bench_prompts(batch), params)
-        rates[batch], tokens[batch], loop = timed_generate(llm, batch, params)
+        rates[batch], tokens[batch], loop = engine.measure(batch)
         if loops is not None:
             loops[batch] = loop
-    llm.engine.close()
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    engine.close()
     return rates, tokens
+
+
+class OfflineEngine:
+    """dspark.LLM, warmed up, measuring batches of the bench prompts greedily (ignore_eos)."""
+
+    def __init__(self, config: EngineConfig, max_tokens: int) -> None:
+        self.llm = LLM(config)
+        self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))
+
+    def measure(self, batch: int) -> tuple[float, list[list[int]], dict]:
+        """`timed_generate` of `batch` prompts after an untimed one (the adaptive gate settles, every
+        graph tier it uses is warm)."""
+        self.llm.generate(bench_prompts(batch), self.params)
+        return timed_generate(self.llm, batch, self.params)
+
+    def close(self) -> None:
+        """Free the engine and its GPU memory."""
+        self.llm.engine.close()
+        del self.llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def bench_prompts(count: int) -> list[str]:

@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-from agreement import loop_shares, timed_generate  # noqa: E402
+from agreement import bench_prompts, loop_shares, timed_generate  # noqa: E402
 from pyspy_top import summarize  # noqa: E402
 from serving_overhead import MODES, engine_config, start_profile  # noqa: E402
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 level = args.profile_level
                 args.out_dir.mkdir(parents=True, exist_ok=True)
                 params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-                prompts = [PROMPTS[i % len(PROMPTS)] for i in range(level)]
+                prompts = bench_prompts(level)
                 profile(
                     args.out_dir / f"offline-{level}.txt",
                     args.profile_s,

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-dir", type=Path, help="keep the py-spy samples here")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    from serving_overhead import intake_counters, intake_split
+    from serving_overhead import intake_counters, intake_split, metrics_text
 
     profile_levels = [int(x) for x in args.profile_levels.split(",") if x]
     http_port, grpc_port, metrics_port = (int(p) for p in args.ports.split(","))
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             for level in (int(c) for c in args.concurrency.split(",")):
                 cpu_before, load_before, started = server_cpu(server.pid), _children_cpu(), time.monotonic()
-                intake_before = intake_counters(metrics_port)
+                intake_before = intake_counters(metrics_text(metrics_port))
                 result = run_load(
                     f"localhost:{grpc_port}",
                     level,
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 cpu_after, load_after = server_cpu(server.pid), _children_cpu()
                 time.sleep(0.3)  # the stub publishes its metrics every 0.1 s
-                intake = intake_split(intake_before, intake_counters(metrics_port))
+                intake = intake_split(intake_before, intake_counters(metrics_text(metrics_port)))
                 per_1k = {
                     k: 1e6 * (cpu_after[k] - cpu_before[k]) / max(result.output_tokens, 1) for k in cpu_after
                 }

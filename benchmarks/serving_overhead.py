@@ -20,7 +20,6 @@ untimed, while py-spy (when installed) samples the server's Python processes: co
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -34,16 +33,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import torch  # noqa: E402
-from agreement import bench_prompts, loop_shares, timed_generate  # noqa: E402
+from agreement import OfflineEngine, loop_shares  # noqa: E402
 from load_generator import run_load  # noqa: E402
 from serving_ceiling import _process_table, start_server  # noqa: E402
 
-from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.config import EngineConfig  # noqa: E402
 from dspark.outputs import STEP_PHASES, LoopTotals  # noqa: E402
 from dspark.serving.triton_config import DEFAULT_MODEL_REPOSITORY, render_config_pbtxt  # noqa: E402
-from dspark_client.bench import PROMPTS  # noqa: E402
 
 MODES = {
     "off": {"spec_mode": "off"},
@@ -65,43 +61,33 @@ def engine_config(mode: str, max_seqs: int) -> EngineConfig:
     return EngineConfig(max_num_seqs=max_seqs, num_kv_pages=pages, **MODES[mode])
 
 
-class Offline:
-    """The offline engine (`dspark.LLM`), alive beside the server so that each level's offline figure is
-    measured right before its served one: this host's speed drifts within a call (offline plain at 64
-    streams ran 24.7k and 39.4k tok/s in two calls, and one call's levels moved by 2x)."""
+class Offline(OfflineEngine):
+    """The offline engine, alive beside the server so that each level's offline figure is measured right
+    before its served one: this host's speed drifts within a call (offline plain at 64 streams ran 24.7k
+    and 39.4k tok/s in two calls, and one call's levels moved by 2x). Keeps and prints each level's."""
 
     def __init__(self, config: EngineConfig, max_tokens: int) -> None:
-        self.llm = LLM(config)
-        self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        self.llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))
+        super().__init__(config, max_tokens)
         self.rates: dict[int, float] = {}
         self.tokens: dict[int, list[list[int]]] = {}
         self.loops: dict[int, dict] = {}
 
-    def measure(self, level: int) -> None:
-        """One timed generate() of `level` bench prompts, after an untimed one (as
-        `agreement.offline_run`): its tokens/s, tokens and loop shares, printed and kept."""
-        self.llm.generate(bench_prompts(level), self.params)
-        self.rates[level], self.tokens[level], self.loops[level] = timed_generate(
-            self.llm, level, self.params
-        )
-        print(
-            f"offline {level:>4} streams: {self.rates[level]:.0f} tok/s, loop {self.loops[level]}", flush=True
-        )
-
-    def close(self) -> None:
-        """Free the engine and its GPU memory."""
-        self.llm.engine.close()
-        del self.llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    def measure(self, batch: int) -> tuple[float, list[list[int]], dict]:
+        """`OfflineEngine.measure`, its figures kept and printed."""
+        rate, tokens, loop = super().measure(batch)
+        self.rates[batch], self.tokens[batch], self.loops[batch] = rate, tokens, loop
+        print(f"offline {batch:>4} streams: {rate:.0f} tok/s, loop {loop}", flush=True)
+        return rate, tokens, loop
 
 
-def served_loop_totals(metrics_port: int) -> LoopTotals:
-    """The served engine's loop totals, from its `dspark_engine_*_total` counters on the metrics port
-    (published at most 0.1 s after each step: wait a little after a load before reading)."""
-    text = urllib.request.urlopen(f"http://localhost:{metrics_port}/metrics", timeout=10).read().decode()
+def metrics_text(metrics_port: int) -> str:
+    """The server's metrics now (the stub publishes its own at most 0.1 s after each step: wait a
+    little after a load before reading)."""
+    return urllib.request.urlopen(f"http://localhost:{metrics_port}/metrics", timeout=10).read().decode()
+
+
+def served_loop_totals(text: str) -> LoopTotals:
+    """The served engine's loop totals, from its `dspark_engine_*_total` counters in `metrics_text`."""
     values = {}
     for line in text.splitlines():
         if line.startswith("dspark_engine_"):
@@ -123,9 +109,8 @@ INTAKE_COUNTERS = (
 )
 
 
-def intake_counters(metrics_port: int) -> dict[str, float]:
-    """The INTAKE_COUNTERS of the model `dspark` now, from the metrics port."""
-    text = urllib.request.urlopen(f"http://localhost:{metrics_port}/metrics", timeout=10).read().decode()
+def intake_counters(text: str) -> dict[str, float]:
+    """The INTAKE_COUNTERS of the model `dspark`, from `metrics_text`."""
     values = dict.fromkeys(INTAKE_COUNTERS, 0.0)
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -207,11 +192,14 @@ def served(
             if offline is not None:
                 offline.measure(level)
             time.sleep(0.3)  # the warm-up's or the last level's counters published
-            before, intake_before = served_loop_totals(ports[2]), intake_counters(ports[2])
+            before = metrics_text(ports[2])
             result = run_load(f"localhost:{ports[1]}", level, requests_per_stream * level, max_tokens)
             time.sleep(0.3)
-            loop = loop_shares(before, served_loop_totals(ports[2]), result.seconds, result.output_tokens)
-            intake = intake_split(intake_before, intake_counters(ports[2]))
+            after = metrics_text(ports[2])
+            loop = loop_shares(
+                served_loop_totals(before), served_loop_totals(after), result.seconds, result.output_tokens
+            )
+            intake = intake_split(intake_counters(before), intake_counters(after))
             if level in profile_levels:  # a longer run of this load, sampled, not timed
                 profiler = start_profile(server.pid, root / f"py-spy-{level}.txt", profile_s)
                 run_load(f"localhost:{ports[1]}", level, max(10 * level, 1280), max_tokens)
