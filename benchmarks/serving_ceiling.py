@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -44,17 +45,28 @@ from dspark.serving.triton_config import render_config_pbtxt  # noqa: E402
 
 
 def render_repository(
-    root: Path, steps_per_s: float, tokens_per_step: int, engine_process: bool = True
+    root: Path,
+    steps_per_s: float,
+    tokens_per_step: int,
+    engine_process: bool = True,
+    instances: int = 1,
+    busy_share: float = 0.0,
 ) -> Path:
-    """A repository holding only `dspark`, whose model.py is the synthetic-engine harness."""
+    """A repository holding only `dspark`, whose model.py is the synthetic-engine harness (`instances`
+    backend stubs, each with a synthetic engine of its own)."""
     model = root / "model_repository" / "dspark"
     (model / "1").mkdir(parents=True)
-    (model / "config.pbtxt").write_text(render_config_pbtxt(EngineConfig(max_num_seqs=1024)))
+    config = render_config_pbtxt(EngineConfig(max_num_seqs=1024))
+    if instances != 1:
+        config, found = re.subn(r"count: 1\b", f"count: {instances}", config, count=1)
+        assert found, "no instance_group count in the rendered config"
+    (model / "config.pbtxt").write_text(config)
     shutil.copy(HERE / "synthetic_engine_model.py", model / "1" / "model.py")
     synthetic = {
         "steps_per_s": steps_per_s,
         "tokens_per_step": tokens_per_step,
         "engine_process": engine_process,
+        "busy_share": busy_share,
         "repo_root": str(HERE.parent),
     }
     (model / "1" / "synthetic.json").write_text(json.dumps(synthetic))
@@ -165,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=0, help="load processes (default: CPU count)")
     parser.add_argument("--ports", default="18500,18501,18502", help="HTTP,gRPC,metrics")
     parser.add_argument("--in-stub", action="store_true", help="the synthetic engine as a thread of the stub")
+    parser.add_argument("--instances", type=int, default=1, help="backend stubs (instance_group count)")
+    parser.add_argument(
+        "--busy-share", type=float, default=0.0,
+        help="share of each step the synthetic loop computes holding the GIL (a host-bound GPU loop)",
+    )  # fmt: skip
     parser.add_argument("--profile-levels", default="", help="concurrencies to sample with py-spy")
     parser.add_argument("--profile-s", type=float, default=8.0)
     parser.add_argument("--profile-dir", type=Path, help="keep the py-spy samples here")
@@ -176,7 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     http_port, grpc_port, metrics_port = (int(p) for p in args.ports.split(","))
     results = []
     with tempfile.TemporaryDirectory(prefix="dspark-ceiling-") as tmp:
-        repo = render_repository(Path(tmp), args.steps_per_s, args.tokens_per_step, not args.in_stub)
+        repo = render_repository(
+            Path(tmp),
+            args.steps_per_s,
+            args.tokens_per_step,
+            not args.in_stub,
+            args.instances,
+            args.busy_share,
+        )
         log = Path(tmp) / "server.log"
         server = start_server(repo, http_port, grpc_port, metrics_port, log)
         try:
@@ -211,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{result.gap_p90_ms:>10.2f} {result.errors:>6} | {per_1k['stub']:>24.1f} "
                     f"{per_1k['engine']:>6.1f} {per_1k['tritonserver']:>6.1f} {load_cores:>10.2f} | "
                     f"per request, ms: Triton's queue {intake['queue_ms']}, execute {intake['execute_ms']}, "
-                    f"execute to first token {intake['to_first_token_ms']}",
+                    f"execute to first token {intake['to_first_token_ms']} (engine: admission "
+                    f"{intake['engine_admission_ms']}, first token {intake['engine_first_token_ms']})",
                     flush=True,
                 )
                 cpu = {f"cpu_ms_per_1k_tokens_{k}": round(v, 2) for k, v in per_1k.items()}

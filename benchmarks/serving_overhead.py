@@ -96,16 +96,20 @@ def served_loop_totals(text: str) -> LoopTotals:
     return LoopTotals(**{f.name: type(f.default)(values.get(f.name, 0)) for f in fields(LoopTotals)})
 
 
-# Where a request's time to its first token goes before the engine, from the server's own counters:
-# Triton's queue (before the backend's execute), the backend's execute (the stub's intake: inputs,
-# tokenization, the hand-over to the engine process), and from execute to the first token's response
-# (the stub's TTFT histogram: the engine's queue, prefill and the response path).
+# Where a request's time to its first token goes, from the server's own counters: Triton's queue
+# (before the backend's execute), the backend's execute (the stub's intake: inputs, tokenization, the
+# hand-over to the engine process), from execute to the first token's arrival in the stub (its TTFT
+# histogram), and within that the engine's share: from the hand-over to the loop's admission (the
+# engine process's intake) and to the first token's delta (the engine's queue and prefill).
 INTAKE_COUNTERS = (
     "nv_inference_request_success",
     "nv_inference_queue_duration_us",
     "nv_inference_compute_infer_duration_us",
     "dspark_time_to_first_token_seconds_sum",
     "dspark_time_to_first_token_seconds_count",
+    "dspark_engine_admitted_requests_total",
+    "dspark_engine_intake_wait_seconds_total",
+    "dspark_engine_first_token_seconds_total",
 )
 
 
@@ -121,14 +125,18 @@ def intake_counters(text: str) -> dict[str, float]:
 
 def intake_split(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Per request between two readings, in ms: the mean wait in Triton's queue, in the backend's
-    execute, and from execute to the first token (the last a mean of the stub's sampled histogram)."""
+    execute, from execute to the first token (a mean of the stub's sampled histogram), and of that in
+    the engine: from the hand-over to admission and to the first token's delta."""
     moved = {name: after[name] - before[name] for name in INTAKE_COUNTERS}
     requests = max(moved["nv_inference_request_success"], 1.0)
     first = max(moved["dspark_time_to_first_token_seconds_count"], 1.0)
+    admitted = max(moved["dspark_engine_admitted_requests_total"], 1.0)
     return {
         "queue_ms": round(moved["nv_inference_queue_duration_us"] / requests / 1e3, 2),
         "execute_ms": round(moved["nv_inference_compute_infer_duration_us"] / requests / 1e3, 2),
         "to_first_token_ms": round(1e3 * moved["dspark_time_to_first_token_seconds_sum"] / first, 2),
+        "engine_admission_ms": round(1e3 * moved["dspark_engine_intake_wait_seconds_total"] / admitted, 2),
+        "engine_first_token_ms": round(1e3 * moved["dspark_engine_first_token_seconds_total"] / admitted, 2),
     }
 
 
@@ -283,10 +291,11 @@ def loop_table(levels: list[int], runs: dict) -> str:
 def intake_table(levels: list[int], runs: dict) -> str:
     """Markdown: where a served request's time before its first token went (`intake_split`), per mode
     and level, beside the client's TTFT."""
-    keys = ("queue_ms", "execute_ms", "to_first_token_ms")
+    keys = ("queue_ms", "execute_ms", "to_first_token_ms", "engine_admission_ms", "engine_first_token_ms")
     lines = [
         "Served requests' time before their first token, mean ms per request (`intake_split`): in "
-        "Triton's queue, in the backend's execute, from execute to the first token; and the client's "
+        "Triton's queue, in the backend's execute, from execute to the first token; of that, in the "
+        "engine process, from the hand-over to admission and to the first token; and the client's "
         "TTFT p50",
         "",
         "| mode | streams | " + " | ".join(keys) + " | TTFT p50 ms |",

@@ -4,9 +4,11 @@ benchmarks/serving_ceiling.py copies this file as `1/model.py` of a throw-away m
 `synthetic.json` beside it: `{"steps_per_s": S, "tokens_per_step": K, "engine_process": P}`. The
 Triton adapter is the real one (model_repository/dspark/1/model.py, loaded from this checkout); only
 `_make_engine` is replaced, by an engine that gives every running request K tokens per step, S steps a
-second, with no model behind it. With P true (the default, as served) that engine runs in its own
-process behind the real `EngineProcess` (its pipes, batches and dispatch); with P false, as a thread
-of the backend stub. What the serving path sustains then is its own ceiling.
+second, with no model behind it (`"busy_share": B`: the loop holds the GIL, computing, for that share
+of each step's period and sleeps the rest, as a host-bound engine loop on a GPU does). With P true (the
+default, as served) that engine runs in its own process behind the real `EngineProcess` (its pipes,
+batches, intake and dispatch); with P false, as a thread of the backend stub. What the serving path
+sustains then is its own ceiling.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class SyntheticEngine:
         tokens_per_step: int,
         on_death=None,  # noqa: ANN001 - AsyncEngine's arguments, as EngineProcess passes them
         after_step=None,  # noqa: ANN001
+        busy_share: float = 0.0,
+        intake=None,  # noqa: ANN001
     ) -> None:
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         # What engine_main reads of an AsyncEngine's engine.
@@ -59,8 +63,10 @@ class SyntheticEngine:
             limits=SimpleNamespace(max_model_len=config.max_model_len or 8192),
         )
         self._after_step = after_step
+        self._intake = intake
         self._token_id = self.tokenizer.encode(TOKEN_TEXT)[-1]
         self._period = 1.0 / steps_per_s
+        self._busy_s = busy_share * self._period
         self._tokens_per_step = tokens_per_step
         self._inbox: queue.Queue = queue.Queue()
         self._running: dict[str, list] = {}  # id -> [on_delta, params, prompt length, emitted]
@@ -90,7 +96,9 @@ class SyntheticEngine:
         """Ask the loop to end."""
         self._stopping.set()
 
-    def submit(self, request_id, params, on_delta, prompt=None, prompt_token_ids=None) -> list[int]:  # noqa: ANN001
+    def submit(
+        self, request_id, params, on_delta, prompt=None, prompt_token_ids=None, submitted_at=None
+    ) -> list[int]:  # noqa: ANN001, E501
         """Queue a request (tokenized here, as the real engine does)."""
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenizer.encode(prompt)
         self._inbox.put(("add", request_id, params, on_delta, len(ids)))
@@ -113,14 +121,18 @@ class SyntheticEngine:
     def _loop(self) -> None:
         next_step = time.monotonic()
         while not self._stopping.is_set():
+            if self._intake is not None:
+                self._intake(0.001 if not self._running else 0.0)
             self._drain()
             if not self._running:
-                time.sleep(0.001)
+                if self._intake is None:
+                    time.sleep(0.001)
                 next_step = time.monotonic()
                 continue
             self._step()
             if self._after_step is not None:
                 self._after_step()
+            _hold_gil(self._busy_s)
             next_step += self._period
             time.sleep(max(0.0, next_step - time.monotonic()))
         for request_id, (on_delta, _, prompt_len, emitted) in list(self._running.items()):
@@ -161,22 +173,32 @@ class SyntheticEngine:
             )
 
 
+def _hold_gil(seconds: float) -> None:
+    """Compute in Python (the GIL held but for the interpreter's forced switches) for `seconds`."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(200))
+
+
 class SyntheticFactory:
     """Builds the engine in the engine process (picklable: this module, by file, and the settings)."""
 
-    def __init__(self, steps_per_s: float, tokens_per_step: int) -> None:
+    def __init__(self, steps_per_s: float, tokens_per_step: int, busy_share: float = 0.0) -> None:
         self.path = str(Path(__file__).resolve())
         self.steps_per_s = steps_per_s
         self.tokens_per_step = tokens_per_step
+        self.busy_share = busy_share
 
     def __reduce__(self) -> tuple:
-        return (_factory_in_child, (self.path, self.steps_per_s, self.tokens_per_step))
+        return (_factory_in_child, (self.path, self.steps_per_s, self.tokens_per_step, self.busy_share))
 
-    def __call__(self, config: EngineConfig, on_death, after_step) -> SyntheticEngine:  # noqa: ANN001
-        return SyntheticEngine(config, self.steps_per_s, self.tokens_per_step, on_death, after_step)
+    def __call__(self, config: EngineConfig, on_death, after_step, intake=None) -> SyntheticEngine:  # noqa: ANN001
+        return SyntheticEngine(
+            config, self.steps_per_s, self.tokens_per_step, on_death, after_step, self.busy_share, intake
+        )
 
 
-def _factory_in_child(path: str, steps_per_s: float, tokens_per_step: int):  # noqa: ANN202
+def _factory_in_child(path: str, steps_per_s: float, tokens_per_step: int, busy_share: float):  # noqa: ANN202
     """Unpickling in the engine process: its SyntheticFactory, from this file (not importable there
     by name: the stub loads it as model.py from a throw-away repository)."""
     module = sys.modules.get(MODULE_NAME)
@@ -185,7 +207,7 @@ def _factory_in_child(path: str, steps_per_s: float, tokens_per_step: int):  # n
         module = importlib.util.module_from_spec(spec)
         sys.modules[MODULE_NAME] = module
         spec.loader.exec_module(module)
-    return module.SyntheticFactory(steps_per_s, tokens_per_step)
+    return module.SyntheticFactory(steps_per_s, tokens_per_step, busy_share)
 
 
 def _load_real_model():  # noqa: ANN202
@@ -221,7 +243,11 @@ class TritonPythonModel(_real.TritonPythonModel if _real is not None else _Absen
         super().initialize(args)
 
     def _make_engine(self, config: EngineConfig, on_death):  # noqa: ANN001, ANN202
-        factory = SyntheticFactory(self._synthetic["steps_per_s"], self._synthetic["tokens_per_step"])
+        factory = SyntheticFactory(
+            self._synthetic["steps_per_s"],
+            self._synthetic["tokens_per_step"],
+            self._synthetic.get("busy_share", 0.0),
+        )
         if self._synthetic.get("engine_process", True):
             from dspark.serving.engine_process import EngineProcess
 

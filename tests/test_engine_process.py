@@ -68,6 +68,11 @@ def test_the_engine_process_streams_what_the_in_process_engine_streams(tiny_targ
     try:
         streams = [_collect(engine, f"r{i}", GREEDY, prompt) for i, prompt in enumerate(PROMPTS)]
         got = [[t for d in _until_final(s) for t in d.new_token_ids] for s in streams]
+        # The loop's intake counters, sent with the deltas: every request admitted, its hand-over in
+        # this process timed to its admission and to its first token there.
+        loop = engine.load().loop
+        assert loop.admitted_requests == len(PROMPTS)
+        assert 0 < loop.intake_wait_seconds < loop.first_token_seconds < 60 * len(PROMPTS)
         with pytest.raises(InvalidParameterError) as bad:
             engine.submit("bad", GREEDY, lambda d: None, prompt_token_ids=[])
         assert bad.value.field == "prompt_token_ids"

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import os
 import pickle
+import struct
+import time
 
 from dspark.outputs import (
     Logprob,
@@ -16,6 +19,7 @@ from dspark.outputs import (
     pack_deltas,
     unpack_deltas,
 )
+from dspark.serving.engine_process import _ControlIntake
 
 
 def fields(delta: RequestDelta) -> list:
@@ -155,3 +159,68 @@ def test_what_does_not_fit_waits_for_the_sender_which_merges_it_and_nothing_over
         ("b", [5], False),
     ]
     assert not ours.poll(0)
+
+
+class _Commands:
+    """The engine side of `_ControlIntake`: what it was told, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def submit(self, request_id, params, on_delta, prompt_token_ids=None, submitted_at=None) -> None:  # noqa: ANN001
+        self.calls.append(("submit", request_id, params, prompt_token_ids, submitted_at))
+
+    def abort(self, request_id: str) -> None:
+        self.calls.append(("abort", request_id))
+
+    def stop(self) -> None:
+        self.calls.append(("stop",))
+
+
+def _intake():  # noqa: ANN202
+    ours, theirs = mp.Pipe(duplex=True)
+    engine = _Commands()
+    intake = _ControlIntake(theirs, lambda d: None, lambda d: None)
+    intake.bind(engine)
+    return ours, intake, engine
+
+
+def test_the_loop_takes_in_every_command_written_since_its_last_read_in_order():
+    """Many small submits, one over 16 KiB (`Connection` writes its length and its body apart), an abort
+    and a frame with the 8-byte length (what `Connection` writes past 2 GiB), all applied at one intake
+    call; a message half written waits for its rest; the adapter's end closing stops the engine."""
+    ours, intake, engine = _intake()
+    big = list(range(5000))
+    for i in range(50):
+        ours.send(("submit", f"r{i}", None, [i, i + 1], 100.0 + i))
+    ours.send(("submit", "big", None, big, 1.5))
+    ours.send(("abort", "r3"))
+    body = pickle.dumps(("abort", "long-framed"))
+    os.write(ours.fileno(), struct.pack("!i", -1) + struct.pack("!Q", len(body)) + body)
+    deadline = time.monotonic() + 10
+    while len(engine.calls) < 53 and time.monotonic() < deadline:
+        intake(0.5)
+    expected = [("submit", f"r{i}", None, [i, i + 1], 100.0 + i) for i in range(50)]
+    expected += [("submit", "big", None, big, 1.5), ("abort", "r3"), ("abort", "long-framed")]
+    assert engine.calls == expected
+    intake(0.0)  # nothing new: nothing applied, no wait
+    assert len(engine.calls) == 53
+
+    frame = struct.pack("!i", len(body)) + body
+    os.write(ours.fileno(), frame[:7])
+    intake(0.2)
+    assert len(engine.calls) == 53  # half a message: not yet
+    os.write(ours.fileno(), frame[7:])
+    intake(0.5)
+    assert engine.calls[-1] == ("abort", "long-framed")
+
+    ours.send(("shutdown",))
+    intake(0.5)
+    assert engine.calls[-1] == ("stop",) and intake.closed
+
+
+def test_the_adapter_going_away_stops_the_engine():
+    ours, intake, engine = _intake()
+    ours.close()
+    intake(1.0)
+    assert intake.closed and engine.calls == [("stop",)]

@@ -390,6 +390,12 @@ class LoopTotals:
     prefill_step_seconds: float = 0.0
     accept_seconds: float = 0.0
     idle_seconds: float = 0.0
+    # Requests the loop admitted; summed over them, the seconds from their hand-over (`AsyncEngine.submit`,
+    # in the Triton adapter's process when the engine has a process of its own) to their admission
+    # into the engine, and to their first token's delta (a queue, or a late intake, shows here first).
+    admitted_requests: int = 0
+    intake_wait_seconds: float = 0.0
+    first_token_seconds: float = 0.0
     # The step calls' wall time by phase of the step (`STEP_PHASES`), as the host spends it: launching
     # (schedule, draft, plan, layout, target), then accepting (accept, which holds the wait for the
     # device, and emit: committing and making the deltas). They add up to about `step_seconds`.

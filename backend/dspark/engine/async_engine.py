@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dspark.config import EngineConfig
 from dspark.engine.llm_engine import LLMEngine
@@ -19,6 +19,10 @@ logger = logging.getLogger(__name__)
 
 DeltaCallback = Callable[[RequestDelta], None]
 DeathCallback = Callable[[BaseException], None]
+# Called by the loop with a timeout (0 between steps): waits that long at most for commands from
+# elsewhere and applies them with `submit`/`abort`/`stop`, on the loop's own thread.
+Intake = Callable[[float], None]
+IDLE_WAIT_S = 0.5  # the longest wait of an idle loop before it looks at its inbox again
 
 
 @dataclass
@@ -27,6 +31,8 @@ class _Submit:
     prompt_token_ids: list[int]
     params: SamplingParams
     on_delta: DeltaCallback
+    # time.monotonic() of the hand-over (in the adapter's process, when that is another one)
+    submitted_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -61,13 +67,19 @@ class AsyncEngine:
         engine: LLMEngine | None = None,
         on_death: DeathCallback | None = None,
         after_step: Callable[[], None] | None = None,
+        intake: Intake | None = None,
     ) -> None:
         """after_step: called from the loop thread once a step's deltas are all delivered (the engine
-        process sends a step's deltas together then, rather than waking its sender for each one)."""
+        process sends a step's deltas together then, rather than waking its sender for each one).
+        intake: called from the loop thread before each step and while idle (`Intake`): the engine
+        process reads its adapter's commands there, as a thread of its own reading them took the GIL
+        from the step loop at every request (and waited for it: a hand-over per switch interval)."""
         self.config = config
         self.engine = engine if engine is not None else LLMEngine(config)
         self._on_death = on_death
         self._after_step = after_step
+        self._intake = intake
+        self._first_token_due: dict[str, float] = {}  # admitted, no token yet: their hand-over time
         self._inbox: queue.Queue[_Submit | _Abort | None] = queue.Queue()
         self._callbacks: dict[str, DeltaCallback] = {}
         self._thread: threading.Thread | None = None
@@ -127,11 +139,13 @@ class AsyncEngine:
         on_delta: DeltaCallback,
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        submitted_at: float | None = None,
     ) -> list[int]:
         """Validate and queue one request; returns its prompt token ids.
 
-        Raises InvalidParameterError (naming the field) for a bad prompt, and EngineDeadError
-        when the loop is not running.
+        submitted_at: the time.monotonic() of its hand-over when that was before this call (in another
+        process), for the loop's intake counters. Raises InvalidParameterError (naming the field) for a
+        bad prompt, and EngineDeadError when the loop is not running.
         """
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self._error!r}")
@@ -139,7 +153,8 @@ class AsyncEngine:
         with self._lock:  # the loop's death drains the inbox under this lock: nothing is left behind
             if not self.healthy:
                 raise EngineDeadError(f"engine is not running: {self._error!r}")
-            self._inbox.put(_Submit(request_id, token_ids, params, on_delta))
+            handed_at = time.monotonic() if submitted_at is None else submitted_at
+            self._inbox.put(_Submit(request_id, token_ids, params, on_delta, handed_at))
         return token_ids
 
     def abort(self, request_id: str) -> None:
@@ -209,12 +224,19 @@ class AsyncEngine:
         return self.engine.step()
 
     def _drain_inbox(self, block: bool) -> bool:
-        """Move queued submissions and aborts into the engine; False when asked to stop."""
+        """Take in commands (`intake`, waiting while idle), then move queued submissions and aborts
+        into the engine; False when asked to stop."""
+        if self._intake is not None:
+            waiting = time.perf_counter()
+            self._intake(IDLE_WAIT_S if block else 0.0)
+            if block:
+                self.engine.loop_counters.idle_seconds += time.perf_counter() - waiting
+            block = False
         try:
             if block:
                 waiting = time.perf_counter()
                 try:
-                    item = self._inbox.get(timeout=0.5)
+                    item = self._inbox.get(timeout=IDLE_WAIT_S)
                 finally:
                     self.engine.loop_counters.idle_seconds += time.perf_counter() - waiting
             else:
@@ -225,7 +247,7 @@ class AsyncEngine:
             if item is None:
                 return False
             if isinstance(item, _Submit):
-                self._admit(item)
+                self._admit(item, time.monotonic())
             else:
                 self.engine.abort_request(item.request_id)
             try:
@@ -233,7 +255,7 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _admit(self, item: _Submit) -> None:
+    def _admit(self, item: _Submit, now: float) -> None:
         """Hand one request to the engine; if that raises, the request fails alone."""
         try:
             self.engine.add_request(item.request_id, item.prompt_token_ids, item.params)
@@ -244,8 +266,19 @@ class AsyncEngine:
                 self._after_step()
             return
         self._callbacks[item.request_id] = item.on_delta
+        counters = self.engine.loop_counters
+        counters.admitted_requests += 1
+        counters.intake_wait_seconds += now - item.submitted_at
+        self._first_token_due[item.request_id] = item.submitted_at
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        if self._first_token_due:
+            now = time.monotonic()
+            for delta in deltas:
+                if delta.new_token_ids or delta.finished:
+                    handed_at = self._first_token_due.pop(delta.request_id, None)
+                    if handed_at is not None and delta.new_token_ids:
+                        self.engine.loop_counters.first_token_seconds += now - handed_at
         for delta in deltas:
             callback = self._callbacks.get(delta.request_id)
             if delta.finished:
@@ -260,6 +293,7 @@ class AsyncEngine:
         for request_id, callback in list(self._callbacks.items()):
             callback(RequestDelta.failed(request_id, message))
         self._callbacks.clear()
+        self._first_token_due.clear()
         while True:
             try:
                 item = self._inbox.get_nowait()

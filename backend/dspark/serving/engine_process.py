@@ -26,7 +26,11 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
+import select
+import struct
 import threading
+import time
 import traceback
 from array import array
 from collections.abc import Callable
@@ -52,7 +56,8 @@ SENDER_FAILED_STATUS = 70  # the engine process's exit status when its events co
 # 64 streams a sender woken every step cost the loop 17% (`_Outbox`).
 DIRECT_MIN_DELTAS = 16
 FRAME_HEADER_BYTES = 12  # the most `Connection.send_bytes` writes before a message (its length)
-EngineFactory = Callable[..., AsyncEngine]  # (config, on_death=, after_step=) -> the engine
+READ_CHUNK_BYTES = 1 << 20  # the most the engine loop reads of its commands at once
+EngineFactory = Callable[..., AsyncEngine]  # (config, on_death=, after_step=, intake=) -> the engine
 
 
 class EngineProcess:
@@ -133,7 +138,10 @@ class EngineProcess:
         control thread (which shares that process's GIL with the step loop) held up every request
         behind it. A request the engine still refuses at admission ends with a failed delta.
         """
-        if not self.healthy:
+        # Not `healthy`: asking whether the process lives is a system call (waitpid) per request, where
+        # the stub's threads wait for the GIL after it. A process that died closes the events pipe
+        # (the reader then sets the error) and the control pipe (the send below fails).
+        if self._error is not None or self._stopping.is_set():
             raise EngineDeadError(f"engine is not running: {self._error!r}")
         ids = check_prompt(
             prompt, prompt_token_ids, params, self.tokenizer, self._vocab_size, self._max_model_len
@@ -150,7 +158,7 @@ class EngineProcess:
                 self._texts[request_id] = text
         try:
             with self._control_lock:
-                self._control.send(("submit", request_id, params, ids))
+                self._control.send(("submit", request_id, params, ids, time.monotonic()))
         except (OSError, EOFError):
             with self._lock:
                 self._callbacks.pop(request_id, None)
@@ -251,17 +259,21 @@ class EngineProcess:
 def engine_main(
     config: EngineConfig, control: Connection, events: Connection, engine_factory: EngineFactory | None = None
 ) -> None:
-    """The engine process: build the engine, serve control commands, send delta batches."""
+    """The engine process: build the engine, take in control commands on its loop's thread, send delta
+    batches."""
     outbox = _Outbox(_PipeRoom.of(events))
+    intake = _ControlIntake(control, outbox.put, outbox.put_now)
     try:
         engine = (engine_factory or AsyncEngine)(
             config,
             on_death=lambda cause: outbox.put_now(("dead", f"{type(cause).__name__}: {cause}")),
             after_step=outbox.wake,
+            intake=intake,
         )
     except BaseException:
         events.send(("failed", traceback.format_exc()))
         return
+    intake.bind(engine)
     # The loop runs on this (the main) thread, commands are served beside it (AsyncEngine.run says why).
     engine.bind_to_current_thread()
     if isinstance(engine, AsyncEngine):
@@ -272,17 +284,11 @@ def engine_main(
     outbox.bind_load(engine.load)
     sender = threading.Thread(target=_send_events_or_exit, args=(outbox, events), daemon=True)
     sender.start()
-
-    def serve_control() -> None:
-        _serve_control(engine, control, outbox.put, outbox.put_now)
-        engine.stop()
-
-    commands = threading.Thread(target=serve_control, name="dspark-control", daemon=True)
-    commands.start()
     engine.run()
     # A loop that died leaves the commands served (each submit fails alone) until the adapter shuts
     # this process down.
-    commands.join()
+    while not intake.closed:
+        intake(LOAD_INTERVAL_S)
     engine.shutdown()
     outbox.put_now(None)
     sender.join()
@@ -414,29 +420,87 @@ class _PipeRoom:
         return True
 
 
-def _serve_control(
-    engine: AsyncEngine,
-    control: Connection,
-    on_delta: Callable[[Any], None],
-    on_failed: Callable[[Any], None],
-) -> None:
-    """Answer the adapter's commands until it asks to shut down or goes away."""
-    while True:
-        try:
-            message = control.recv()
-        except (EOFError, OSError):
+class _ControlIntake:
+    """The adapter's commands (submit, abort, shutdown), read and applied on the engine loop's thread
+    (AsyncEngine's `intake`): between steps without waiting, while idle waiting up to the timeout. Each
+    read takes everything the adapter has written (one system call, however many requests), and no
+    thread of its own asks the step loop for the GIL: a control thread woken for every request did,
+    and waited for it too (up to a switch interval per read while the loop computed).
+
+    `closed` once the adapter asked to shut down or went away; the engine is then told to stop."""
+
+    def __init__(
+        self, control: Connection, on_delta: Callable[[Any], None], on_failed: Callable[[Any], None]
+    ) -> None:
+        self._control = control
+        self._fd = control.fileno()
+        self._poller = select.poll()
+        self._poller.register(self._fd, select.POLLIN)
+        self._on_delta = on_delta
+        self._on_failed = on_failed
+        self._buffer = bytearray()  # read, not yet a whole message
+        self._engine: AsyncEngine | None = None
+        self.closed = False
+
+    def bind(self, engine: AsyncEngine) -> None:
+        """The engine the commands go to."""
+        self._engine = engine
+
+    def __call__(self, timeout: float) -> None:
+        """Apply every command that arrives within `timeout` seconds (0: only those already here)."""
+        if self.closed or not self._poller.poll(int(timeout * 1000)):
             return
+        try:
+            chunk = os.read(self._fd, READ_CHUNK_BYTES)
+        except OSError:
+            chunk = b""
+        if not chunk:  # the adapter went away
+            self._close()
+            return
+        self._buffer += chunk
+        for message in self._messages():
+            self._apply(message)
+            if self.closed:
+                return
+
+    def _messages(self) -> list:
+        """The whole messages in the buffer, as `Connection.send` framed them (a 4-byte length, or -1
+        and an 8-byte one), unpickled; a partial one stays for the next read."""
+        messages, at, data = [], 0, self._buffer
+        while len(data) - at >= 4:
+            (size,) = struct.unpack_from("!i", data, at)
+            header = 4
+            if size == -1:
+                if len(data) - at < 12:
+                    break
+                (size,) = struct.unpack_from("!Q", data, at + 4)
+                header = 12
+            if len(data) - at - header < size:
+                break
+            messages.append(pickle.loads(data[at + header : at + header + size]))
+            at += header + size
+        del data[:at]
+        return messages
+
+    def _apply(self, message: tuple) -> None:
+        engine = self._engine
         kind = message[0]
         if kind == "submit":
-            _, request_id, params, ids = message
+            _, request_id, params, ids, submitted_at = message
             try:
-                engine.submit(request_id, params, on_delta, prompt_token_ids=ids)
+                engine.submit(
+                    request_id, params, self._on_delta, prompt_token_ids=ids, submitted_at=submitted_at
+                )
             except Exception as exc:  # checked in the adapter's process already; fails this one alone
-                on_failed(RequestDelta.failed(request_id, f"{type(exc).__name__}: {exc}"))
+                self._on_failed(RequestDelta.failed(request_id, f"{type(exc).__name__}: {exc}"))
         elif kind == "abort":
             engine.abort(message[1])
         elif kind == "shutdown":
-            return
+            self._close()
+
+    def _close(self) -> None:
+        self.closed = True
+        self._engine.stop()
 
 
 def _send_events_or_exit(

@@ -49,6 +49,9 @@ LOOP_COUNTERS = {
     "prefill_step_seconds": "Of step_seconds: the steps that carried a prefill chunk",
     "accept_seconds": "Wall seconds of the steps' acceptance, where the host waits for the device",
     "idle_seconds": "Seconds the engine loop waited with no request to run",
+    "admitted_requests": "Requests the engine loop admitted",
+    "intake_wait_seconds": "Seconds from requests' hand-over to the engine to their admission, summed",
+    "first_token_seconds": "Seconds from requests' hand-over to the engine to their first token, summed",
 } | {
     f"host_{phase}_seconds": f"Wall seconds of the engine's steps in their {phase} phase, on the host"
     for phase in STEP_PHASES
