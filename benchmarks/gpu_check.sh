@@ -30,7 +30,8 @@
 # Limits (seconds): TESTS_S (default 420; 0 skips them), PROFILE_S and E2E_S (default 0: skipped, the
 # tests need the call's time; e.g. TESTS_S=0 PROFILE_S=100 E2E_S=330 refreshes the tables in a call of its
 # own). PROFILE_ARGS go to profile_host.py (e.g. "--kernels --modes off,static"). SERVING_S (default
-# 300; 0 skips; SERVING_TESTS: which test files, text and ids, streaming and not, cancel by default) and
+# 300; 0 skips; SERVING_TESTS: which test files, text and ids, streaming and not, cancel, several instances
+# sharing the engine by default) and
 # OVERHEAD_S (default 0: skipped), OVERHEAD_ARGS for serving_overhead.py. STRESS_S (default 0: skipped; it
 # needs a call of its own: TESTS_S=0 SERVING_S=0 STRESS_S=540), STRESS_ARGS for stress.py; the run is
 # told to end 15 s before STRESS_S (--deadline-s) and writes $OUT/stress/{stress.json,stress.md,...}.
@@ -178,7 +179,8 @@ else
   started=$SECONDS
   # shellcheck disable=SC2086  # a list of paths
   timeout "$SERVING_S" python3 -m pytest -v --durations=10 -o faulthandler_timeout=120 -p no:cacheprovider \
-    ${SERVING_TESTS:-tests/test_serving_grpc.py tests/test_serving_http.py tests/test_serving_cancel.py} \
+    ${SERVING_TESTS:-tests/test_serving_grpc.py tests/test_serving_http.py tests/test_serving_cancel.py \
+      tests/test_serving_instances.py} \
     > "$OUT/gpu-serving-tests.log" 2>&1
   echo "pytest exit $? after $((SECONDS - started)) s"
   tail -3 "$OUT/gpu-serving-tests.log"

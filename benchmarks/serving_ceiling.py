@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import shutil
 import subprocess
@@ -56,10 +55,7 @@ def render_repository(
     backend stubs, each with a synthetic engine of its own)."""
     model = root / "model_repository" / "dspark"
     (model / "1").mkdir(parents=True)
-    config = render_config_pbtxt(EngineConfig(max_num_seqs=1024))
-    if instances != 1:
-        config, found = re.subn(r"count: 1\b", f"count: {instances}", config, count=1)
-        assert found, "no instance_group count in the rendered config"
+    config = render_config_pbtxt(EngineConfig(max_num_seqs=1024), instances=instances)
     (model / "config.pbtxt").write_text(config)
     shutil.copy(HERE / "synthetic_engine_model.py", model / "1" / "model.py")
     synthetic = {

@@ -39,7 +39,11 @@ from serving_ceiling import _process_table, start_server  # noqa: E402
 
 from dspark.config import EngineConfig  # noqa: E402
 from dspark.outputs import STEP_PHASES, LoopTotals  # noqa: E402
-from dspark.serving.triton_config import DEFAULT_MODEL_REPOSITORY, render_config_pbtxt  # noqa: E402
+from dspark.serving.triton_config import (  # noqa: E402
+    DEFAULT_INSTANCES,
+    DEFAULT_MODEL_REPOSITORY,
+    render_config_pbtxt,
+)
 
 MODES = {
     "off": {"spec_mode": "off"},
@@ -178,6 +182,7 @@ def served(
     engine_cpus: set[int] | None = None,
     requests_per_stream: int = 2,
     offline: Offline | None = None,
+    instances: int = DEFAULT_INSTANCES,
 ) -> dict:
     """The same engine behind `dspark serve`: the load generator's result at each concurrency (and, at
     `profile_levels`, py-spy's samples of the server's Python processes while the load runs).
@@ -186,7 +191,7 @@ def served(
     shutil.copytree(
         DEFAULT_MODEL_REPOSITORY / "dspark", repo / "dspark", ignore=shutil.ignore_patterns("__pycache__")
     )
-    (repo / "dspark" / "config.pbtxt").write_text(render_config_pbtxt(config))
+    (repo / "dspark" / "config.pbtxt").write_text(render_config_pbtxt(config, instances=instances))
     started = time.monotonic()
     server = start_server(repo, *ports, root / "server.log")
     print(f"server ready in {time.monotonic() - started:.0f} s", flush=True)
@@ -346,6 +351,12 @@ def main(argv: list[str] | None = None) -> int:
         "burst and the last requests' tail weigh less against steady load)",
     )
     parser.add_argument(
+        "--instances",
+        type=int,
+        default=DEFAULT_INSTANCES,
+        help="served side: backend stubs sharing the engine (the instance_group count)",
+    )
+    parser.add_argument(
         "--engine-cpus",
         default="",
         help="served side: pin the engine process to these CPUs (e.g. 0,8: a core and its sibling) and "
@@ -376,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine_cpus,
                 args.requests_per_stream,
                 engine,
+                args.instances,
             )
         finally:
             if engine is not None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark.config import EngineConfig
-from dspark.serving.triton_config import DEFAULT_MODEL_REPOSITORY, render_config_pbtxt
+from dspark.serving.triton_config import DEFAULT_INSTANCES, DEFAULT_MODEL_REPOSITORY, render_config_pbtxt
 
 # Serving tests check speculation's counters and streams: draft on every step (the gate's timing-driven
 # choice is tested in test_speculation_gate.py).
@@ -75,11 +75,12 @@ def _ephemeral_port_range_start() -> int:
         return 32768
 
 
-def render_model_repository(root: Path, config: EngineConfig) -> Path:
-    """Copy the model repository into root with dspark's config.pbtxt rendered from `config`."""
+def render_model_repository(root: Path, config: EngineConfig, instances: int = DEFAULT_INSTANCES) -> Path:
+    """Copy the model repository into root with dspark's config.pbtxt rendered from `config` (and
+    `instances` backend stubs)."""
     repo = root / "model_repository"
     shutil.copytree(DEFAULT_MODEL_REPOSITORY, repo, ignore=shutil.ignore_patterns("__pycache__"))
-    (repo / "dspark" / "config.pbtxt").write_text(render_config_pbtxt(config))
+    (repo / "dspark" / "config.pbtxt").write_text(render_config_pbtxt(config, instances=instances))
     return repo
 
 
@@ -279,14 +280,16 @@ class TritonServer:
             return False
 
 
-def start_server(root: Path, config: EngineConfig = TEST_ENGINE_CONFIG) -> TritonServer:
+def start_server(
+    root: Path, config: EngineConfig = TEST_ENGINE_CONFIG, instances: int = DEFAULT_INSTANCES
+) -> TritonServer:
     """Render a repository under root and start a server on it."""
     root.mkdir(parents=True, exist_ok=True)
     http_port, grpc_port, metrics_port, openai_port = free_ports(4)
     if not OPENAI_FRONTEND_INSTALLED:  # a bare GPU machine (gpu_check.sh) serves without it
         openai_port = 0
     server = TritonServer(
-        render_model_repository(root, config),
+        render_model_repository(root, config, instances),
         root / "server.log",
         http_port,
         grpc_port,

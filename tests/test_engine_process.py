@@ -15,6 +15,7 @@ from dspark import EngineConfig, InvalidParameterError, SamplingParams
 from dspark.engine.async_engine import AsyncEngine, EngineDeadError
 from dspark.outputs import RequestDelta
 from dspark.serving.engine_process import EngineProcess
+from dspark.serving.shared_engine import instance_count, open_engine
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -184,3 +185,52 @@ def test_an_engine_process_whose_events_cannot_be_sent_exits():
     statuses: list[int] = []
     _send_events_or_exit(outbox, theirs, exit_process=statuses.append)
     assert statuses == [SENDER_FAILED_STATUS]
+
+
+def test_a_models_instances_share_one_engine_process(tiny_target_dir, tiny_drafter_dir, tmp_path):
+    """The first instance spawns the engine (`open_engine`), the next attaches to it over the socket;
+    both stream what the engine streams, a cancel asked through one ends the other's request tagged so,
+    an instance leaving leaves the other served, and the spawning one leaving ends the engine."""
+    config = _config(tiny_target_dir, tiny_drafter_dir)
+    socket_path = tmp_path / "engine.sock"
+    first = open_engine(config, None, 2, socket_path)
+    deaths = _Deaths()
+    second = open_engine(config, deaths, 2, socket_path)
+    third = open_engine(config, None, 2, socket_path)
+    assert first.owner and not second.owner and not third.owner
+    for engine in (first, second, third):
+        engine.start()
+    try:
+        streams = [_collect(engine, f"{n}-r", GREEDY, PROMPTS[0]) for n, engine in enumerate((first, second))]
+        got = [[t for d in _until_final(s) for t in d.new_token_ids] for s in streams]
+        assert got[0] == got[1] and len(got[0]) == GREEDY.max_tokens
+
+        tagged: queue.Queue = queue.Queue()
+        first.submit("long", LONG, tagged.put, prompt_token_ids=PROMPTS[1], tag="triton-7")
+        assert not tagged.get(timeout=60).finished
+        matched: queue.Queue = queue.Queue()
+        done = threading.Event()
+        second.cancel("triton-7", matched.put, done.set)
+        assert matched.get(timeout=30) == 1 and done.wait(30)
+        assert _until_final(tagged)[-1].finish_reason == "abort"
+        second.cancel("no-such-request", matched.put, done.set)
+        assert matched.get(timeout=30) == 0
+
+        going_on = _collect(first, "going-on", LONG, PROMPTS[2])
+        assert not going_on.get(timeout=60).finished
+        third.shutdown()
+        assert not third.healthy and first.healthy and second.healthy
+        assert not going_on.get(timeout=60).finished  # still served
+    finally:
+        first.shutdown()
+    assert _until_final(going_on)[-1].finish_reason == "abort"
+    assert deaths.event.wait(30) and not second.healthy  # the engine went with the spawning instance
+    assert not first._process.is_alive() and not socket_path.exists()
+    second.shutdown()
+
+
+def test_instances_are_counted_from_the_models_instance_groups():
+    assert instance_count({}) == 1
+    assert instance_count({"instance_group": [{"kind": "KIND_MODEL", "count": 4}]}) == 4
+    assert instance_count({"instance_group": [{"kind": "KIND_GPU", "count": 2, "gpus": [0, 1]}]}) == 4
+    assert instance_count({"instance_group": [{"count": 2}, {"count": 1}]}) == 3

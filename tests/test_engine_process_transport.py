@@ -11,6 +11,7 @@ import struct
 import time
 
 from dspark.outputs import (
+    EngineLoad,
     Logprob,
     LogprobsLog,
     LogprobsPrefix,
@@ -19,7 +20,7 @@ from dspark.outputs import (
     pack_deltas,
     unpack_deltas,
 )
-from dspark.serving.engine_process import _ControlIntake
+from dspark.serving.engine_process import _Client, _ControlIntake
 
 
 def fields(delta: RequestDelta) -> list:
@@ -164,6 +165,8 @@ def test_what_does_not_fit_waits_for_the_sender_which_merges_it_and_nothing_over
 class _Commands:
     """The engine side of `_ControlIntake`: what it was told, in order."""
 
+    healthy = True
+
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
@@ -176,24 +179,33 @@ class _Commands:
     def stop(self) -> None:
         self.calls.append(("stop",))
 
+    def load(self) -> EngineLoad:
+        return EngineLoad(0, 0, 0, 0)
+
 
 def _intake():  # noqa: ANN202
-    ours, theirs = mp.Pipe(duplex=True)
+    """An intake over a fake engine with one adapter: (its control's writing end, its events' reading
+    end, the intake, the engine)."""
+    control_ours, control_theirs = mp.Pipe(duplex=True)
+    events_ours, events_theirs = mp.Pipe(duplex=False)
     engine = _Commands()
-    intake = _ControlIntake(theirs, lambda d: None, lambda d: None)
+    intake = _ControlIntake()
     intake.bind(engine)
-    return ours, intake, engine
+    intake.join(_Client(control_theirs, events_theirs, intake), ("ready", None))
+    assert events_ours.recv() == ("ready", None)
+    intake(0.5)  # takes the adapter in
+    return control_ours, events_ours, intake, engine
 
 
 def test_the_loop_takes_in_every_command_written_since_its_last_read_in_order():
     """Many small submits, one over 16 KiB (`Connection` writes its length and its body apart), an abort
     and a frame with the 8-byte length (what `Connection` writes past 2 GiB), all applied at one intake
-    call; a message half written waits for its rest; the adapter's end closing stops the engine."""
-    ours, intake, engine = _intake()
+    call; a message half written waits for its rest; the last adapter leaving stops the engine."""
+    ours, events, intake, engine = _intake()
     big = list(range(5000))
     for i in range(50):
-        ours.send(("submit", f"r{i}", None, [i, i + 1], 100.0 + i))
-    ours.send(("submit", "big", None, big, 1.5))
+        ours.send(("submit", f"r{i}", None, [i, i + 1], 100.0 + i, ""))
+    ours.send(("submit", "big", None, big, 1.5, "tag"))
     ours.send(("abort", "r3"))
     body = pickle.dumps(("abort", "long-framed"))
     os.write(ours.fileno(), struct.pack("!i", -1) + struct.pack("!Q", len(body)) + body)
@@ -217,10 +229,62 @@ def test_the_loop_takes_in_every_command_written_since_its_last_read_in_order():
     ours.send(("shutdown",))
     intake(0.5)
     assert engine.calls[-1] == ("stop",) and intake.closed
+    intake.end_all()  # the events end (their sender exits the process if it cannot write)
+    assert _eof(events)
 
 
-def test_the_adapter_going_away_stops_the_engine():
-    ours, intake, engine = _intake()
+def test_an_adapter_going_away_without_shutting_down_stops_the_engine():
+    ours, events, intake, engine = _intake()
     ours.close()
     intake(1.0)
     assert intake.closed and engine.calls == [("stop",)]
+    intake.end_all()
+    assert _eof(events)
+
+
+def test_a_cancel_matches_requests_by_tag_and_is_answered_when_they_ended():
+    """The answer says how many matched at once, and `cancel_done` follows the last one's final delta."""
+    ours, events, intake, engine = _intake()
+    ours.send(("submit", "a", None, [1], 1.0, "t1"))
+    ours.send(("submit", "b", None, [1], 1.0, "t1"))
+    ours.send(("submit", "c", None, [1], 1.0, "t2"))
+    ours.send(("cancel", "t1", 7))
+    ours.send(("cancel", "nothing", 8))
+    deadline = time.monotonic() + 10
+    while len(engine.calls) < 5 and time.monotonic() < deadline:
+        intake(0.5)
+    assert engine.calls[3:] == [("abort", "a"), ("abort", "b")] or engine.calls[3:] == [
+        ("abort", "b"),
+        ("abort", "a"),
+    ]
+    assert _event(events) == ("cancel_matched", 7, 2)
+    assert _event(events) == ("cancel_matched", 8, 0)
+    client = next(iter(intake._clients.values()))
+    client.on_delta(RequestDelta("a", [], "", True, "abort", 1, 0, SpecStats()))
+    assert _event(events, 0.3) is None  # "b" has not ended yet
+    client.on_delta(RequestDelta("b", [], "", True, "abort", 1, 0, SpecStats()))
+    intake.step_ended()
+    got = [_event(events), _event(events)]
+    assert got[0][0] == "deltas" and [d.request_id for d in unpack_deltas(got[0][1])] == ["a", "b"]
+    assert got[1] == ("cancel_done", 7)
+    intake.end_all()
+    assert _eof(events)
+
+
+def _eof(events) -> bool:  # noqa: ANN001
+    """Whether the events pipe ends (after any occupancy updates)."""
+    try:
+        while True:
+            events.recv()
+    except EOFError:
+        return True
+
+
+def _event(events, timeout: float = 10.0):  # noqa: ANN001, ANN202
+    """The next event but the occupancy updates an idle sender sends; None if none came in time."""
+    deadline = time.monotonic() + timeout
+    while events.poll(max(0.0, deadline - time.monotonic())):
+        event = events.recv()
+        if event[0] != "load":
+            return event
+    return None

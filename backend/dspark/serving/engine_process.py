@@ -34,8 +34,9 @@ import time
 import traceback
 from array import array
 from collections.abc import Callable
-from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.reduction import ForkingPickler, recv_handle, send_handle
 from typing import Any
 
 from dspark.config import EngineConfig
@@ -44,6 +45,7 @@ from dspark.outputs import EngineLoad, RequestDelta, merge_by_request, pack_delt
 from dspark.parallel.tp_worker import python_executable, spawning_with
 from dspark.prompts import check_prompt
 from dspark.sampling_params import SamplingParams
+from dspark.serving.request_inputs import CANCEL_ALL
 from dspark.tokenizer import DeltaText, IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -68,21 +70,15 @@ class EngineProcess:
         config: EngineConfig,
         on_death: DeathCallback | None = None,
         engine_factory: EngineFactory | None = None,
+        listen: str | None = None,
     ) -> None:
         """Spawn the engine process and wait until its engine is built (model load, CUDA graphs).
 
         engine_factory (picklable; default AsyncEngine): builds the engine in the engine process from
-        (config, on_death, after_step); benchmarks/serving_ceiling.py puts a synthetic one here."""
-        self.config = config
-        self._on_death = on_death
-        self._callbacks: dict[str, DeltaCallback] = {}
-        # Requests whose text this process makes from their token ids (the engine leaves it here).
-        self._texts: dict[str, DeltaText] = {}
-        self._lock = threading.Lock()  # the callbacks
-        self._control_lock = threading.Lock()  # one command at a time on the control pipe
-        self._error: BaseException | None = None
-        self._stopping = threading.Event()
-        self._load = EngineLoad(0, 0, 0, 0)
+        (config, on_death, after_step, intake); benchmarks/serving_ceiling.py puts a synthetic one here.
+        listen: a Unix socket path where other adapters may then `attach` to the same engine."""
+        self._setup(config, on_death)
+        self.owner = True  # this adapter spawned the process: the engine stops when it shuts down
         context = mp.get_context("spawn")
         self._control, control_theirs = context.Pipe(duplex=True)
         self._events, events_theirs = context.Pipe(duplex=False)
@@ -90,22 +86,65 @@ class EngineProcess:
             # Not a daemon: a tensor-parallel engine spawns rank processes of its own.
             self._process = context.Process(
                 target=engine_main,
-                args=(config, control_theirs, events_theirs, engine_factory),
+                args=(config, control_theirs, events_theirs, engine_factory, listen),
                 name="dspark-engine",
             )
             self._process.start()
         control_theirs.close()
         events_theirs.close()
+        self._await_ready()
+
+    @classmethod
+    def attach(
+        cls, address: str, config: EngineConfig, on_death: DeathCallback | None = None
+    ) -> EngineProcess:
+        """Another adapter of the engine process listening at `address` (a model's other instance): its
+        own pair of pipes, whose far ends it passes over the socket. The engine process serves it until
+        it shuts down, or until the spawning adapter does (its events then end: `on_death`)."""
+        self = cls.__new__(cls)
+        self._setup(config, on_death)
+        self.owner = False
+        self._process = None
+        control_theirs, control_ours = os.pipe()
+        events_ours, events_theirs = os.pipe()
+        try:
+            with Client(address, family="AF_UNIX") as conn:
+                send_handle(conn, control_theirs, 0)
+                send_handle(conn, events_theirs, 0)
+        finally:
+            os.close(control_theirs)
+            os.close(events_theirs)
+        self._control = Connection(control_ours, readable=False)
+        self._events = Connection(events_ours, writable=False)
+        self._await_ready()
+        return self
+
+    def _setup(self, config: EngineConfig, on_death: DeathCallback | None) -> None:
+        self.config = config
+        self._on_death = on_death
+        self._callbacks: dict[str, DeltaCallback] = {}
+        # Requests whose text this process makes from their token ids (the engine leaves it here).
+        self._texts: dict[str, DeltaText] = {}
+        self._cancels: dict[int, tuple[Callable[[int], None], Callable[[], None]]] = {}
+        self._next_cancel = 0
+        self._lock = threading.Lock()  # the callbacks and cancels
+        self._control_lock = threading.Lock()  # one command at a time on the control pipe
+        self._error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._load = EngineLoad(0, 0, 0, 0)
+
+    def _await_ready(self) -> None:
         try:
             kind, detail = self._events.recv()
         except EOFError:
-            kind, detail = "failed", f"the engine process exited with status {self._process.join(5) or ''}"
+            status = "" if self._process is None else self._process.join(5) or ""
+            kind, detail = "failed", f"the engine process exited with status {status}"
         if kind != "ready":
             self._kill()
             raise RuntimeError(f"the engine process failed to start:\n{detail}")
         self._vocab_size, self._max_model_len = detail
         # The adapter's own: it tokenizes and checks prompts here (see `submit`) and decodes them.
-        self.tokenizer = Tokenizer.from_dir(config.model_path)
+        self.tokenizer = Tokenizer.from_dir(self.config.model_path)
         self._reader = threading.Thread(target=self._read_events, name="dspark-engine-events", daemon=True)
 
     def start(self) -> None:
@@ -116,7 +155,8 @@ class EngineProcess:
     @property
     def healthy(self) -> bool:
         """False once the engine died, its process exited, or shutdown began."""
-        return self._error is None and not self._stopping.is_set() and self._process.is_alive()
+        alive = self._process is None or self._process.is_alive()  # attached: the events pipe tells
+        return self._error is None and not self._stopping.is_set() and alive
 
     @property
     def error(self) -> BaseException | None:
@@ -130,8 +170,10 @@ class EngineProcess:
         on_delta: DeltaCallback,
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        tag: str = "",
     ) -> list[int]:
         """Validate and tokenize one request here, queue it in the engine process; its prompt token ids.
+        tag: what `cancel` finds it by (the Triton request id).
 
         Raises InvalidParameterError (naming the field) for a bad request, EngineDeadError when the
         engine is not running. No reply is awaited: a submission waiting on the engine process's
@@ -158,7 +200,7 @@ class EngineProcess:
                 self._texts[request_id] = text
         try:
             with self._control_lock:
-                self._control.send(("submit", request_id, params, ids, time.monotonic()))
+                self._control.send(("submit", request_id, params, ids, time.monotonic(), tag))
         except (OSError, EOFError):
             with self._lock:
                 self._callbacks.pop(request_id, None)
@@ -170,18 +212,35 @@ class EngineProcess:
         """Cancel a request; it ends with reason 'abort' at the engine's next step."""
         self._command(("abort", request_id))
 
+    def cancel(self, target: str, on_matched: Callable[[int], None], on_done: Callable[[], None]) -> None:
+        """Abort the requests of every adapter of this engine tagged `target` (CANCEL_ALL: all of them).
+        on_matched(count) follows as soon as the engine process has looked; on_done() once the last of
+        them ended there (not called when none matched). Raises EngineDeadError when it cannot ask."""
+        with self._lock:
+            token = self._next_cancel = self._next_cancel + 1
+            self._cancels[token] = (on_matched, on_done)
+        try:
+            with self._control_lock:
+                self._control.send(("cancel", target, token))
+        except (OSError, EOFError):
+            with self._lock:
+                self._cancels.pop(token, None)
+            raise EngineDeadError("engine is not running: the engine process is gone") from None
+
     def load(self) -> EngineLoad:
         """The occupancy the engine reported with its last batch of deltas."""
         return self._load
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort everything in flight (their last deltas are relayed), stop the engine and its process."""
+        """Abort this adapter's requests in flight (their last deltas are relayed) and leave the engine
+        process; the last adapter to leave stops the engine and its process."""
         self._stopping.set()
         self._command(("shutdown",))
-        self._process.join(timeout + SHUTDOWN_GRACE_S)
-        self._kill()
+        if self._process is not None:
+            self._process.join(timeout + SHUTDOWN_GRACE_S)
+            self._kill()
         if self._reader.is_alive():
-            self._reader.join(SHUTDOWN_GRACE_S)
+            self._reader.join(timeout if self._process is None else SHUTDOWN_GRACE_S)
 
     # The adapter's side -----------------------------------------------------------------------
 
@@ -203,12 +262,30 @@ class EngineProcess:
                 self._dispatch(unpack_deltas(message[1]))
             elif message[0] == "load":
                 self._load = message[1]
+            elif message[0] in ("cancel_matched", "cancel_done"):
+                self._cancel_answer(*message)
             elif message[0] == "dead":
                 self._died(RuntimeError(message[1]))
         if not self._stopping.is_set():
-            self._process.join(1)
-            self._died(RuntimeError(f"the engine process exited (status {self._process.exitcode})"))
+            if self._process is None:
+                self._died(RuntimeError("the engine process stopped serving this instance"))
+            else:
+                self._process.join(1)
+                self._died(RuntimeError(f"the engine process exited (status {self._process.exitcode})"))
         self._fail_all("the engine process stopped")
+
+    def _cancel_answer(self, kind: str, token: int, *count: int) -> None:
+        with self._lock:
+            callbacks = self._cancels.get(token)
+            if callbacks is not None and (kind == "cancel_done" or not count[0]):
+                del self._cancels[token]
+        if callbacks is None:
+            return
+        on_matched, on_done = callbacks
+        if kind == "cancel_matched":
+            on_matched(count[0])
+        else:
+            on_done()
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         with self._lock:  # once a batch: hundreds of deltas a step at high concurrency
@@ -244,11 +321,14 @@ class EngineProcess:
         with self._lock:
             callbacks, self._callbacks = self._callbacks, {}
             self._texts = {}
+            cancels, self._cancels = self._cancels, {}
         for request_id, callback in callbacks.items():
             callback(RequestDelta.failed(request_id, message))
+        for _, on_done in cancels.values():  # what they waited on ended with the engine
+            on_done()
 
     def _kill(self) -> None:
-        if self._process.is_alive():
+        if self._process is not None and self._process.is_alive():
             self._process.kill()
             self._process.join(SHUTDOWN_GRACE_S)
 
@@ -257,18 +337,20 @@ class EngineProcess:
 
 
 def engine_main(
-    config: EngineConfig, control: Connection, events: Connection, engine_factory: EngineFactory | None = None
+    config: EngineConfig,
+    control: Connection,
+    events: Connection,
+    engine_factory: EngineFactory | None = None,
+    listen: str | None = None,
 ) -> None:
-    """The engine process: build the engine, take in control commands on its loop's thread, send delta
-    batches."""
-    outbox = _Outbox(_PipeRoom.of(events))
-    intake = _ControlIntake(control, outbox.put, outbox.put_now)
+    """The engine process: build the engine, take in its adapters' commands on the loop's thread, send
+    each adapter its delta batches. `listen`: a Unix socket path where more adapters (the backend stubs
+    of a model's other instances) attach (`EngineProcess.attach`)."""
+    intake = _ControlIntake()
+    first = _Client(control, events, intake, owner=True)
     try:
         engine = (engine_factory or AsyncEngine)(
-            config,
-            on_death=lambda cause: outbox.put_now(("dead", f"{type(cause).__name__}: {cause}")),
-            after_step=outbox.wake,
-            intake=intake,
+            config, on_death=intake.engine_died, after_step=intake.step_ended, intake=intake
         )
     except BaseException:
         events.send(("failed", traceback.format_exc()))
@@ -280,18 +362,21 @@ def engine_main(
         # The adapter makes the text of requests without stop strings from their ids (`DeltaText`):
         # detokenizing every request at every step took the step loop's time.
         engine.engine.defer_text = True
-    events.send(("ready", (engine.engine.model_config.vocab_size, engine.engine.limits.max_model_len)))
-    outbox.bind_load(engine.load)
-    sender = threading.Thread(target=_send_events_or_exit, args=(outbox, events), daemon=True)
-    sender.start()
+    ready = ("ready", (engine.engine.model_config.vocab_size, engine.engine.limits.max_model_len))
+    # Listening before the spawning adapter hears "ready": the instances after it find the socket.
+    listener = _Listener(listen, intake, ready) if listen is not None else None
+    intake.join(first, ready)
+    if listener is not None:
+        listener.start()
     engine.run()
-    # A loop that died leaves the commands served (each submit fails alone) until the adapter shuts
-    # this process down.
+    # A loop that died leaves the commands served (each submit fails alone) until the spawning adapter
+    # leaves or one went away.
     while not intake.closed:
         intake(LOAD_INTERVAL_S)
+    if listener is not None:
+        listener.close()
     engine.shutdown()
-    outbox.put_now(None)
-    sender.join()
+    intake.end_all()
 
 
 class _Outbox:
@@ -420,87 +505,287 @@ class _PipeRoom:
         return True
 
 
-class _ControlIntake:
-    """The adapter's commands (submit, abort, shutdown), read and applied on the engine loop's thread
-    (AsyncEngine's `intake`): between steps without waiting, while idle waiting up to the timeout. Each
-    read takes everything the adapter has written (one system call, however many requests), and no
-    thread of its own asks the step loop for the GIL: a control thread woken for every request did,
-    and waited for it too (up to a switch interval per read while the loop computed).
-
-    `closed` once the adapter asked to shut down or went away; the engine is then told to stop."""
+class _Client:
+    """One adapter (a backend stub) of the engine process: its control pipe (read by `_ControlIntake`),
+    its outbox and sender thread, and its requests in flight (engine id -> the Triton id it gave)."""
 
     def __init__(
-        self, control: Connection, on_delta: Callable[[Any], None], on_failed: Callable[[Any], None]
+        self, control: Connection, events: Connection, intake: _ControlIntake, owner: bool = False
     ) -> None:
-        self._control = control
-        self._fd = control.fileno()
+        self.owner = owner  # the adapter that spawned the process: when it leaves, the engine stops
+        self.control = control
+        self.events = events
+        self.outbox = _Outbox(_PipeRoom.of(events))
+        self.requests: dict[str, str] = {}
+        self.buffer = bytearray()  # read from control, not yet a whole message
+        self.leaving = False  # asked to shut down: its events end once its requests have
+        self._intake = intake
+        self._sender: threading.Thread | None = None
+
+    def start(self, load: Callable[[], EngineLoad]) -> None:
+        """Start sending: the occupancy goes with each batch (see `_Outbox.bind_load`)."""
+        self.outbox.bind_load(load)
+        self._sender = threading.Thread(target=self._send, name="dspark-events", daemon=True)
+        self._sender.start()
+
+    def _send(self) -> None:
+        _send_events_or_exit(self.outbox, self.events)
+        self.events.close()  # after the end (None): the adapter reads to its end
+
+    def on_delta(self, delta: RequestDelta) -> None:
+        """The engine's delta for one of this adapter's requests (the loop's thread)."""
+        self.outbox.put(delta)
+        if delta.finished:  # after it is queued: the adapter may be let go, or a cancel answered
+            self.requests.pop(delta.request_id, None)
+            self._intake.request_ended(self, delta.request_id)
+
+    def end(self) -> None:
+        """Send what is queued, then close the events pipe (the sender does, without holding up the
+        loop)."""
+        self.outbox.put_now(None)
+        self.control.close()
+
+    def wait_sent(self, timeout: float) -> None:
+        """Wait for the sender to have sent everything and closed the events pipe."""
+        if self._sender is not None:
+            self._sender.join(timeout)
+
+
+class _ControlIntake:
+    """The adapters' commands (submit, abort, cancel, shutdown), read and applied on the engine loop's
+    thread (AsyncEngine's `intake`): between steps without waiting, while idle waiting up to the
+    timeout. Each read takes everything an adapter has written (one system call, however many
+    requests), and no thread of its own asks the step loop for the GIL: a control thread woken for
+    every request did, and waited for it too (up to a switch interval per read while the loop computed).
+
+    Adapters: the one that spawned the process, and those that attach later (`_Listener`, `join`). One
+    that asks to shut down leaves: its requests are aborted and its events end after their final
+    deltas; when the spawning one leaves (the model is being unloaded), the engine stops and every
+    adapter's events end. One whose control pipe closes without that went away (its process died): the
+    engine stops too, and so the whole server restarts (`dspark serve`), as it does when the only one
+    dies. `closed` once the engine was told to stop."""
+
+    def __init__(self) -> None:
         self._poller = select.poll()
-        self._poller.register(self._fd, select.POLLIN)
-        self._on_delta = on_delta
-        self._on_failed = on_failed
-        self._buffer = bytearray()  # read, not yet a whole message
+        self._clients: dict[int, _Client] = {}  # by control fd
+        self._joining: list[_Client] = []
+        self._lock = threading.Lock()  # _joining
+        self._wake_read, self._wake_write = os.pipe()  # a joining adapter wakes an idle loop
+        os.set_blocking(self._wake_read, False)
+        self._poller.register(self._wake_read, select.POLLIN)
         self._engine: AsyncEngine | None = None
+        self._cancels: list[_EngineCancel] = []
         self.closed = False
 
     def bind(self, engine: AsyncEngine) -> None:
         """The engine the commands go to."""
         self._engine = engine
 
+    def join(self, client: _Client, ready: tuple) -> None:
+        """Tell the adapter the engine is ready and take in its commands from the loop's next read on
+        (any thread)."""
+        client.events.send(ready)
+        client.start(self._engine.load)
+        with self._lock:
+            self._joining.append(client)
+        os.write(self._wake_write, b"j")
+
     def __call__(self, timeout: float) -> None:
         """Apply every command that arrives within `timeout` seconds (0: only those already here)."""
-        if self.closed or not self._poller.poll(int(timeout * 1000)):
+        if self.closed:
             return
-        try:
-            chunk = os.read(self._fd, READ_CHUNK_BYTES)
-        except OSError:
-            chunk = b""
-        if not chunk:  # the adapter went away
-            self._close()
-            return
-        self._buffer += chunk
-        for message in self._messages():
-            self._apply(message)
-            if self.closed:
+        for fd, _ in self._poller.poll(int(timeout * 1000)):
+            if fd == self._wake_read:
+                self._take_joining()
+                continue
+            client = self._clients.get(fd)
+            if client is None:
+                continue
+            try:
+                chunk = os.read(fd, READ_CHUNK_BYTES)
+            except OSError:
+                chunk = b""
+            if not chunk:  # the adapter's process went away
+                self._close()
                 return
+            client.buffer += chunk
+            for message in _messages(client.buffer):
+                self._apply(client, message)
+                if self.closed:
+                    return
 
-    def _messages(self) -> list:
-        """The whole messages in the buffer, as `Connection.send` framed them (a 4-byte length, or -1
-        and an 8-byte one), unpickled; a partial one stays for the next read."""
-        messages, at, data = [], 0, self._buffer
-        while len(data) - at >= 4:
-            (size,) = struct.unpack_from("!i", data, at)
-            header = 4
-            if size == -1:
-                if len(data) - at < 12:
-                    break
-                (size,) = struct.unpack_from("!Q", data, at + 4)
-                header = 12
-            if len(data) - at - header < size:
-                break
-            messages.append(pickle.loads(data[at + header : at + header + size]))
-            at += header + size
-        del data[:at]
-        return messages
+    def step_ended(self) -> None:
+        """The loop's `after_step`: every adapter's share of the step goes out."""
+        for client in self._clients.values():
+            client.outbox.wake()
 
-    def _apply(self, message: tuple) -> None:
+    def engine_died(self, cause: BaseException) -> None:
+        """The loop's `on_death`: every adapter hears it after its requests' failed deltas."""
+        for client in self._all():
+            client.outbox.put_now(("dead", f"{type(cause).__name__}: {cause}"))
+
+    def request_ended(self, client: _Client, request_id: str) -> None:
+        """A request's final delta (the loop's thread): answer the cancels it was the last one of, and
+        let a leaving adapter go once its last request ended."""
+        if self._cancels:
+            for cancel in [c for c in self._cancels if c.settle(request_id)]:
+                cancel.client.outbox.put_now(("cancel_done", cancel.token))
+                self._cancels.remove(cancel)
+        if client.leaving and not client.requests:
+            self._remove(client)
+
+    def end_all(self) -> None:
+        """After the loop: end every adapter's events, and wait until they are sent."""
+        self._take_joining()
+        ended = list(self._clients.values())
+        for client in ended:
+            self._remove(client)
+        for client in ended:
+            client.wait_sent(SHUTDOWN_GRACE_S)
+
+    def _all(self) -> list[_Client]:
+        with self._lock:
+            return [*self._clients.values(), *self._joining]
+
+    def _take_joining(self) -> None:
+        try:
+            os.read(self._wake_read, 4096)
+        except OSError:
+            pass
+        with self._lock:
+            joining, self._joining = self._joining, []
+        for client in joining:
+            self._clients[client.control.fileno()] = client
+            self._poller.register(client.control.fileno(), select.POLLIN)
+
+    def _apply(self, client: _Client, message: tuple) -> None:
         engine = self._engine
         kind = message[0]
         if kind == "submit":
-            _, request_id, params, ids, submitted_at = message
+            _, request_id, params, ids, submitted_at, tag = message
+            client.requests[request_id] = tag
             try:
                 engine.submit(
-                    request_id, params, self._on_delta, prompt_token_ids=ids, submitted_at=submitted_at
+                    request_id, params, client.on_delta, prompt_token_ids=ids, submitted_at=submitted_at
                 )
             except Exception as exc:  # checked in the adapter's process already; fails this one alone
-                self._on_failed(RequestDelta.failed(request_id, f"{type(exc).__name__}: {exc}"))
+                client.requests.pop(request_id, None)
+                client.outbox.put_now(RequestDelta.failed(request_id, f"{type(exc).__name__}: {exc}"))
         elif kind == "abort":
             engine.abort(message[1])
+        elif kind == "cancel":
+            self._cancel(client, message[1], message[2])
         elif kind == "shutdown":
-            self._close()
+            self._leave(client)
+
+    def _cancel(self, client: _Client, target: str, token: int) -> None:
+        """Abort every adapter's requests with this Triton id (CANCEL_ALL: all); the asking adapter hears
+        how many matched now, and `cancel_done` once the last of them ended."""
+        matched = {
+            request_id
+            for other in self._clients.values()
+            for request_id, tag in other.requests.items()
+            if target in (CANCEL_ALL, tag)
+        }
+        client.outbox.put_now(("cancel_matched", token, len(matched)))
+        if matched:
+            self._cancels.append(_EngineCancel(client, token, matched))
+            for request_id in matched:
+                self._engine.abort(request_id)
+
+    def _leave(self, client: _Client) -> None:
+        """The adapter asked to shut down: abort its requests; its events end after their finals."""
+        self._poller.unregister(client.control.fileno())
+        client.leaving = True
+        if client.owner or len(self._clients) == 1:  # the engine stops (aborting what is in flight)
+            self.closed = True
+            self._engine.stop()
+            return
+        for request_id in list(client.requests):
+            self._engine.abort(request_id)
+        if not client.requests or not self._engine.healthy:  # a dead loop ends nothing more
+            self._remove(client)
+
+    def _remove(self, client: _Client) -> None:
+        fd = client.control.fileno()
+        if self._clients.pop(fd, None) is None:
+            return
+        if not client.leaving:
+            self._poller.unregister(fd)
+        client.end()
 
     def _close(self) -> None:
         self.closed = True
         self._engine.stop()
+
+
+@dataclass
+class _EngineCancel:
+    """A cancel an adapter asked for: the requests (of any adapter) it waits on."""
+
+    client: _Client
+    token: int
+    waiting_on: set[str]
+
+    def settle(self, request_id: str) -> bool:
+        """Note that request_id ended; True when that was the last one waited on."""
+        self.waiting_on.discard(request_id)
+        return not self.waiting_on
+
+
+class _Listener(threading.Thread):
+    """Accepts the adapters that attach (`EngineProcess.attach`): each passes the ends of its two pipes
+    over the Unix socket, and joins once told the engine is ready."""
+
+    def __init__(self, address: str, intake: _ControlIntake, ready: tuple) -> None:
+        super().__init__(name="dspark-listener", daemon=True)
+        self._listener = Listener(address, family="AF_UNIX")
+        self._intake = intake
+        self._ready = ready
+
+    def close(self) -> None:
+        """Stop accepting (the socket file goes)."""
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+
+    def run(self) -> None:
+        while not self._intake.closed:
+            try:
+                with self._listener.accept() as conn:
+                    control_fd, events_fd = recv_handle(conn), recv_handle(conn)
+            except (OSError, EOFError):
+                if self._intake.closed:
+                    return
+                continue
+            client = _Client(
+                Connection(control_fd, writable=False), Connection(events_fd, readable=False), self._intake
+            )
+            try:
+                self._intake.join(client, self._ready)
+            except OSError:
+                client.end()
+
+
+def _messages(buffer: bytearray) -> list:
+    """The whole messages in `buffer`, as `Connection.send` framed them (a 4-byte length, or -1 and an
+    8-byte one), unpickled and removed from it; a partial one stays for the next read."""
+    messages, at = [], 0
+    while len(buffer) - at >= 4:
+        (size,) = struct.unpack_from("!i", buffer, at)
+        header = 4
+        if size == -1:
+            if len(buffer) - at < 12:
+                break
+            (size,) = struct.unpack_from("!Q", buffer, at + 4)
+            header = 12
+        if len(buffer) - at - header < size:
+            break
+        messages.append(pickle.loads(buffer[at + header : at + header + size]))
+        at += header + size
+    del buffer[:at]
+    return messages
 
 
 def _send_events_or_exit(

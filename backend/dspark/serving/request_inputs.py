@@ -16,6 +16,8 @@ from typing import Any
 
 from dspark.sampling_params import MAX_INT, InvalidParameterError, SamplingParams, parse_json_object
 
+CANCEL_ALL = "*"  # the cancel_request_id that cancels every request in flight (dspark serve does, to stop)
+
 RETURN_FLAGS = (
     "return_finish_reason",
     "return_num_input_tokens",

@@ -17,6 +17,7 @@ from dspark import config as config_module
 from dspark.config import REPO_ROOT, EngineConfig
 
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+DEFAULT_INSTANCES = 1  # backend stubs sharing the engine (the instance_group count)
 
 # Request tensors, in the model-config JSON form that `auto_complete_config` adds. The names and
 # semantics follow Triton's vLLM backend; input_ids, return_spec_stats and cancel_request_id are ours.
@@ -63,12 +64,15 @@ max_batch_size: 0
 model_transaction_policy {{
   decoupled: true
 }}
-# One instance owns the engine; it batches requests itself (continuous batching) and places
-# itself on the devices (KIND_MODEL), as Triton's LLM backends do.
+# The engine batches requests itself (continuous batching) and places itself on the devices
+# (KIND_MODEL), as Triton's LLM backends do. Each instance is a backend stub process that takes in
+# requests and sends responses; all of a model's instances share one engine process (one copy of the
+# weights, one KV cache). One stub's interpreter lock bounds the requests and responses a second it
+# handles, so more instances serve more concurrent streams (engine_process must be true for more than 1).
 instance_group [
   {{
     kind: KIND_MODEL
-    count: 1
+    count: {instances}
   }}
 ]
 """
@@ -101,11 +105,14 @@ def parameter_value(value: object) -> str:
     return str(value)
 
 
-def render_config_pbtxt(config: EngineConfig | None = None, name: str = "dspark") -> str:
-    """config.pbtxt for the dspark model, every EngineConfig field a documented `parameters` entry."""
+def render_config_pbtxt(
+    config: EngineConfig | None = None, name: str = "dspark", instances: int = DEFAULT_INSTANCES
+) -> str:
+    """config.pbtxt for the dspark model, every EngineConfig field a documented `parameters` entry, with
+    `instances` backend stubs sharing its engine."""
     config = config if config is not None else EngineConfig()
     docs = field_docs()
-    parts = [_HEADER.format(name=name), _BODY.format(name=name)]
+    parts = [_HEADER.format(name=name), _BODY.format(name=name, instances=instances)]
     parts.append("# Engine parameters (dspark.EngineConfig). Values are strings; booleans are true/false.\n")
     for f in fields(EngineConfig):
         comment = "\n".join(f"# {line}" for line in _wrap(docs.get(f.name, ""), 100))

@@ -52,12 +52,12 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config import REPO_ROOT
+from dspark.serving.request_inputs import CANCEL_ALL
 from dspark.serving.triton_config import DEFAULT_MODEL_REPOSITORY
 
 BACKEND_CACHE = REPO_ROOT / ".cache" / "tritonserver"
 KILL_MARGIN_S = 5.0  # after tritonserver's own exit timeout, before its process group is killed
 DRAIN_TIMEOUT_S = 30.0
-CANCEL_ALL = "*"  # the dspark model's cancel_request_id for every request in flight
 SUPERVISE_INTERVAL_S = 0.25  # how often the server and its backend stubs are checked
 RESTART_WINDOW_S = 600.0  # --max-restarts counts restarts within this many seconds
 ADMIN_HEADER = "dspark-admin-key"

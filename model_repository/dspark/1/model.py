@@ -48,15 +48,15 @@ from dspark.outputs import RequestDelta, merge_deltas
 from dspark.sampling.logprobs import logprobs_json
 from dspark.serving.engine_process import EngineProcess
 from dspark.serving.metrics import Metrics, TritonMetrics, vllm_max_model_len
-from dspark.serving.request_inputs import describe, generate_inputs, string_input
+from dspark.serving.request_inputs import CANCEL_ALL, describe, generate_inputs, string_input
 from dspark.serving.send_queue import SendQueue
+from dspark.serving.shared_engine import instance_count, open_engine, rendezvous
 from dspark.serving.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
 
 POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing
 SEND_THREADS = 4  # threads sending responses (a request's always on the same one)
 CANCEL_POLL_BUDGET = 32  # senders asked about cancellation per poll
 DEATH_GRACE_S = 1.0  # after the engine died: time for the error responses to go out before exiting
-CANCEL_ALL = "*"  # cancel_request_id that cancels every request in flight (dspark serve does, to stop)
 
 
 @dataclass
@@ -133,6 +133,11 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("dspark needs model_transaction_policy { decoupled: true }")
         config = EngineConfig.from_parameters(parameters_from_model_config(model_config))
         self._logger = pb_utils.Logger
+        # Several instances (backend stubs) share one engine process (dspark.serving.shared_engine).
+        self._instances = instance_count(model_config)
+        self._shared = self._instances > 1
+        self._model_key = (args["model_name"], args["model_version"])
+        self._id_prefix = f"{args['model_instance_name']}/" if self._shared else ""
         self._metrics = self._make_metrics(config, args)
         self._live: dict[str, _Live] = {}
         self._responses_per_s = config.max_responses_per_s  # the pacing budget (see the module)
@@ -148,19 +153,31 @@ class TritonPythonModel:
             for i, sends in enumerate(self._send_queues)
         ]
         self._engine = self._make_engine(config, self._on_engine_death)
+        # The engine's own gauges and counters (occupancy, KV pages, loop totals) come from one instance:
+        # the one that spawned the engine. Request metrics come from every instance (Triton adds them up).
+        self._publishes_engine = getattr(self._engine, "owner", True)
         self._engine.start()
         for thread in self._send_threads:
             thread.start()
         self._poller = threading.Thread(target=self._poll_loop, name="dspark-poll", daemon=True)
         self._poller.start()
+        shared = ""
+        if self._shared:
+            how = "spawned" if self._publishes_engine else "attached to"
+            shared = f"; {args['model_instance_name']} {how} the engine shared by {self._instances} instances"
         self._logger.log_info(
-            f"dspark: engine started (spec_mode={config.spec_mode}, device={config.device})"
+            f"dspark: engine started (spec_mode={config.spec_mode}, device={config.device}){shared}"
         )
 
     def _make_engine(self, config: EngineConfig, on_death) -> AsyncEngine | EngineProcess:  # noqa: ANN001
         """The engine this model serves (benchmarks/serving_ceiling.py puts a synthetic one here)."""
         if config.engine_process:
-            return EngineProcess(config, on_death=on_death)
+            socket_path = rendezvous(*self._model_key, server_pid=os.getppid())  # tritonserver's
+            return open_engine(config, on_death, self._instances, socket_path)
+        if self._shared:
+            raise pb_utils.TritonModelException(
+                "instance_group: several instances share one engine process; set engine_process true"
+            )
         return AsyncEngine(config, on_death=on_death)
 
     def execute(self, requests: list) -> None:
@@ -198,7 +215,7 @@ class TritonPythonModel:
         if not inputs.stream and not inputs.exclude_input:
             prefix = text if text is not None else self._engine.tokenizer.decode(token_ids)
         live = _Live(
-            engine_id=f"req-{next(self._next_id)}",
+            engine_id=f"{self._id_prefix}req-{next(self._next_id)}",
             triton_id=request.request_id(),
             sender=sender,
             stream=inputs.stream,
@@ -208,9 +225,15 @@ class TritonPythonModel:
         )
         with self._lock:
             self._live[live.engine_id] = live
+        tag = {"tag": live.triton_id} if self._shared else {}  # what another instance cancels it by
         try:
             self._engine.submit(
-                live.engine_id, params, partial(self._on_delta, live), prompt=text, prompt_token_ids=token_ids
+                live.engine_id,
+                params,
+                partial(self._on_delta, live),
+                prompt=text,
+                prompt_token_ids=token_ids,
+                **tag,
             )
         except BaseException:
             with self._lock:
@@ -222,6 +245,9 @@ class TritonPythonModel:
         one final response with finish_reason "cancelled", follows the last of their final responses."""
         if not target:
             raise InvalidParameterError("cancel_request_id", "must be the id of a request in flight")
+        if self._shared:
+            self._cancel_in_engine(target, sender)
+            return
         with self._lock:
             matches = [live for live in self._live.values() if target in (CANCEL_ALL, live.triton_id)]
             if matches and not self._engine.healthy:  # a dead engine ends nothing: answer at once
@@ -236,6 +262,20 @@ class TritonPythonModel:
             self._queue_reply(_Reply(sender, _cancelled(), None))
         for live in matches:
             self._engine.abort(live.engine_id)
+
+    def _cancel_in_engine(self, target: str, sender) -> None:
+        """With several instances the request may be another's: the engine process aborts every
+        instance's requests with that id and says when the last one ended there (the answer then
+        follows the engine's end of them; their final responses go out from their own instances)."""
+
+        def matched(count: int) -> None:
+            if count == 0 and target != CANCEL_ALL:
+                message = f"cancel_request_id: no request in flight with id {target!r}"
+                self._reply_error(sender, message, pb_utils.TritonError.NOT_FOUND, None)
+            elif count == 0:
+                self._queue_reply(_Reply(sender, _cancelled(), None))
+
+        self._engine.cancel(target, matched, lambda: self._queue_reply(_Reply(sender, _cancelled(), None)))
 
     def _reply_error(self, sender, message: str, code: Any, outcome: str | None) -> None:
         error = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
@@ -426,7 +466,8 @@ class TritonPythonModel:
                 self._exit_after_engine_death()
             try:
                 self._poll_cancelled()
-                self._metrics.load(self._engine.load())
+                if self._publishes_engine:
+                    self._metrics.load(self._engine.load())
                 self._metrics.flush()
             except Exception:
                 self._logger.log_error(f"dspark: poll thread: {traceback.format_exc()}")

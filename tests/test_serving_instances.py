@@ -1,0 +1,147 @@
+"""Several instances of the model (backend stubs, `instance_group { count: 2 }`) share one engine process
+(dspark.serving.shared_engine): one spawns it, the other attaches; requests through either stream the
+same greedy text, a cancel by id reaches a request whichever instance holds it, the engine's metrics
+come from one instance and request counts from both, once each, and nothing outlives the server."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from server_fixtures import GrpcStream, wait_for
+
+pytestmark = pytest.mark.server
+
+LONG_PROMPT = "Tell me a long story about a dragon who learns to read. " * 6
+LONG = {"max_tokens": 400, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def two_instance_server(smollm2_dir, tmp_path_factory):
+    from server_fixtures import start_server
+
+    from dspark.tools.cli import main as dspark_main
+
+    assert dspark_main(["create-draft", "--if-missing"]) == 0
+    server = start_server(tmp_path_factory.mktemp("triton-instances"), instances=2)
+    engines = _engine_processes(server)
+    yield server
+    status = server.stop()
+    assert status == 0, f"dspark serve did not stop cleanly ({status}):\n{server.log_tail()}"
+    assert not server.leftover_processes()
+    assert not [pid for pid in engines if Path(f"/proc/{pid}").exists()], "the engine process outlived it"
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process readable in /proc."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        table[int(entry.name)] = (parent, command)
+    return table
+
+
+def _stubs(server) -> list[int]:
+    """The backend stubs of the dspark model (not the wrapper model's)."""
+    model = str(server.repo / "dspark" / "1" / "model.py")
+    return [
+        pid
+        for pid, (_, command) in _processes().items()
+        if "python_backend_stub" in command and model in command
+    ]
+
+
+def _engine_processes(server) -> list[int]:
+    stubs = set(_stubs(server))
+    return [
+        pid for pid, (parent, command) in _processes().items() if parent in stubs and "spawn_main" in command
+    ]
+
+
+def test_one_instance_spawns_the_engine_and_the_other_attaches(two_instance_server):
+    log = two_instance_server.log_tail(2000)
+    assert log.count("spawned the engine shared by 2 instances") == 1, log
+    assert log.count("attached to the engine shared by 2 instances") == 1, log
+    assert len(_stubs(two_instance_server)) == 2
+    assert len(_engine_processes(two_instance_server)) == 1
+
+
+def test_concurrent_streams_through_the_instances_get_the_same_greedy_text(two_instance_server):
+    streams = [GrpcStream(two_instance_server) for _ in range(8)]
+    try:
+        for grpc in streams:
+            grpc.send(
+                text_input="Count from one to ten:", stream=True, sampling_parameters={"max_tokens": 16}
+            )
+        outcomes = [grpc.collect(timeout=120) for grpc in streams]
+    finally:
+        for grpc in streams:
+            grpc.close()
+    assert all(outcome.error is None for outcome in outcomes), [o.error for o in outcomes]
+    assert len({outcome.text for outcome in outcomes}) == 1 and outcomes[0].text
+
+
+def test_a_cancel_by_id_reaches_a_request_on_either_instance(two_instance_server):
+    """Six streams in flight at once spread over the two instances; each cancel by id, whichever
+    instance takes it, answers "cancelled" and ends its stream with reason abort."""
+    results: dict[str, tuple[int, str]] = {}
+
+    def stream(request_id: str) -> None:
+        body = {
+            "id": request_id,
+            "text_input": LONG_PROMPT,
+            "stream": True,
+            "return_finish_reason": True,
+            **LONG,
+        }
+        results[request_id] = two_instance_server.post("/v2/models/dspark/generate_stream", body)
+
+    ids = [f"story-{i}" for i in range(6)]
+    threads = [threading.Thread(target=stream, args=(request_id,)) for request_id in ids]
+    for thread in threads:
+        thread.start()
+    running = lambda: two_instance_server.metric("dspark_num_requests_running", model="dspark")  # noqa: E731
+    assert wait_for(lambda: running() == len(ids), timeout=60)
+    for request_id in ids:
+        status, body = two_instance_server.post(
+            "/v2/models/dspark/generate", {"cancel_request_id": request_id}
+        )
+        assert status == 200 and json.loads(body)["finish_reason"] == "cancelled", body
+    for thread in threads:
+        thread.join(60)
+    for request_id in ids:
+        status, body = results[request_id]
+        events = [json.loads(line[5:]) for line in body.splitlines() if line.startswith("data:")]
+        assert status == 200 and events[-1]["finish_reason"] == "abort", (request_id, body[-300:])
+    assert wait_for(lambda: running() == 0, timeout=10)
+    status, body = two_instance_server.post("/v2/models/dspark/generate", {"cancel_request_id": "no-such"})
+    assert status == 400 and "cancel_request_id" in json.loads(body)["error"]
+
+
+def test_each_request_is_counted_once_and_the_engine_by_one_instance(two_instance_server):
+    def counts() -> tuple[float, float, float]:
+        server, labels = two_instance_server, {"model": "dspark", "version": "1"}
+        return (
+            server.metric("dspark_requests_total", finish_reason="length", **labels) or 0.0,
+            server.metric("vllm:generation_tokens_total", **labels) or 0.0,
+            server.metric("dspark_engine_admitted_requests_total", **labels) or 0.0,
+        )
+
+    before = counts()
+    for _ in range(4):
+        with GrpcStream(two_instance_server) as grpc:
+            outcome = grpc.send(
+                text_input="Hello", stream=True, sampling_parameters={"max_tokens": 5, "ignore_eos": True}
+            ).collect(timeout=60)
+        assert outcome.error is None
+    assert wait_for(lambda: counts()[2] - before[2] == 4, timeout=10), (before, counts())
+    after = counts()
+    assert after[0] - before[0] == 4 and after[1] - before[1] == 20, (before, after)
