@@ -117,10 +117,11 @@ def test_the_step_loop_writes_a_busy_steps_deltas_into_the_pipe_itself_while_the
     assert received == [(d.request_id, d.new_token_ids) for d in busy]
     assert outbox.take(0) == [] and not ours.poll(0)
     outbox.sent()
-    # A step of few deltas leaves them to the sender (its work fits in the loop's waits for the device).
+    # A step of one delta goes straight too (DIRECT_MIN_DELTAS).
     outbox.put(_delta("x", [9]))
     outbox.wake()
-    assert [d.request_id for d in outbox.take(0)] == ["x"] and not ours.poll(0)
+    assert DIRECT_MIN_DELTAS == 1 and [d.request_id for d in unpack_deltas(ours.recv()[1])] == ["x"]
+    assert outbox.take(0) == []
     outbox.sent()
 
 

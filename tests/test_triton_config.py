@@ -6,6 +6,7 @@ import re
 
 from dspark.config import EngineConfig, field_names
 from dspark.serving.triton_config import (
+    DEFAULT_INSTANCES,
     DEFAULT_MODEL_REPOSITORY,
     INPUTS,
     OUTPUTS,
@@ -45,7 +46,8 @@ def test_model_is_a_decoupled_python_backend_owning_its_devices():
     assert 'backend: "python"' in text
     assert "max_batch_size: 0" in text
     assert re.search(r"model_transaction_policy \{\s*decoupled: true\s*\}", text)
-    assert re.search(r"kind: KIND_MODEL\s*count: 1", text)
+    assert re.search(rf"kind: KIND_MODEL\s*count: {DEFAULT_INSTANCES}\b", text)
+    assert re.search(r"kind: KIND_MODEL\s*count: 2\b", render_config_pbtxt(instances=2))
 
 
 def test_interface_uses_the_vllm_backend_names_plus_tokens_and_speculation():

@@ -119,12 +119,13 @@ class EngineConfig:
     # device runs step N. Greedy output is the same either way. false: the next step is scheduled
     # after the last one's acceptance.
     launch_ahead: bool = True
-    # Responses a second the Triton adapter aims at in all: under load a request's next response waits
-    # until (requests in flight / this) seconds after its previous one, carrying every token committed
-    # meanwhile (its first and final responses never wait). Each response costs the server the same CPU
-    # whatever it carries (~150 us in the backend stub and ~130 us in tritonserver on a 2-core CPU), so
-    # pacing keeps tokens/s up under load, at the price of coarser streaming (about 32 ms between a
-    # stream's responses at 64 streams). 0: a response whenever the engine commits tokens.
+    # Responses a second each instance of the Triton adapter (a backend stub) aims at: under load a
+    # request's next response waits until (the instance's requests in flight / this) seconds after its
+    # previous one, carrying every token committed meanwhile (its first and final responses never
+    # wait). Each response costs the server the same CPU whatever it carries (~150 us in the backend
+    # stub and ~130 us in tritonserver on a 2-core CPU), so pacing keeps tokens/s up under load, at the
+    # price of coarser streaming (with 4 instances, about 8 ms between a stream's responses at 64
+    # streams). 0: a response whenever the engine commits tokens.
     max_responses_per_s: int = 2000
     # Testing only; empty in production. When set, the engine loop raises an injected fault at its next
     # step once this file exists (and removes the file as it fires), to test how a serving fault ends.

@@ -6,8 +6,8 @@ response the server sends then takes time from the next engine step. Here the en
 spawned process (its own GIL, its own CUDA context); the adapter's process keeps only request and
 response I/O. Two pipes connect them:
 
-- control (duplex): the adapter's `submit` (answered with the prompt's token ids, or the error that
-  names the bad field, so a bad request still fails at once and alone), `abort`, `shutdown`;
+- control: the adapter's `submit` (checked and tokenized on the adapter's side first, so a bad request
+  still fails at once and alone, naming the field), `abort`, `cancel` (by Triton id), `shutdown`;
 - events (engine -> adapter): batches of deltas (a step's, as columns: `dspark.outputs.pack_deltas`,
   written by the step loop itself while the adapter keeps up; when the adapter reads slower than the
   engine steps, everything committed meanwhile in one batch: `_Outbox`) with an occupancy snapshot,
@@ -15,10 +15,19 @@ response I/O. Two pipes connect them:
   which makes it from their token ids (`DeltaText`) as the engine would: detokenizing every request
   at every step took the step loop's time, and here it is done once per batch of a request's tokens.
 
+The engine process reads every adapter's commands on its step loop's thread, between steps
+(`_ControlIntake`): a control thread of its own took the GIL from the loop at every request.
+
+Several adapters (the backend stubs of a model's instances, dspark.serving.shared_engine) may share
+one engine process: the one that spawns it passes `listen`, the others `attach` over that Unix socket
+with pipes of their own; each gets its own requests' deltas, and a cancel by Triton id reaches every
+adapter's requests.
+
 Faults: if the engine loop dies, its requests' failed deltas arrive first, then the death; if the
 engine process itself dies (killed, out of memory), the adapter sees its events pipe close and fails
 every request it was waiting on. Either way `on_death` is called once and `healthy` turns False. The
-engine process exits when the adapter's control pipe closes, so it never outlives its adapter.
+engine process exits when the spawning adapter shuts down or any adapter's control pipe closes without
+that, so it never outlives its adapters.
 """
 
 from __future__ import annotations
@@ -53,10 +62,11 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # past the engine's own shutdown, before its process is killed
 LOAD_INTERVAL_S = 0.1  # how often an idle engine process reports a changed occupancy
 SENDER_FAILED_STATUS = 70  # the engine process's exit status when its events could not be sent
-# A step with fewer deltas leaves them to the sender thread: its little work then fits in the loop's
-# waits for the device (at 1 stream on the H200 the loop's own writes cost 6% of tokens/s), while at
-# 64 streams a sender woken every step cost the loop 17% (`_Outbox`).
-DIRECT_MIN_DELTAS = 16
+# A step with fewer deltas leaves them to the sender thread. 1: every step writes its own. Sixteen
+# (so that a small step's little work would fit in the loop's waits for the device) cost served
+# throughput at 8 streams on the H200 (0.49-0.82 of offline against 1.04-1.06 writing every step): the
+# sender woken at every step took the GIL from the loop there too.
+DIRECT_MIN_DELTAS = 1
 FRAME_HEADER_BYTES = 12  # the most `Connection.send_bytes` writes before a message (its length)
 READ_CHUNK_BYTES = 1 << 20  # the most the engine loop reads of its commands at once
 EngineFactory = Callable[..., AsyncEngine]  # (config, on_death=, after_step=, intake=) -> the engine

@@ -17,7 +17,7 @@ from dspark import config as config_module
 from dspark.config import REPO_ROOT, EngineConfig
 
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
-DEFAULT_INSTANCES = 1  # backend stubs sharing the engine (the instance_group count)
+DEFAULT_INSTANCES = 4  # backend stubs sharing the engine (the instance_group count)
 
 # Request tensors, in the model-config JSON form that `auto_complete_config` adds. The names and
 # semantics follow Triton's vLLM backend; input_ids, return_spec_stats and cancel_request_id are ours.

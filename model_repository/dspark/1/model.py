@@ -16,6 +16,10 @@ response never wait. A poll thread asks
 senders whether their client went away (aborting cancelled requests so their KV pages free at the
 next step) and publishes the load gauges and counters.
 
+Each instance of the model (`instance_group` count, a backend stub each) runs this adapter; all of them
+share one engine process (dspark.serving.shared_engine: the first spawns it, the others attach), so
+more instances take in and send out more, over one batch and one KV cache.
+
 If the engine loop dies, every request in flight ends with an INTERNAL error (FINAL), new ones get
 UNAVAILABLE, and after a short grace this backend process exits: a model whose engine is gone must not
 look ready, and `dspark serve` restarts the server when a backend process dies (see its module).
