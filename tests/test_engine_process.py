@@ -234,3 +234,23 @@ def test_instances_are_counted_from_the_models_instance_groups():
     assert instance_count({"instance_group": [{"kind": "KIND_MODEL", "count": 4}]}) == 4
     assert instance_count({"instance_group": [{"kind": "KIND_GPU", "count": 2, "gpus": [0, 1]}]}) == 4
     assert instance_count({"instance_group": [{"count": 2}, {"count": 1}]}) == 3
+
+
+def test_the_rendezvous_is_private_and_forgets_servers_that_are_gone(tmp_path, monkeypatch):
+    import tempfile
+
+    from dspark.serving.shared_engine import forget, rendezvous
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = 2**22 + 12345  # above any pid this kernel hands out
+    directory = rendezvous("m", "1", os.getpid()).parent
+    assert directory.stat().st_mode & 0o777 == 0o700
+    for name in (f"{gone}-m-1.sock", f"{gone}-m-1.lock", f"{os.getpid()}-m-1.lock"):
+        (directory / name).touch()
+    path = rendezvous("m", "1", os.getpid())
+    assert sorted(p.name for p in directory.iterdir()) == [f"{os.getpid()}-m-1.lock"]
+    forget(path)
+    assert not list(directory.iterdir())
+    directory.chmod(0o755)
+    with pytest.raises(PermissionError):
+        rendezvous("m", "1", os.getpid())

@@ -38,7 +38,18 @@ def rendezvous(model_name: str, version: str, server_pid: int) -> Path:
     directory.mkdir(mode=0o700, exist_ok=True)
     if directory.stat().st_uid != os.getuid() or directory.stat().st_mode & 0o077:
         raise PermissionError(f"{directory} must belong to this user alone (mode 700)")
+    _sweep(directory)
     return directory / f"{server_pid}-{model_name}-{version}.sock"
+
+
+def _sweep(directory: Path) -> None:
+    """Remove what servers that are gone left here (a killed server's engine process could not)."""
+    if not Path("/proc/self").exists():  # no way to tell a live server from a gone one
+        return
+    for entry in directory.iterdir():
+        pid = entry.name.split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            entry.unlink(missing_ok=True)
 
 
 def open_engine(
@@ -59,3 +70,9 @@ def open_engine(
             return EngineProcess(config, on_death=on_death, listen=str(socket_path))
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def forget(socket_path: Path) -> None:
+    """After the spawning instance shut the shared engine down: remove the lock file beside its socket
+    (the engine process removed the socket)."""
+    socket_path.with_suffix(".lock").unlink(missing_ok=True)

@@ -54,7 +54,7 @@ from dspark.serving.engine_process import EngineProcess
 from dspark.serving.metrics import Metrics, TritonMetrics, vllm_max_model_len
 from dspark.serving.request_inputs import CANCEL_ALL, describe, generate_inputs, string_input
 from dspark.serving.send_queue import SendQueue
-from dspark.serving.shared_engine import instance_count, open_engine, rendezvous
+from dspark.serving.shared_engine import forget, instance_count, open_engine, rendezvous
 from dspark.serving.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
 
 POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing
@@ -204,6 +204,8 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self._engine.shutdown()  # in-flight requests end with reason "abort"; their last deltas are merged
+        if self._shared and self._publishes_engine:
+            forget(rendezvous(*self._model_key, server_pid=os.getppid()))
         self._stopping.set()
         self._poller.join()
         self._end_abandoned()
