@@ -14,7 +14,7 @@ import pytest
 from dspark import EngineConfig, InvalidParameterError, SamplingParams
 from dspark.engine.async_engine import AsyncEngine, EngineDeadError
 from dspark.outputs import RequestDelta
-from dspark.serving.engine_process import EngineProcess
+from dspark.serving.engine_process import EngineClosedError, EngineProcess
 from dspark.serving.shared_engine import instance_count, open_engine
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -224,7 +224,9 @@ def test_a_models_instances_share_one_engine_process(tiny_target_dir, tiny_draft
     finally:
         first.shutdown()
     assert _until_final(going_on)[-1].finish_reason == "abort"
-    assert deaths.event.wait(30) and not second.healthy  # the engine went with the spawning instance
+    # The engine went with the spawning instance, as at an unload: no fault.
+    assert deaths.event.wait(30) and not second.healthy
+    assert [type(cause) for cause in deaths.causes] == [EngineClosedError]
     assert not first._process.is_alive() and not socket_path.exists()
     second.shutdown()
 

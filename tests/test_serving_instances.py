@@ -6,7 +6,7 @@ come from one instance and request counts from both, once each, and nothing outl
 from __future__ import annotations
 
 import json
-import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +28,14 @@ def two_instance_server(smollm2_dir, tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("triton-instances"), instances=2)
     engines = _engine_processes(server)
     yield server
+    stopping = time.monotonic()
     status = server.stop()
     assert status == 0, f"dspark serve did not stop cleanly ({status}):\n{server.log_tail()}"
+    # The instances that attached end with the engine as the model unloads: no exit, no restart, no
+    # waiting out tritonserver's exit timeout.
+    log = server.log_tail(200)
+    assert "Exit timeout expired" not in log and "exits after the engine died" not in log, log
+    assert time.monotonic() - stopping < 8, log
     assert not server.leftover_processes()
     assert not [pid for pid in engines if Path(f"/proc/{pid}").exists()], "the engine process outlived it"
 
@@ -92,35 +98,33 @@ def test_concurrent_streams_through_the_instances_get_the_same_greedy_text(two_i
 def test_a_cancel_by_id_reaches_a_request_on_either_instance(two_instance_server):
     """Six streams in flight at once spread over the two instances; each cancel by id, whichever
     instance takes it, answers "cancelled" and ends its stream with reason abort."""
-    results: dict[str, tuple[int, str]] = {}
-
-    def stream(request_id: str) -> None:
-        body = {
-            "id": request_id,
-            "text_input": LONG_PROMPT,
-            "stream": True,
-            "return_finish_reason": True,
-            **LONG,
-        }
-        results[request_id] = two_instance_server.post("/v2/models/dspark/generate_stream", body)
-
     ids = [f"story-{i}" for i in range(6)]
-    threads = [threading.Thread(target=stream, args=(request_id,)) for request_id in ids]
-    for thread in threads:
-        thread.start()
+    streams = [GrpcStream(two_instance_server) for _ in ids]
+    try:
+        for grpc, request_id in zip(streams, ids, strict=True):
+            grpc.send(
+                request_id=request_id,
+                text_input=LONG_PROMPT,
+                stream=True,
+                sampling_parameters=LONG,
+                return_finish_reason=True,
+            )
+        for grpc in streams:  # every one in flight: it has tokens
+            assert not isinstance(grpc.next(), str)
+        for request_id in ids:
+            status, body = two_instance_server.post(
+                "/v2/models/dspark/generate", {"cancel_request_id": request_id}
+            )
+            assert status == 200 and json.loads(body)["finish_reason"] == "cancelled", (
+                body,
+                two_instance_server.log_tail(),
+            )
+        outcomes = [grpc.collect(timeout=60) for grpc in streams]
+    finally:
+        for grpc in streams:
+            grpc.close()
+    assert [outcome.finish_reason for outcome in outcomes] == ["abort"] * len(ids)
     running = lambda: two_instance_server.metric("dspark_num_requests_running", model="dspark")  # noqa: E731
-    assert wait_for(lambda: running() == len(ids), timeout=60)
-    for request_id in ids:
-        status, body = two_instance_server.post(
-            "/v2/models/dspark/generate", {"cancel_request_id": request_id}
-        )
-        assert status == 200 and json.loads(body)["finish_reason"] == "cancelled", body
-    for thread in threads:
-        thread.join(60)
-    for request_id in ids:
-        status, body = results[request_id]
-        events = [json.loads(line[5:]) for line in body.splitlines() if line.startswith("data:")]
-        assert status == 200 and events[-1]["finish_reason"] == "abort", (request_id, body[-300:])
     assert wait_for(lambda: running() == 0, timeout=10)
     status, body = two_instance_server.post("/v2/models/dspark/generate", {"cancel_request_id": "no-such"})
     assert status == 400 and "cancel_request_id" in json.loads(body)["error"]

@@ -72,6 +72,11 @@ READ_CHUNK_BYTES = 1 << 20  # the most the engine loop reads of its commands at 
 EngineFactory = Callable[..., AsyncEngine]  # (config, on_death=, after_step=, intake=) -> the engine
 
 
+class EngineClosedError(RuntimeError):
+    """The engine shut down with the adapter that spawned it (its model is being unloaded); an attached
+    adapter's `on_death` gets this cause instead of a fault."""
+
+
 class EngineProcess:
     """Runs an AsyncEngine in a spawned process and relays requests and deltas (see the module)."""
 
@@ -262,6 +267,7 @@ class EngineProcess:
             pass  # the engine process is gone; the events reader reports it
 
     def _read_events(self) -> None:
+        closing = False  # the spawning adapter shut the engine down (an attached adapter hears it)
         while True:
             try:
                 message = self._events.recv()
@@ -274,10 +280,14 @@ class EngineProcess:
                 self._load = message[1]
             elif message[0] in ("cancel_matched", "cancel_done"):
                 self._cancel_answer(*message)
+            elif message[0] == "closing":
+                closing = True
             elif message[0] == "dead":
                 self._died(RuntimeError(message[1]))
         if not self._stopping.is_set():
-            if self._process is None:
+            if closing:
+                self._died(EngineClosedError("the engine shut down with the instance that spawned it"))
+            elif self._process is None:
                 self._died(RuntimeError("the engine process stopped serving this instance"))
             else:
                 self._process.join(1)
@@ -585,6 +595,7 @@ class _ControlIntake:
         self._poller.register(self._wake_read, select.POLLIN)
         self._engine: AsyncEngine | None = None
         self._cancels: list[_EngineCancel] = []
+        self._owner_left = False  # the engine stops because the spawning adapter shut down
         self.closed = False
 
     def bind(self, engine: AsyncEngine) -> None:
@@ -645,10 +656,13 @@ class _ControlIntake:
             self._remove(client)
 
     def end_all(self) -> None:
-        """After the loop: end every adapter's events, and wait until they are sent."""
+        """After the loop: end every adapter's events (telling those still attached, when the spawning
+        one shut the engine down, that this is no fault), and wait until they are sent."""
         self._take_joining()
         ended = list(self._clients.values())
         for client in ended:
+            if self._owner_left and not client.leaving:
+                client.outbox.put_now(("closing",))
             self._remove(client)
         for client in ended:
             client.wait_sent(SHUTDOWN_GRACE_S)
@@ -708,6 +722,7 @@ class _ControlIntake:
         self._poller.unregister(client.control.fileno())
         client.leaving = True
         if client.owner or len(self._clients) == 1:  # the engine stops (aborting what is in flight)
+            self._owner_left = True
             self.closed = True
             self._engine.stop()
             return

@@ -50,7 +50,7 @@ from dspark import EngineConfig, InvalidParameterError
 from dspark.engine.async_engine import AsyncEngine, EngineDeadError
 from dspark.outputs import RequestDelta, merge_deltas
 from dspark.sampling.logprobs import logprobs_json
-from dspark.serving.engine_process import EngineProcess
+from dspark.serving.engine_process import EngineClosedError, EngineProcess
 from dspark.serving.metrics import Metrics, TritonMetrics, vllm_max_model_len
 from dspark.serving.request_inputs import CANCEL_ALL, describe, generate_inputs, string_input
 from dspark.serving.send_queue import SendQueue
@@ -61,6 +61,10 @@ POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing
 SEND_THREADS = 4  # threads sending responses (a request's always on the same one)
 CANCEL_POLL_BUDGET = 32  # senders asked about cancellation per poll
 DEATH_GRACE_S = 1.0  # after the engine died: time for the error responses to go out before exiting
+# After the instance that spawned the shared engine shut it down (the model is being unloaded): the time
+# this instance's own unload has to come before it exits as after a fault (so that an instance left
+# without an engine, if Triton ever removed the spawning one alone, gets the server restarted).
+CLOSED_GRACE_S = 20.0
 
 
 @dataclass
@@ -463,11 +467,15 @@ class TritonPythonModel:
         exit_at: float | None = None
         while not self._stopping.wait(POLL_INTERVAL_S):
             if self._engine_death is not None and exit_at is None:
-                self._logger.log_error(
+                closed = isinstance(self._engine_death, EngineClosedError)
+                grace = CLOSED_GRACE_S if closed else DEATH_GRACE_S
+                log = self._logger.log_info if closed else self._logger.log_error
+                log(
                     f"dspark: the engine stopped on {self._engine_death!r}; its requests failed; this "
-                    f"backend process exits in {DEATH_GRACE_S:.0f}s so that the server is restarted"
+                    f"backend process exits in {grace:.0f}s (unless it is unloaded first) so that the "
+                    "server is restarted"
                 )
-                exit_at = time.monotonic() + DEATH_GRACE_S
+                exit_at = time.monotonic() + grace
             if exit_at is not None and time.monotonic() >= exit_at:
                 self._exit_after_engine_death()
             try:
