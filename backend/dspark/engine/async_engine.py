@@ -23,6 +23,7 @@ DeathCallback = Callable[[BaseException], None]
 # elsewhere and applies them with `submit`/`abort`/`stop`, on the loop's own thread.
 Intake = Callable[[float], None]
 IDLE_WAIT_S = 0.5  # the longest wait of an idle loop before it looks at its inbox again
+STOP_STEPS = 4  # at most this many steps end the requests in flight once the loop is asked to stop
 
 
 @dataclass
@@ -205,7 +206,10 @@ class AsyncEngine:
                     self._dispatch(self._step())
             for request_id in list(self._callbacks):
                 self.engine.abort_request(request_id)
-            if self.engine.has_unfinished_requests():
+            # A step launched ahead is completed first; the aborts' final deltas may need the next.
+            for _ in range(STOP_STEPS):
+                if not self.engine.has_unfinished_requests():
+                    break
                 self._dispatch(self._step())
         except BaseException as exc:  # the loop must report, never vanish silently
             logger.exception("dspark engine loop died")

@@ -596,6 +596,7 @@ class _ControlIntake:
         self._engine: AsyncEngine | None = None
         self._cancels: list[_EngineCancel] = []
         self._owner_left = False  # the engine stops because the spawning adapter shut down
+        self._ended: list[_Client] = []  # removed adapters (their senders end once all is sent)
         self.closed = False
 
     def bind(self, engine: AsyncEngine) -> None:
@@ -659,12 +660,11 @@ class _ControlIntake:
         """After the loop: end every adapter's events (telling those still attached, when the spawning
         one shut the engine down, that this is no fault), and wait until they are sent."""
         self._take_joining()
-        ended = list(self._clients.values())
-        for client in ended:
+        for client in list(self._clients.values()):
             if self._owner_left and not client.leaving:
                 client.outbox.put_now(("closing",))
             self._remove(client)
-        for client in ended:
+        for client in self._ended:  # an adapter that left earlier may still be sending its last deltas
             client.wait_sent(SHUTDOWN_GRACE_S)
 
     def _all(self) -> list[_Client]:
@@ -738,6 +738,7 @@ class _ControlIntake:
         if not client.leaving:
             self._poller.unregister(fd)
         client.end()
+        self._ended.append(client)
 
     def _close(self) -> None:
         self.closed = True
