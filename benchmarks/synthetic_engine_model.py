@@ -98,7 +98,7 @@ class SyntheticEngine:
 
     def submit(
         self, request_id, params, on_delta, prompt=None, prompt_token_ids=None, submitted_at=None
-    ) -> list[int]:  # noqa: ANN001, E501
+    ) -> list[int]:  # noqa: ANN001
         """Queue a request (tokenized here, as the real engine does)."""
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenizer.encode(prompt)
         self._inbox.put(("add", request_id, params, on_delta, len(ids)))

@@ -193,10 +193,10 @@ def test_a_models_instances_share_one_engine_process(tiny_target_dir, tiny_draft
     an instance leaving leaves the other served, and the spawning one leaving ends the engine."""
     config = _config(tiny_target_dir, tiny_drafter_dir)
     socket_path = tmp_path / "engine.sock"
-    first = open_engine(config, None, 2, socket_path)
+    first = open_engine(config, None, socket_path)
     deaths = _Deaths()
-    second = open_engine(config, deaths, 2, socket_path)
-    third = open_engine(config, None, 2, socket_path)
+    second = open_engine(config, deaths, socket_path)
+    third = open_engine(config, None, socket_path)
     assert first.owner and not second.owner and not third.owner
     for engine in (first, second, third):
         engine.start()

@@ -95,7 +95,7 @@ def _delta(request_id: str, tokens: list[int], finished: bool = False) -> Reques
 
 
 def test_the_step_loop_writes_a_busy_steps_deltas_into_the_pipe_itself_while_the_adapter_keeps_up():
-    from dspark.serving.engine_process import DIRECT_MIN_DELTAS, _Outbox, _PipeRoom
+    from dspark.serving.engine_process import _Outbox, _PipeRoom
 
     ours, theirs = mp.Pipe(duplex=False)
     pipe = _PipeRoom.of(theirs)
@@ -106,7 +106,7 @@ def test_the_step_loop_writes_a_busy_steps_deltas_into_the_pipe_itself_while_the
     assert not pipe.write_if_drained(b"z" * (1 << 20))  # larger than the pipe: never straight
     outbox = _Outbox(pipe)
     outbox.bind_load(lambda: "load-1")
-    busy = [_delta(f"r{i}", [i, i + 1]) for i in range(DIRECT_MIN_DELTAS)]
+    busy = [_delta(f"r{i}", [i, i + 1]) for i in range(16)]
     for delta in busy:
         outbox.put(delta)
     outbox.wake()  # no sender thread runs: the loop's own write is all there is
@@ -117,19 +117,16 @@ def test_the_step_loop_writes_a_busy_steps_deltas_into_the_pipe_itself_while_the
     assert received == [(d.request_id, d.new_token_ids) for d in busy]
     assert outbox.take(0) == [] and not ours.poll(0)
     outbox.sent()
-    # A step of one delta goes straight too (DIRECT_MIN_DELTAS).
+    # A step of one delta goes straight too.
     outbox.put(_delta("x", [9]))
     outbox.wake()
-    assert DIRECT_MIN_DELTAS == 1 and [d.request_id for d in unpack_deltas(ours.recv()[1])] == ["x"]
+    assert [d.request_id for d in unpack_deltas(ours.recv()[1])] == ["x"]
     assert outbox.take(0) == []
     outbox.sent()
 
 
-def test_what_does_not_fit_waits_for_the_sender_which_merges_it_and_nothing_overtakes_it(monkeypatch):
-    from dspark.serving import engine_process
+def test_what_does_not_fit_waits_for_the_sender_which_merges_it_and_nothing_overtakes_it():
     from dspark.serving.engine_process import _Outbox, _send_events
-
-    monkeypatch.setattr(engine_process, "DIRECT_MIN_DELTAS", 1)
 
     class Behind:
         """A pipe whose adapter has not read the last batch yet (it reads slower than the engine steps)."""

@@ -251,7 +251,7 @@ class AsyncEngine:
             if item is None:
                 return False
             if isinstance(item, _Submit):
-                self._admit(item, time.monotonic())
+                self._admit(item)
             else:
                 self.engine.abort_request(item.request_id)
             try:
@@ -259,7 +259,7 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _admit(self, item: _Submit, now: float) -> None:
+    def _admit(self, item: _Submit) -> None:
         """Hand one request to the engine; if that raises, the request fails alone."""
         try:
             self.engine.add_request(item.request_id, item.prompt_token_ids, item.params)
@@ -272,7 +272,7 @@ class AsyncEngine:
         self._callbacks[item.request_id] = item.on_delta
         counters = self.engine.loop_counters
         counters.admitted_requests += 1
-        counters.intake_wait_seconds += now - item.submitted_at
+        counters.intake_wait_seconds += time.monotonic() - item.submitted_at
         self._first_token_due[item.request_id] = item.submitted_at
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:

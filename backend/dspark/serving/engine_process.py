@@ -62,11 +62,6 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # past the engine's own shutdown, before its process is killed
 LOAD_INTERVAL_S = 0.1  # how often an idle engine process reports a changed occupancy
 SENDER_FAILED_STATUS = 70  # the engine process's exit status when its events could not be sent
-# A step with fewer deltas leaves them to the sender thread. 1: every step writes its own. Sixteen
-# (so that a small step's little work would fit in the loop's waits for the device) cost served
-# throughput at 8 streams on the H200 (0.49-0.82 of offline against 1.04-1.06 writing every step): the
-# sender woken at every step took the GIL from the loop there too.
-DIRECT_MIN_DELTAS = 1
 FRAME_HEADER_BYTES = 12  # the most `Connection.send_bytes` writes before a message (its length)
 READ_CHUNK_BYTES = 1 << 20  # the most the engine loop reads of its commands at once
 EngineFactory = Callable[..., AsyncEngine]  # (config, on_death=, after_step=, intake=) -> the engine
@@ -248,7 +243,8 @@ class EngineProcess:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort this adapter's requests in flight (their last deltas are relayed) and leave the engine
-        process; the last adapter to leave stops the engine and its process."""
+        process; when this adapter spawned it, stop the engine and its process (any attached adapter's
+        events then end: `EngineClosedError`)."""
         self._stopping.set()
         self._command(("shutdown",))
         if self._process is not None:
@@ -403,14 +399,16 @@ class _Outbox:
     """What the engine process sends, in order: deltas, the engine's death, None (the end).
 
     A step's deltas are put by the step loop (`put`) and sent at the step's end (`wake`, on the loop's
-    thread): when there are DIRECT_MIN_DELTAS or more, one message written straight into the events
-    pipe when the adapter has read everything before (`_PipeRoom`) and nothing older is waiting. A
+    thread): one message written straight into the events pipe when the adapter has read everything
+    before (`_PipeRoom`) and nothing older is waiting, however few deltas the step has (leaving steps
+    of fewer than 16 to the sender cost served throughput at 8 streams on the H200: 0.49-0.82 of
+    offline against 1.04-1.06 writing every step, the sender taking the GIL from the loop there too). A
     sender thread woken at every step's end took the GIL from the step loop in the middle of the next
     step, at every handoff (py-spy, H200, 64 streams: the loop's first host copy of a step held 18% of
     its samples, 4% offline; steps 2.49 ms against 2.10 ms for the same closed loop in one process).
-    What does not go straight (few deltas; the adapter reads slower than the engine steps; no `pipe`;
-    events) waits for the sender thread (`take`), which sends it with each request's waiting deltas
-    merged into one."""
+    What does not go straight (the adapter reads slower than the engine steps; no `pipe`; events)
+    waits for the sender thread (`take`), which sends it with each request's waiting deltas merged
+    into one."""
 
     def __init__(self, pipe: _PipeRoom | None = None) -> None:
         """pipe: the events pipe's writer, when the loop may write into it itself."""
@@ -457,8 +455,7 @@ class _Outbox:
             if not self._step:
                 return
             deltas, self._step = self._step, []
-            direct = len(deltas) >= DIRECT_MIN_DELTAS and self._pipe is not None
-            if direct and not self._waiting and not self._sending:
+            if self._pipe is not None and not self._waiting and not self._sending:
                 try:
                     message = ForkingPickler.dumps(self.batch(deltas))
                 except Exception:  # noqa: BLE001 - the sender fails on it again and ends the process

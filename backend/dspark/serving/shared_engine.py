@@ -53,11 +53,12 @@ def _sweep(directory: Path) -> None:
 
 
 def open_engine(
-    config: EngineConfig, on_death: DeathCallback | None, instances: int, socket_path: Path
+    config: EngineConfig, on_death: DeathCallback | None, socket_path: Path | None
 ) -> EngineProcess:
-    """This instance's engine: its own when it is the only instance; else the shared one, spawned by the
-    first instance here (`EngineProcess.owner`), attached to by the others."""
-    if instances <= 1:
+    """This instance's engine: its own when it is the only instance (no `socket_path`); else the one
+    shared at `socket_path` (`rendezvous`), spawned by the first instance there (`EngineProcess.owner`),
+    attached to by the others."""
+    if socket_path is None:
         return EngineProcess(config, on_death=on_death)
     with open(socket_path.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # held while the first instance builds the engine

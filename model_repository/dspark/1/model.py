@@ -144,7 +144,10 @@ class TritonPythonModel:
         # Several instances (backend stubs) share one engine process (dspark.serving.shared_engine).
         self._instances = instance_count(model_config)
         self._shared = self._instances > 1
-        self._model_key = (args["model_name"], args["model_version"])
+        # Where the instances meet (the tritonserver process is this stub's parent).
+        self._rendezvous = (
+            rendezvous(args["model_name"], args["model_version"], os.getppid()) if self._shared else None
+        )
         self._id_prefix = f"{args['model_instance_name']}/" if self._shared else ""
         self._metrics = self._make_metrics(config, args)
         self._live: dict[str, _Live] = {}
@@ -180,8 +183,7 @@ class TritonPythonModel:
     def _make_engine(self, config: EngineConfig, on_death) -> AsyncEngine | EngineProcess:  # noqa: ANN001
         """The engine this model serves (benchmarks/serving_ceiling.py puts a synthetic one here)."""
         if config.engine_process:
-            socket_path = rendezvous(*self._model_key, server_pid=os.getppid())  # tritonserver's
-            return open_engine(config, on_death, self._instances, socket_path)
+            return open_engine(config, on_death, self._rendezvous)
         if self._shared:
             raise pb_utils.TritonModelException(
                 "instance_group: several instances share one engine process; set engine_process true"
@@ -208,8 +210,8 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self._engine.shutdown()  # in-flight requests end with reason "abort"; their last deltas are merged
-        if self._shared and self._publishes_engine:
-            forget(rendezvous(*self._model_key, server_pid=os.getppid()))
+        if self._rendezvous is not None and self._publishes_engine:
+            forget(self._rendezvous)
         self._stopping.set()
         self._poller.join()
         self._end_abandoned()
