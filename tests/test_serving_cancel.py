@@ -57,6 +57,9 @@ def test_http_cancel_by_request_id_ends_that_stream_with_reason_abort(triton_ser
             },
         )
 
+    # The pages of an earlier test's request may still show until the gauge catches up: from none, the
+    # pages seen are this stream's.
+    assert wait_for(lambda: pages_used(triton_server) == 0)
     thread = threading.Thread(target=stream)
     thread.start()
     assert wait_for(lambda: pages_used(triton_server) >= 8)
@@ -111,6 +114,7 @@ def test_cancelling_a_wrapper_request_by_id_returns_its_partial_completion(trito
     thread = threading.Thread(
         target=lambda: result.update(out=client.infer("dspark_generate", inputs, request_id="whole-1"))
     )
+    assert wait_for(lambda: pages_used(triton_server) == 0)  # from none: the pages seen are this one's
     thread.start()
     assert wait_for(lambda: pages_used(triton_server) >= 8)
     status, body = triton_server.post("/v2/models/dspark/generate", {"cancel_request_id": "whole-1"})
