@@ -52,8 +52,17 @@ def test_counters_and_histograms_move_with_requests(triton_server):
         ).collect()
     with GrpcStream(triton_server) as grpc:
         assert grpc.send(text_input="").collect().error
-    # Counters are published between sends, at most 0.1 s after the event.
-    assert wait_for(lambda: snapshot(triton_server)["requests_invalid"] == before["requests_invalid"] + 1)
+    # Each instance publishes its own counters from its poll thread, at most 0.1 s after the event:
+    # the two requests may have gone to different instances, so wait for both to show.
+    def published(now: dict[str, float]) -> bool:
+        return (
+            now["requests_invalid"] == before["requests_invalid"] + 1
+            and now["requests_length"] == before["requests_length"] + 1
+            and now["dspark_generation_tokens_total"] - before["dspark_generation_tokens_total"]
+            >= len(outcome.ids)
+        )
+
+    assert wait_for(lambda: published(snapshot(triton_server)))
     after = snapshot(triton_server)
     assert after["dspark_generation_tokens_total"] - before["dspark_generation_tokens_total"] == len(
         outcome.ids
