@@ -52,6 +52,7 @@ def test_counters_and_histograms_move_with_requests(triton_server):
         ).collect()
     with GrpcStream(triton_server) as grpc:
         assert grpc.send(text_input="").collect().error
+
     # Each instance publishes its own counters from its poll thread, at most 0.1 s after the event:
     # the two requests may have gone to different instances, so wait for both to show.
     def published(now: dict[str, float]) -> bool:

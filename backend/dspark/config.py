@@ -71,10 +71,15 @@ class EngineConfig:
     sps_table: str = ""
     # Tokens per KV-cache page.
     kv_page_size: int = 16
-    # Pages in the KV cache (target and drafter share the page table).
-    num_kv_pages: int = 2048
-    # Most requests decoding at once.
-    max_num_seqs: int = 32
+    # Pages in the KV cache (target and drafter share the page table). 0: sized at start: on a GPU,
+    # kv_cache_memory_fraction of the memory free once the weights are loaded, at most what max_num_seqs
+    # requests of the longest context use; on the CPU 2048 pages.
+    num_kv_pages: int = 0
+    # With num_kv_pages 0 on a GPU: the share of the memory free after the weights that the KV cache
+    # takes; the rest is left to activations, logits, CUDA graphs and the allocator's slack.
+    kv_cache_memory_fraction: float = 0.8
+    # Most requests decoding at once (more wait for a place; as vLLM's default).
+    max_num_seqs: int = 256
     # Most target tokens in one step (verify windows plus prefill chunks). When the windows do not all
     # fit, they shorten (fewer drafts that step) rather than leave requests out, and prompts waiting to
     # prefill keep a quarter of it.
@@ -145,7 +150,7 @@ class EngineConfig:
             ("block_size", 0),
             ("draft_vocab_size", -1),
             ("kv_page_size", 1),
-            ("num_kv_pages", 1),
+            ("num_kv_pages", 0),
             ("max_num_seqs", 1),
             ("max_num_batched_tokens", 1),
             ("max_model_len", 0),
@@ -158,6 +163,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value < minimum:
                 raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(
+                f"kv_cache_memory_fraction: must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
         if not 0.0 <= self.draft_stop_survival < 1.0:
             raise ValueError(f"draft_stop_survival: must be in [0, 1), got {self.draft_stop_survival}")
         tiers = self.cuda_graph_tiers

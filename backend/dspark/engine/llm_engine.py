@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import SPS_PROFILE, EngineConfig
+from dspark.engine.kv_budget import resolve_kv_pages
 from dspark.engine.output_processor import OutputProcessor, PendingDelta
 from dspark.engine.page_allocator import PageAllocator
 from dspark.engine.scheduler import InFlight, Scheduler, StepSchedule
@@ -74,9 +75,11 @@ class LLMEngine:
     """The synchronous engine: add requests, call `step()` until none is left."""
 
     def __init__(self, config: EngineConfig, proposer: Proposer | None = None) -> None:
-        self.config = config
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
+        # The engine's config has its cache sized (num_kv_pages 0 -> pages): every part reads that.
+        config = resolve_kv_pages(config, device, dtype)
+        self.config = config
         self.runner = create_runner(config, device, dtype)
         try:
             self._set_up(config, device, dtype, proposer)
