@@ -94,9 +94,17 @@ def test_plain_steps_count_as_steps_but_not_as_drafting_steps():
     assert metric("dspark_spec_drafting_steps_total").value == 1
 
 
-def test_gauges_give_mean_window_acceptance_length_and_per_position_rates():
+def test_gauges_give_mean_window_acceptance_length_and_per_position_rates_of_the_engine_s_totals():
+    """The gauges are ratios of the engine's totals over finished requests (`EngineLoad.spec`), not of
+    one instance's requests: with several instances each would set them from its own share."""
     metrics = make()
-    metrics.speculation(None, stats_after((7, 3, 2), (7, 2, 0)))
+    metrics.speculation(None, stats_after((1, 1, 1)))  # one instance's request in flight: no gauge
+    metrics.flush()
+    assert metric("dspark_spec_mean_acceptance_length").value == 0
+    totals = SpecStats()
+    for step in ((7, 3, 2), (7, 2, 0)):
+        totals.record_step(*step)
+    metrics.load(EngineLoad(0, 0, 0, 8, spec=totals))
     metrics.flush()
     assert metric("dspark_spec_mean_verify_window").value == (5 + 2) / 2
     assert metric("dspark_spec_mean_acceptance_length").value == (2 + 2) / 2

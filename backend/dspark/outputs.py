@@ -425,3 +425,7 @@ class EngineLoad:
     gpu_memory_allocated_bytes: int = 0
     gpu_memory_reserved_bytes: int = 0
     loop: LoopTotals = LoopTotals()
+    # Speculation counters summed over every finished request (the engine's `total_spec_stats`, a copy
+    # made when a request finishes): the speculation gauges are engine-wide ratios of these, the same
+    # whichever of the server's instances publishes them.
+    spec: SpecStats = field(default_factory=SpecStats)

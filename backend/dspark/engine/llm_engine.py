@@ -157,6 +157,7 @@ class LLMEngine:
         sps = self._sps_table(config, block_size)
         self.planner = VerifyPlanner(config.planner_policy, sps, config.planner_lag)
         self.total_spec_stats = SpecStats()
+        self._spec_snapshot: SpecStats | None = None  # a copy of the totals for `load`, made on change
         self._seqs: dict[str, Sequence] = {}
         self._outputs: dict[str, OutputProcessor] = {}
         # History counts of the requests with penalties (on the device), by request id.
@@ -299,7 +300,17 @@ class LLMEngine:
             gpu_memory_allocated_bytes=self._memory[0],
             gpu_memory_reserved_bytes=self._memory[1],
             loop=self.loop_counters.totals(),
+            spec=self._spec_totals(),
         )
+
+    def _spec_totals(self) -> SpecStats:
+        """A copy of `total_spec_stats`, remade only after a request finished (`load` is read with every
+        batch of deltas the engine process sends)."""
+        if self._spec_snapshot is None:
+            snapshot = SpecStats()
+            snapshot.merge(self.total_spec_stats)
+            self._spec_snapshot = snapshot
+        return self._spec_snapshot
 
     def close(self) -> None:
         """Release what the engine holds (TP worker processes, when there are any)."""
@@ -642,6 +653,7 @@ class LLMEngine:
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.total_spec_stats.merge(seq.spec_stats)
+        self._spec_snapshot = None
         del self._seqs[seq.request_id]
         del self._outputs[seq.request_id]
         self._penalty_states.pop(seq.request_id, None)

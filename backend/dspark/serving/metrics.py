@@ -176,15 +176,17 @@ class TritonMetrics(Metrics):
         self._verify_window = self._metric(
             family.GAUGE,
             "dspark_spec_mean_verify_window",
-            "Mean target tokens verified per request step (1 + drafts)",
+            "Mean target tokens verified per request step (1 + drafts), over finished requests",
         )
         self._accept_length = self._metric(
-            family.GAUGE, "dspark_spec_mean_acceptance_length", "Mean tokens committed per request step (tau)"
+            family.GAUGE,
+            "dspark_spec_mean_acceptance_length",
+            "Mean tokens committed per request step (tau), over finished requests",
         )
         self._position_rate = self._new(
             family.GAUGE,
             "dspark_spec_acceptance_rate",
-            "Fraction of verified drafts accepted, by draft position (1 = first draft)",
+            "Fraction of verified drafts accepted by draft position (1 = first draft), finished requests",
         )
         self._positions: dict[int, Any] = {}
         self._kv_used = self._metric(family.GAUGE, "dspark_kv_pages_used", "KV-cache pages in use")
@@ -207,9 +209,6 @@ class TritonMetrics(Metrics):
             for name, help_text in LOOP_COUNTERS.items()
         }
         self._loop_seen = LoopTotals()
-        self._totals = dict.fromkeys(SPEC_COUNTERS, 0)
-        self._accepted_at: list[int] = []
-        self._verified_at: list[int] = []
         self._pending: dict[Any, float] = {}  # counter -> increment not yet published
         self._gauges: dict[Any, float] = {}  # gauge -> value not yet published
         self._per_token: list[float] = []  # streamed updates' seconds per token, not yet published
@@ -263,7 +262,6 @@ class TritonMetrics(Metrics):
             step = after.get(name, 0) - before.get(name, 0)
             if step > 0:
                 self._add(self._spec[name], step)
-                self._totals[name] += step
         for vllm_name, name in VLLM_SPEC_COUNTERS.items():
             step = after.get(name, 0) - before.get(name, 0)
             if step > 0:
@@ -273,19 +271,6 @@ class TritonMetrics(Metrics):
             step = count - (accepted_before[k] if k < len(accepted_before) else 0)
             if step > 0:
                 self._add(self._vllm.accepted_at(k), step)
-        _add_differences(
-            self._accepted_at, before.get("accepted_per_position", []), after["accepted_per_position"]
-        )
-        _add_differences(
-            self._verified_at, before.get("verified_per_position", []), after["verified_per_position"]
-        )
-        steps = self._totals["steps"]
-        if steps:
-            self._gauges[self._verify_window] = (self._totals["verified_tokens"] + steps) / steps
-            self._gauges[self._accept_length] = (self._totals["accepted_tokens"] + steps) / steps
-        for k, verified in enumerate(self._verified_at):
-            if verified:
-                self._gauges[self._position(k + 1)] = self._accepted_at[k] / verified
 
     def load(self, load: EngineLoad) -> None:
         with self._lock:
@@ -295,6 +280,13 @@ class TritonMetrics(Metrics):
             self._gauges[self._waiting] = load.num_waiting
             self._gauges[self._gpu_allocated] = load.gpu_memory_allocated_bytes
             self._gauges[self._gpu_reserved] = load.gpu_memory_reserved_bytes
+            spec = load.spec
+            if spec.steps:
+                self._gauges[self._verify_window] = (spec.verified_tokens + spec.steps) / spec.steps
+                self._gauges[self._accept_length] = (spec.accepted_tokens + spec.steps) / spec.steps
+            for k, verified in enumerate(spec.verified_per_position):
+                if verified:
+                    self._gauges[self._position(k + 1)] = spec.accepted_per_position[k] / verified
             seen, self._loop_seen = self._loop_seen, load.loop
             if load.loop.steps < seen.steps:  # another engine (a restart): its totals start over
                 seen = LoopTotals()
@@ -431,10 +423,3 @@ class _VllmFamilies:
             with self._owner._publish:
                 self._positions[position] = self._per_position.Metric(labels=labels)
         return self._positions[position]
-
-
-def _add_differences(totals: list[int], before: list[int], after: list[int]) -> None:
-    """totals[k] += after[k] - before[k], growing `totals` as positions appear."""
-    totals.extend([0] * max(len(after) - len(totals), 0))
-    for k, count in enumerate(after):
-        totals[k] += count - (before[k] if k < len(before) else 0)
