@@ -22,7 +22,6 @@ PROMPTS = [
 MAX_TOKENS = 24
 NUM_STREAMS = 200
 CANCELLED_SHARE = 0.2
-ROUNDS = 2
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +71,8 @@ def run_stream(
                 return ids, None, False
 
 
-@pytest.mark.parametrize("round_", range(ROUNDS))
-def test_200_concurrent_streams_with_cancellations_each_equal_their_solo_greedy_text(
-    triton_server, solo_ids, round_
-):
-    rng = random.Random()
+def test_200_concurrent_streams_with_cancellations_each_equal_their_solo_greedy_text(triton_server, solo_ids):
+    rng = random.Random()  # a fresh plan each run (one round: a second one took another minute)
     plans = []
     for index in range(NUM_STREAMS):
         prompt = PROMPTS[index % len(PROMPTS)]
