@@ -12,7 +12,8 @@ Writes overhead.json and overhead.md under --out. `--modes` picks the engine con
 `off` (plain decoding), `default` (the serve default), `static` (the default without its gate: every
 step drafts the block), `default-inprocess` (the default with the engine in the adapter's process:
 engine_process false, the design before the engine process).
-`--profile-levels 64,256` then runs a longer load at those levels (at least 10 requests a stream),
+`--user-defaults`: both sides run what `dspark serve` runs by default (max_num_seqs, the KV cache
+sized at start) instead of room for exactly the largest level. `--profile-levels 64,256` then runs a longer load at those levels (at least 10 requests a stream),
 untimed, while py-spy (when installed) samples the server's Python processes: collapsed stacks in
 `<out>/<mode>/py-spy-<level>.txt`.
 """
@@ -59,8 +60,11 @@ MODES = {
 OFFLINE_OF = {"off-unpaced": "off", "default-unpaced": "default"}
 
 
-def engine_config(mode: str, max_seqs: int) -> EngineConfig:
-    """The configuration both sides of a mode run: room for every stream at once."""
+def engine_config(mode: str, max_seqs: int, user_defaults: bool = False) -> EngineConfig:
+    """The configuration both sides of a mode run: room for every stream at once, or (user_defaults)
+    what `dspark serve` runs by default: max_num_seqs 256 and the KV cache sized at start."""
+    if user_defaults:
+        return EngineConfig(**MODES[mode])
     pages = max_seqs * 16  # 256 tokens of context per stream, in pages of 16
     return EngineConfig(max_num_seqs=max_seqs, num_kv_pages=pages, **MODES[mode])
 
@@ -362,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         help="served side: pin the engine process to these CPUs (e.g. 0,8: a core and its sibling) and "
         "the rest of the server and the load generator to the others (`pin_server`)",
     )
+    parser.add_argument(
+        "--user-defaults",
+        action="store_true",
+        help="both sides run the engine's defaults but the mode (max_num_seqs, the KV cache sized at "
+        "start; the offline engine's cache is sized first, the server's from what is left)",
+    )
     args = parser.parse_args(argv)
     profile_levels = tuple(int(x) for x in args.profile_levels.split(",") if x)
     levels = [int(x) for x in args.levels.split(",")]
@@ -369,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     runs, outputs = {}, {}
     for mode in args.modes.split(","):
-        config = engine_config(mode, max(levels))
+        config = engine_config(mode, max(levels), args.user_defaults)
         print(f"=== {mode}: {config}", flush=True)
         engine = None
         if not (mode in OFFLINE_OF and OFFLINE_OF[mode] in runs) and not mode.endswith("inprocess"):
