@@ -13,7 +13,8 @@ Writes overhead.json and overhead.md under --out. `--modes` picks the engine con
 step drafts the block), `default-inprocess` (the default with the engine in the adapter's process:
 engine_process false, the design before the engine process).
 `--user-defaults`: both sides run what `dspark serve` runs by default (max_num_seqs, the KV cache
-sized at start) instead of room for exactly the largest level. `--profile-levels 64,256` then runs a longer load at those levels (at least 10 requests a stream),
+sized at start) instead of room for exactly the largest level.
+`--profile-levels 64,256` then runs a longer load at those levels (at least 10 requests a stream),
 untimed, while py-spy (when installed) samples the server's Python processes: collapsed stacks in
 `<out>/<mode>/py-spy-<level>.txt`.
 """

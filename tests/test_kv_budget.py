@@ -78,8 +78,8 @@ def test_pages_within_takes_the_fraction_of_what_the_weights_leave() -> None:
 
 def test_a_set_page_count_stays_and_the_cpu_gets_its_default(smollm2_dir) -> None:
     set_pages = EngineConfig(model=str(smollm2_dir), num_kv_pages=77)
-    assert resolve_kv_pages(set_pages, torch.device("cpu"), torch.float32) is set_pages
-    sized = resolve_kv_pages(EngineConfig(model=str(smollm2_dir)), torch.device("cpu"), torch.float32)
+    assert resolve_kv_pages(set_pages, torch.device("cpu"), torch.float32, True) is set_pages
+    sized = resolve_kv_pages(EngineConfig(model=str(smollm2_dir)), torch.device("cpu"), torch.float32, True)
     assert sized.num_kv_pages == CPU_KV_PAGES
     with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
         EngineConfig(kv_cache_memory_fraction=0.0)

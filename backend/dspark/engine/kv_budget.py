@@ -74,14 +74,17 @@ def free_device_bytes(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def resolve_kv_pages(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> EngineConfig:
-    """`config` with `num_kv_pages` sized when it is 0 (unchanged otherwise)."""
+def resolve_kv_pages(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, loads_drafter: bool
+) -> EngineConfig:
+    """`config` with `num_kv_pages` sized when it is 0 (unchanged otherwise). loads_drafter: the engine
+    loads `draft_model` (not when speculation is off or a proposer is given to it)."""
     if config.num_kv_pages:
         return config
     if device.type != "cuda":
         return config.replace(num_kv_pages=CPU_KV_PAGES)
     target = ModelConfig.load(config.model_path)
-    drafter = DraftConfig.load(config.draft_model_path) if config.speculative else None
+    drafter = DraftConfig.load(config.draft_model_path) if loads_drafter else None
     need = footprint(target, drafter, config.kv_page_size, dtype, config.tensor_parallel_size)
     longest = (config.max_model_len or target.max_position_embeddings) + (
         drafter.block_size + 1 if drafter is not None else 1

@@ -78,7 +78,8 @@ class LLMEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         # The engine's config has its cache sized (num_kv_pages 0 -> pages): every part reads that.
-        config = resolve_kv_pages(config, device, dtype)
+        loads_drafter = config.speculative and proposer is None
+        config = resolve_kv_pages(config, device, dtype, loads_drafter)
         self.config = config
         self.runner = create_runner(config, device, dtype)
         try:
