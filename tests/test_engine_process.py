@@ -204,6 +204,8 @@ def test_a_models_instances_share_one_engine_process(tiny_target_dir, tiny_draft
         streams = [_collect(engine, f"{n}-r", GREEDY, PROMPTS[0]) for n, engine in enumerate((first, second))]
         got = [[t for d in _until_final(s) for t in d.new_token_ids] for s in streams]
         assert got[0] == got[1] and len(got[0]) == GREEDY.max_tokens
+        # The occupancy goes with the deltas to the spawning instance only (it publishes the gauges).
+        assert first.load().loop.steps > 0 and second.load().loop.steps == 0
 
         tagged: queue.Queue = queue.Queue()
         first.submit("long", LONG, tagged.put, prompt_token_ids=PROMPTS[1], tag="triton-7")

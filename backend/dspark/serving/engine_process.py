@@ -238,7 +238,8 @@ class EngineProcess:
             raise EngineDeadError("engine is not running: the engine process is gone") from None
 
     def load(self) -> EngineLoad:
-        """The occupancy the engine reported with its last batch of deltas."""
+        """The occupancy the engine reported with its last batch of deltas (to the spawning adapter;
+        an attached one keeps the empty load it started with)."""
         return self._load
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -270,7 +271,8 @@ class EngineProcess:
             except (EOFError, OSError):
                 break
             if message[0] == "deltas":
-                self._load = message[2]
+                if message[2] is not None:  # an attached adapter gets none (`_Client.start`)
+                    self._load = message[2]
                 self._dispatch(unpack_deltas(message[1]))
             elif message[0] == "load":
                 self._load = message[1]
@@ -540,8 +542,11 @@ class _Client:
         self._sender: threading.Thread | None = None
 
     def start(self, load: Callable[[], EngineLoad]) -> None:
-        """Start sending: the occupancy goes with each batch (see `_Outbox.bind_load`)."""
-        self.outbox.bind_load(load)
+        """Start sending: the occupancy goes with each batch (see `_Outbox.bind_load`) to the spawning
+        adapter only, the one that publishes the engine's gauges: to the others it was a snapshot made
+        and pickled on the loop's thread every step for nothing."""
+        if self.owner:
+            self.outbox.bind_load(load)
         self._sender = threading.Thread(target=self._send, name="dspark-events", daemon=True)
         self._sender.start()
 
