@@ -4,8 +4,9 @@ On a GPU the cache takes a fraction of the memory left once the weights are in (
 of what is free now, less the weights still to load), and never more than `max_num_seqs` requests of the
 longest context could use: a fixed page count either starves a large GPU (requests queue for pages
 while memory sits idle) or does not fit a small one. The weights are counted from the checkpoints'
-configs before they load, so the cache is sized before anything is allocated, on every
-tensor-parallel rank alike. On the CPU the cache is CPU_KV_PAGES pages.
+configs before they load, so the cache is sized before anything is allocated; with tensor parallelism
+the free memory is read on the driver's GPU (rank 0) and every rank takes that many pages of its
+shard. On the CPU the cache is CPU_KV_PAGES pages.
 """
 
 from __future__ import annotations
