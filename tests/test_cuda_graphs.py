@@ -256,6 +256,7 @@ def test_graphs_give_the_eager_engines_tokens(smollm2_dir, smollm2_drafter_dir, 
         spec_mode=spec_mode,
         device="cuda",
         adaptive_speculation=False,
+        num_kv_pages=512,  # a set cache: the xdist workers share the GPU
     )
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     outputs = {}
@@ -292,6 +293,7 @@ def test_sampling_with_speculation_on_the_gpu(smollm2_dir, smollm2_drafter_dir) 
         device="cuda",
         dtype="float32",
         adaptive_speculation=False,
+        num_kv_pages=512,  # a set cache: the xdist workers share the GPU
     )
     llm = LLM(base.replace(spec_mode="static"))
     first = llm.generate(params=[*sampled, *greedy], prompt_token_ids=prompts)
@@ -319,6 +321,7 @@ def test_static_steps_draft_inside_the_target_step_on_the_gpu(smollm2_dir, smoll
         device="cuda",
         dtype="float32",
         adaptive_speculation=False,
+        num_kv_pages=512,  # a set cache: the xdist workers share the GPU
         max_num_batched_tokens=64,  # prompt chunks share steps with verify windows
     )
     params = SamplingParams(max_tokens=40, ignore_eos=True)

@@ -88,6 +88,7 @@ def test_a_set_page_count_stays_and_the_cpu_gets_its_default(smollm2_dir) -> Non
 
 
 @pytest.mark.gpu
+@pytest.mark.big_gpu_memory  # takes its share of the GPU's free memory: alone, not beside the workers
 @gpu
 def test_the_gpu_cache_is_sized_from_free_memory_and_serves(smollm2_dir, smollm2_drafter_dir) -> None:
     """On the GPU the default cache takes its fraction of the free memory (or all the pages its
