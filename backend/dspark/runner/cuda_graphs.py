@@ -172,11 +172,14 @@ class StaticLayout:
         self.page_size = page_size
         self.max_pages = max_pages
         # Token ids, then each window's start, length and verify flag (1: a verify window, whose
-        # drafts the step packs in), in one buffer that `fill` copies whole (a few KiB) at once.
-        self._inputs = torch.zeros(max_tokens + 3 * max_requests, dtype=torch.long, device=device)
+        # drafts the step packs in), then the deferred inputs' index (`DeferredInputs.index`, at most
+        # a row per window), in one buffer that `fill` copies whole (a few KiB) at once: each copy
+        # from the host is a pinned staging and a queued copy, tens of microseconds of the step's host.
+        self._inputs = torch.zeros(max_tokens + 6 * max_requests, dtype=torch.long, device=device)
         self.token_ids = self._inputs[:max_tokens]
-        self._bounds = self._inputs[max_tokens:].view(3, max_requests)
+        self._bounds = self._inputs[max_tokens : max_tokens + 3 * max_requests].view(3, max_requests)
         self.window_starts, self.window_lens, self.verify_flags = self._bounds
+        self._deferred_index = self._inputs[max_tokens + 3 * max_requests :].view(3, max_requests)
         if page_table is None:
             page_table = torch.zeros(max_requests, max_pages, dtype=torch.int32, device=device)
         self.page_table = page_table
@@ -206,12 +209,16 @@ class StaticLayout:
         count = len(window_lens)
         host = torch.zeros(self._inputs.shape, dtype=torch.long)
         host[: len(token_ids)] = token_ids
-        bounds = host[self.token_ids.shape[0] :].view(self._bounds.shape)
+        max_tokens, max_requests = self.token_ids.shape[0], self._bounds.shape[1]
+        bounds = host[max_tokens : max_tokens + 3 * max_requests].view(self._bounds.shape)
         bounds[:2, :count] = torch.tensor([window_starts, window_lens], dtype=torch.long)
         bounds[2, :num_verify] = 1
+        following = 0 if deferred is None else deferred.index.shape[1]
+        if following:
+            host[max_tokens + 3 * max_requests :].view(3, max_requests)[:, :following] = deferred.index
         copy_to_device(self._inputs, host)
         if deferred is not None:
-            deferred.apply(self.token_ids, self.window_starts)
+            deferred.apply(self.token_ids, self.window_starts, self._deferred_index[:, :following])
         if count:
             # Columns past a step's widest row keep older pages: no key of a shorter row reaches them.
             table = build_page_table(pages, count)

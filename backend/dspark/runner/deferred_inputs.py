@@ -32,10 +32,14 @@ class DeferredInputs:
     accepted: torch.Tensor
     last_tokens: torch.Tensor
 
-    def apply(self, token_ids: torch.Tensor, window_starts: torch.Tensor) -> None:
+    def apply(
+        self, token_ids: torch.Tensor, window_starts: torch.Tensor, index: torch.Tensor | None = None
+    ) -> None:
         """Move each following window's start on by the drafts accepted before it, and write its
-        anchor, in the device copies of the step (`token_ids` [tokens], `window_starts` [windows])."""
-        index = to_device(self.index, token_ids.device)
+        anchor, in the device copies of the step (`token_ids` [tokens], `window_starts` [windows]).
+        index: `self.index` on the device already (copied in with the step); None copies it here."""
+        if index is None:
+            index = to_device(self.index, token_ids.device)
         windows, rows, earlier = index[0], index[1], index[2]
         window_starts[windows] += self.accepted[earlier].to(window_starts.dtype)
         token_ids[rows] = self.last_tokens[earlier].to(token_ids.dtype)
