@@ -59,7 +59,7 @@ TIMED = [
     (step._Windows, ["to_step"]),
     (scheduler.Scheduler, ["schedule"]),
     (llama.CausalLM, ["compute_logits"]),
-    (cuda_graphs, ["copy_to_device", "build_page_table"]),
+    (cuda_graphs, ["copy_to_device", "write_page_rows"]),
     (drafts, ["write_verify_tokens"]),
     (step_draft, ["write_verify_tokens"]),
     (model_runner, ["to_device"]),

@@ -25,11 +25,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
+import numpy as np
 import torch
 
 from dspark.kernels import ops
 from dspark.parallel.distributed import SINGLE, TensorParallel
-from dspark.runner.attention_batch import AttentionBatch, build_page_table
+from dspark.runner.attention_batch import AttentionBatch, page_table_width, write_page_rows
 from dspark.runner.deferred_inputs import DeferredInputs
 from dspark.runner.host_to_device import copy_to_device
 from dspark.runner.kv_cache import PagedKVCache
@@ -171,15 +172,22 @@ class StaticLayout:
         one (a draft block laid out over the target step's windows)."""
         self.page_size = page_size
         self.max_pages = max_pages
-        # Token ids, then each window's start, length and verify flag (1: a verify window, whose
-        # drafts the step packs in), then the deferred inputs' index (`DeferredInputs.index`, at most
-        # a row per window), in one buffer that `fill` copies whole (a few KiB) at once: each copy
-        # from the host is a pinned staging and a queued copy, tens of microseconds of the step's host.
-        self._inputs = torch.zeros(max_tokens + 6 * max_requests, dtype=torch.long, device=device)
+        # One buffer that `fill` copies in at once (each copy from the host is a pinned staging and a
+        # queued copy, tens of microseconds of the step's host time): the token ids; each window's
+        # start, length and verify flag (1: a verify window, whose drafts the step packs in); the
+        # deferred inputs' index (`DeferredInputs.index`, at most a row per window); then the step's
+        # page table rows, int32, which the device copies on into `page_table`. Only the part a step
+        # uses is copied.
+        self._header = max_tokens + 6 * max_requests
+        table_longs = -(-(max_requests * max_pages) // 2)
+        self._inputs = torch.zeros(self._header + table_longs, dtype=torch.long, device=device)
         self.token_ids = self._inputs[:max_tokens]
         self._bounds = self._inputs[max_tokens : max_tokens + 3 * max_requests].view(3, max_requests)
         self.window_starts, self.window_lens, self.verify_flags = self._bounds
-        self._deferred_index = self._inputs[max_tokens + 3 * max_requests :].view(3, max_requests)
+        self._deferred_index = self._inputs[max_tokens + 3 * max_requests : self._header].view(
+            3, max_requests
+        )
+        self._table_rows = self._inputs[self._header :].view(torch.int32)
         if page_table is None:
             page_table = torch.zeros(max_requests, max_pages, dtype=torch.int32, device=device)
         self.page_table = page_table
@@ -202,27 +210,34 @@ class StaticLayout:
         num_verify: int = 0,
         deferred: DeferredInputs | None = None,
     ) -> None:
-        """Copy a step (host tensors and lists) in: one copy of the token ids and windows (every window
-        past its own is empty, so that any tier reads padding there) and one of the page table. The
-        first `num_verify` windows are flagged as verify windows. `deferred`: what the windows take
-        from an earlier step not yet accepted, applied on the device after the copy."""
+        """Copy a step (host tensors and lists) in, in one copy from the host: the token ids, the
+        windows (every window past its own is empty, so that any tier reads padding there) and the
+        page table rows. The first `num_verify` windows are flagged as verify windows. `deferred`:
+        what the windows take from an earlier step not yet accepted, applied on the device after the
+        copy."""
         count = len(window_lens)
-        host = torch.zeros(self._inputs.shape, dtype=torch.long)
-        host[: len(token_ids)] = token_ids
+        width = page_table_width(pages)
         max_tokens, max_requests = self.token_ids.shape[0], self._bounds.shape[1]
-        bounds = host[max_tokens : max_tokens + 3 * max_requests].view(self._bounds.shape)
-        bounds[:2, :count] = torch.tensor([window_starts, window_lens], dtype=torch.long)
+        used = self._header + (-(-(count * width) // 2) if count else 0)
+        host = np.zeros(used, dtype=np.int64)
+        host[: len(token_ids)] = token_ids.numpy()
+        bounds = host[max_tokens : max_tokens + 3 * max_requests].reshape(3, max_requests)
+        bounds[0, :count] = window_starts
+        bounds[1, :count] = window_lens
         bounds[2, :num_verify] = 1
         following = 0 if deferred is None else deferred.index.shape[1]
         if following:
-            host[max_tokens + 3 * max_requests :].view(3, max_requests)[:, :following] = deferred.index
-        copy_to_device(self._inputs, host)
+            index = host[max_tokens + 3 * max_requests : self._header].reshape(3, max_requests)
+            index[:, :following] = deferred.index.numpy()
+        if count:
+            write_page_rows(host[self._header :].view(np.int32)[: count * width].reshape(count, width), pages)
+        copy_to_device(self._inputs[:used], torch.from_numpy(host))
         if deferred is not None:
             deferred.apply(self.token_ids, self.window_starts, self._deferred_index[:, :following])
         if count:
             # Columns past a step's widest row keep older pages: no key of a shorter row reaches them.
-            table = build_page_table(pages, count)
-            copy_to_device(self.page_table[:count, : table.shape[1]], table)
+            rows = self._table_rows[: count * width].view(count, width)
+            self.page_table[:count, :width].copy_(rows)
 
     def compute(self, tokens: int, requests: int) -> None:
         """Lay out a (tokens, requests) tier from the filled windows, on the device."""
