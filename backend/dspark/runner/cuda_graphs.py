@@ -178,15 +178,16 @@ class StaticLayout:
         # deferred inputs' index (`DeferredInputs.index`, at most a row per window); then the step's
         # page table rows, int32, which the device copies on into `page_table`. Only the part a step
         # uses is copied.
-        self._header = max_tokens + 6 * max_requests
+        # Where each part sits, for the device buffer and `fill`'s host one alike.
+        self._bounds_at = slice(max_tokens, max_tokens + 3 * max_requests)
+        self._index_at = slice(self._bounds_at.stop, self._bounds_at.stop + 3 * max_requests)
+        self._header = self._index_at.stop
         table_longs = -(-(max_requests * max_pages) // 2)
         self._inputs = torch.zeros(self._header + table_longs, dtype=torch.long, device=device)
         self.token_ids = self._inputs[:max_tokens]
-        self._bounds = self._inputs[max_tokens : max_tokens + 3 * max_requests].view(3, max_requests)
+        self._bounds = self._inputs[self._bounds_at].view(3, max_requests)
         self.window_starts, self.window_lens, self.verify_flags = self._bounds
-        self._deferred_index = self._inputs[max_tokens + 3 * max_requests : self._header].view(
-            3, max_requests
-        )
+        self._deferred_index = self._inputs[self._index_at].view(3, max_requests)
         self._table_rows = self._inputs[self._header :].view(torch.int32)
         if page_table is None:
             page_table = torch.zeros(max_requests, max_pages, dtype=torch.int32, device=device)
@@ -217,18 +218,16 @@ class StaticLayout:
         copy."""
         count = len(window_lens)
         width = page_table_width(pages)
-        max_tokens, max_requests = self.token_ids.shape[0], self._bounds.shape[1]
         used = self._header + (-(-(count * width) // 2) if count else 0)
         host = np.zeros(used, dtype=np.int64)
         host[: len(token_ids)] = token_ids.numpy()
-        bounds = host[max_tokens : max_tokens + 3 * max_requests].reshape(3, max_requests)
+        bounds = host[self._bounds_at].reshape(self._bounds.shape)
         bounds[0, :count] = window_starts
         bounds[1, :count] = window_lens
         bounds[2, :num_verify] = 1
         following = 0 if deferred is None else deferred.index.shape[1]
         if following:
-            index = host[max_tokens + 3 * max_requests : self._header].reshape(3, max_requests)
-            index[:, :following] = deferred.index.numpy()
+            host[self._index_at].reshape(self._deferred_index.shape)[:, :following] = deferred.index.numpy()
         if count:
             write_page_rows(host[self._header :].view(np.int32)[: count * width].reshape(count, width), pages)
         copy_to_device(self._inputs[:used], torch.from_numpy(host))

@@ -725,8 +725,7 @@ class _ControlIntake:
         client.leaving = True
         if client.owner or len(self._clients) == 1:  # the engine stops (aborting what is in flight)
             self._owner_left = True
-            self.closed = True
-            self._engine.stop()
+            self._close()
             return
         for request_id in list(client.requests):
             self._engine.abort(request_id)
