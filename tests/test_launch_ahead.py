@@ -158,18 +158,25 @@ def test_an_abort_of_a_request_launched_ahead_ends_it_alone(tiny_target_dir) -> 
 def test_the_gate_times_overlapping_steps_by_the_wall_time_each_adds() -> None:
     now = [0.0]
     gate = SpeculationGate(3, lambda: now[0])
-    # Step 1 launched at 0; step 2 launched at 1 ms, before step 1 finishes at 2 ms; step 2 finishes
-    # at 5 ms: it added 3 ms (from step 1's finish), not the 4 ms since its launch.
-    gate.start_step(0)
+    # Steps of length 3 prepared at 0, 1 and 3 ms; each launched before the one before it finishes
+    # (at 2, 5 and 6 ms). Step 2 added 3 ms (from step 1's finish), not the 4 ms since its preparation
+    # began; steps 1 and 3 are not measured: the first has a step launched behind it before it
+    # finished (both preparations are in its time), the last a plain step (its preparation would be
+    # charged to length 3).
+    gate.start_step(3, 0.0)
     now[0] = 0.001
     gate.start_step(3)
     now[0] = 0.002
-    gate.finish_step([1, 1, 1, 1])
+    gate.finish_step([2, 2, 2, 2])
+    now[0] = 0.003
+    gate.start_step(3)
     now[0] = 0.005
-    gate.finish_step([3, 3, 3, 3])
-    rates = gate.rates(4)
-    assert rates[0] == pytest.approx(4 / 0.002)
-    assert rates[3] == pytest.approx(12 / 0.003)
+    gate.finish_step([2, 2, 2, 2])
+    gate.start_step(0)
+    now[0] = 0.006
+    gate.finish_step([2, 2, 2, 2])
+    # Two tokens a request (one draft accepted, the second rejected): 8 tokens in the 3 ms step 2 added.
+    assert gate.rates(4) == pytest.approx({3: 8 / 0.003})
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -179,9 +179,9 @@ def test_gated_engine_is_lossless_and_speculates_on_some_steps_only(
     launched: collections.deque[int] = collections.deque()
     real_start, real_finish = gate.start_step, gate.finish_step
 
-    def start(length: int, at: float | None = None) -> None:
+    def start(length: int, at: float | None = None, prefill: bool = False) -> None:
         launched.append(length)
-        real_start(length, at)
+        real_start(length, at, prefill)
 
     def finish(committed: list[int]) -> None:
         clock.now += 0.010 if launched.popleft() else 0.001
@@ -225,3 +225,78 @@ def test_seeded_sampling_stays_reproducible_under_the_gate(tiny_target_dir, tiny
         assert out.spec_stats.drafted_tokens > 0
         streams.append(out.token_ids)
     assert streams[0] == streams[1]
+
+
+def _run_overlapped(
+    gate: SpeculationGate,
+    clock: _Clock,
+    requests: int,
+    steps: int,
+    prepare,
+    accepted,
+    prefill=lambda step: False,
+) -> list[int]:
+    """Drive `steps` steps as the engine's overlap scheduling runs them where the host sets the pace:
+    each call prepares and launches a step (prepare(length) seconds) and then finishes the step launched
+    by the call before, whose device work is long done. Returns the lengths chosen."""
+    decisions = []
+    in_flight: tuple[int, bool] | None = None
+    for step in range(steps):
+        length = gate.draft_length(requests)
+        began = clock.now
+        clock.now += prepare(length)
+        gate.start_step(length, began, prefill(step))
+        if in_flight is not None:
+            earlier, chunk = in_flight
+            gate.finish_step([] if chunk else [1 + min(a, earlier) for a in accepted(step)])
+        in_flight = (length, prefill(step))
+        decisions.append(length)
+    return decisions
+
+
+def test_overlapped_steps_are_timed_between_neighbours_of_their_own_length() -> None:
+    """With overlap scheduling the wall time a step adds holds the host's preparation of the step behind
+    it. Here the host sets the pace: a plain step costs 1 ms to prepare, a drafting one 2 ms for 1.3
+    tokens a request, so plain decoding is the faster (1000 against 650 tokens/s a request). A probe of
+    plain between drafting steps must not be charged their preparation (the gate then kept drafting)."""
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    accepted = _cycle({0: 70, 1: 30}, requests=128)
+    decisions = _run_overlapped(gate, clock, 128, 600, lambda n: 0.002 if n else 0.001, accepted)
+    assert gate.rates(128)[0] == pytest.approx(128 / 0.001)
+    assert gate.rates(128)[3] == pytest.approx(128 * 1.3 / 0.002, rel=0.05)
+    settled = decisions[200:]
+    assert settled.count(0) >= 0.85 * len(settled), decisions[:100]
+
+
+def test_overlapped_warm_up_measures_each_length_without_its_edges_and_probes_until_measured() -> None:
+    clock = _Clock()
+    gate = SpeculationGate(1, clock)
+    # Drafting (2 tokens a request for 1.5 ms) beats plain (1 token for 1 ms).
+    decisions = _run_overlapped(gate, clock, 4, 200, lambda n: 0.0015 if n else 0.001, lambda s: [1] * 4)
+    # Runs of WARM_UP_STEPS measured steps and their two unmeasured edges, longest first (the very first
+    # step has no neighbour before it, and the step launched behind it makes it unmeasured too).
+    run = WARM_UP_STEPS + 2
+    assert decisions[: 2 * run] == [1] * run + [0] * run
+    assert gate.rates(4) == pytest.approx({0: 4000, 1: 8 / 0.0015})
+    settled = decisions[2 * run :]
+    # Each probe of plain runs three steps in a row: the middle one is measured.
+    probes = "".join(str(n) for n in settled).replace("1", " ").split()
+    assert probes and all(p == "000" for p in probes), settled
+
+
+def test_a_neighbour_with_a_prefill_chunk_leaves_a_step_unmeasured() -> None:
+    clock = _Clock()
+    gate = SpeculationGate(1, clock)
+    # Every other step carries a prefill chunk (5 ms more to prepare): no decode step has two decode-only
+    # neighbours, so nothing is measured, however long the warm-up tries.
+    _run_overlapped(
+        gate,
+        clock,
+        4,
+        100,
+        lambda n: 0.001,
+        lambda s: [1] * 4,
+        prefill=lambda step: step % 2 == 0,
+    )
+    assert gate.rates(4) == {}

@@ -381,7 +381,7 @@ class LLMEngine:
             # the requests, which the step in flight has not reached yet.
             return None
         if self.gate is not None:
-            self.gate.start_step(length if drafts is not None else 0, began)
+            self.gate.start_step(length if drafts is not None else 0, began, bool(schedule.prefill))
         self.loop_counters.add_step(
             len(schedule.decode) + len(schedule.prefill),
             graph=self.runner.replays(packed.step),

@@ -18,17 +18,25 @@ halves of that rate are measured apart:
   chances of the positions it shares with the one that is. (Averaging each step's own tokens per
   second instead let one request's 1 to 4 tokens a step decide between lengths a few percent apart.)
 
-A warm-up tries each length a few times in the first tier, longest first, and once in every later
-tier (the acceptance is known by then, only the step times are new: served, the request count moves
-between tiers as requests come and go, and a full warm-up in each was most of a short run); a probe
-re-measures the losing lengths now and then, in turn. A step that carries a prefill chunk is not
-measured (the chunk's cost is not the length's): a warm-up choice that lands on one is made again,
-up to a bound, so that under served load, where requests arrive one by one and many steps carry a
-chunk, no length stays unmeasured (and so never chosen) after the warm-up.
+A step's time is measured only where it tells its own length's cost: with overlap scheduling the
+wall time a step adds (from the finish of the one before it to its own) holds the host's preparation of
+the step launched behind it and the emitting of the one before, so a step is measured only between
+neighbours of its own length that carry no prefill chunk. (Timing every step, a probe of plain decoding
+between drafting steps was charged the drafting step's preparation, and the drafting step before it
+plain's: where the host sets the pace, a losing length looked as fast as the winner and the gate kept
+drafting at batch 128-256 on the H200, 0.66-0.81x plain decoding offline.) A step prepared after the
+one before it finished (no overlap) is measured alone, if no step was launched behind it.
 
-Lossless: the decision reads only the wall times and token counts of earlier steps, never this step's
-drafts, and every length gives a lossless step. (A seeded sampling request keeps its distribution, but
-which steps speculated, and so its exact stream, then depends on timing.)
+A warm-up tries each length in the first tier, longest first, until it has a few measured steps (three
+in a row without overlap, five with it: the first and last of a run are not measured), and then in
+every later tier until it has one (the acceptance is known by then, only the step times are new:
+served, the request count moves between tiers as requests come and go, and a full warm-up in each was
+most of a short run). A probe re-measures a losing length now and then, in turn, for as many steps in
+a row as it takes to measure it once. A step that carries a prefill chunk is not measured (the chunk's
+cost is not the length's): a warm-up length goes on being chosen, up to a bound, until it is measured,
+so that under served load, where requests arrive one by one and many steps carry a chunk, no length
+stays unmeasured (and so never chosen) after the warm-up.
+
 """
 
 from __future__ import annotations
@@ -42,8 +50,10 @@ from dspark.runner.cuda_graphs import next_pow2
 
 WARM_UP_STEPS = 3  # measured steps of each length in the first tier before the averages decide
 LATER_TIER_WARM_UP_STEPS = 1  # the same in every later tier (the acceptance is shared, known already)
-WARM_UP_TRIES = 3 * WARM_UP_STEPS  # most warm-up choices of a length per tier, measured or not
-PROBE_INTERVAL = 32  # every this many steps of a tier, run one losing length once
+RUN_EDGES = 2  # unmeasured steps of a run of one length under overlap: its first and its last
+WARM_UP_TRIES = 3  # most warm-up choices of a length per tier, measured or not, in measured steps' worth
+PROBE_INTERVAL = 32  # every this many steps of a tier, probe one losing length
+PROBE_MOST_STEPS = 1 + RUN_EDGES  # a probe runs until its length is measured once, at most this long
 SMOOTHING = 0.05  # weight of the newest step in each moving average, once it has 1 / SMOOTHING steps
 
 
@@ -104,12 +114,39 @@ class _TierStats:
     chosen: collections.Counter = field(default_factory=collections.Counter)
     steps: int = 0
 
+    def measured(self, length: int) -> int:
+        """How many steps of this length were measured (without adding the length to `seconds`)."""
+        return self.seconds[length].count if length in self.seconds else 0
+
     def rate(self, length: int, num_requests: int, acceptance: _Acceptance) -> float:
         """Committed tokens per second of a step of this length (0.0 until its time is measured)."""
-        seconds = self.seconds.get(length)
-        if seconds is None or seconds.count == 0:
+        if not self.measured(length):
             return 0.0
-        return acceptance.tokens_per_request(length) * num_requests / max(seconds.value, 1e-9)
+        return acceptance.tokens_per_request(length) * num_requests / max(self.seconds[length].value, 1e-9)
+
+
+@dataclass
+class _Probe:
+    """A losing length being re-measured: run until its measured steps pass `measured_before`."""
+
+    tier: _TierStats
+    length: int
+    measured_before: int
+    steps: int = 1
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A launched step, until it finishes: when its preparation began, its length and whether it
+    carries a prefill chunk."""
+
+    began: float
+    length: int
+    prefill: bool
+
+    @property
+    def kind(self) -> tuple[int, bool]:
+        return self.length, self.prefill
 
 
 class SpeculationGate:
@@ -122,52 +159,63 @@ class SpeculationGate:
         self.clock = clock
         self._tiers: dict[int, _TierStats] = {}
         self._acceptance = _Acceptance()
-        # Launch times and lengths of the steps not yet finished, oldest first (with overlap scheduling
-        # a step is launched before the one before it is accepted), and when the last one finished.
-        self._started: collections.deque[tuple[float, int, _TierStats | None]] = collections.deque()
-        self._tier_of_next: _TierStats | None = None  # the tier of the last choice, for `start_step`
+        # The steps launched and not yet finished, oldest first (with overlap scheduling a step is
+        # launched before the one before it is accepted); the finish and the kind of the last finished.
+        self._started: collections.deque[_Launched] = collections.deque()
         self._last_finish = float("-inf")
+        self._last_kind: tuple[int, bool] | None = None
+        self._probe: _Probe | None = None
 
     def draft_length(self, num_requests: int) -> int:
         """How many drafts a step with this many decoding requests verifies at most (0: a plain step)."""
         stats = self._tier(num_requests)
         stats.steps += 1
-        # The warm-up counts measured steps and those still in flight (a step launched ahead of the one
-        # before it is chosen before that one is measured), so a choice that landed on a step with a
-        # prefill chunk (not measured) is made again, up to WARM_UP_TRIES.
-        in_flight = collections.Counter(length for _, length, tier in self._started if tier is stats)
-        for length in reversed(self.lengths):  # longest first
-            measured = stats.seconds[length].count if length in stats.seconds else 0
-            if measured + in_flight[length] < stats.warm_up and stats.chosen[length] < WARM_UP_TRIES:
-                stats.chosen[length] += 1
-                self._tier_of_next = stats
-                return length
+        probe = self._probe
+        if probe is not None:
+            if (
+                probe.tier is stats
+                and probe.steps < PROBE_MOST_STEPS
+                and stats.measured(probe.length) == probe.measured_before
+            ):
+                probe.steps += 1
+                return self._chose(stats, probe.length)
+            self._probe = None
+        for length in reversed(self.lengths):  # warm-up, longest first
+            tries = WARM_UP_TRIES * (stats.warm_up + RUN_EDGES)
+            if stats.measured(length) < stats.warm_up and stats.chosen[length] < tries:
+                return self._chose(stats, length)
         winner = max(self.lengths, key=lambda n: stats.rate(n, num_requests, self._acceptance))
         if stats.steps % PROBE_INTERVAL == 0:
             losers = [n for n in self.lengths if n != winner]
             winner = losers[(stats.steps // PROBE_INTERVAL) % len(losers)]
-        stats.chosen[winner] += 1
-        self._tier_of_next = stats
-        return winner
+            self._probe = _Probe(stats, winner, stats.measured(winner))
+        return self._chose(stats, winner)
 
-    def start_step(self, length: int, at: float | None = None) -> None:
-        """Mark the launch of an engine step that verified up to `length` drafts (0: plain), begun `at`
-        (the clock's time; None: now). Each launched step is finished, in launch order."""
-        tier, self._tier_of_next = self._tier_of_next, None
-        self._started.append((self.clock() if at is None else at, length, tier))
+    def start_step(self, length: int, at: float | None = None, prefill: bool = False) -> None:
+        """Mark the launch of an engine step that verified up to `length` drafts (0: plain), whose
+        preparation began `at` (the clock's time; None: now), with a prefill chunk or not. Each launched
+        step is finished, in launch order."""
+        self._started.append(_Launched(self.clock() if at is None else at, length, prefill))
 
     def finish_step(self, committed: Sequence[int]) -> None:
         """Record the oldest launched step, finished: the tokens each of its decoding requests committed
         (empty for a step with prefill chunks: their cost would skew the step's time). Its time is from
         its launch, or from the finish of the step before when that came later (steps overlap): the
-        wall time it added."""
+        wall time it added, measured only between neighbours like it (see the module docstring)."""
         now = self.clock()
-        started = self._started.popleft() if self._started else None
+        step = self._started.popleft() if self._started else None
         previous, self._last_finish = self._last_finish, now
-        if started is None or not committed:
+        before, self._last_kind = self._last_kind, (step.kind if step is not None else None)
+        if step is None or not committed:
             return
-        began, length, _ = started
-        self._tier(len(committed)).seconds[length].add(max(now - max(began, previous), 1e-9))
+        length = step.length
+        after = self._started[0].kind if self._started else None
+        if step.began >= previous:  # prepared after the step before finished: alone, unless another
+            steady = after is None  # was launched behind it (then both preparations are in its time)
+        else:
+            steady = before == after == (length, False)
+        if steady:
+            self._tier(len(committed)).seconds[length].add(max(now - max(step.began, previous), 1e-9))
         # One pass over the requests (this runs every step): how many committed n tokens, n capped at
         # length + 1; position k was reached by those with n >= k and passed by those with n > k.
         committed_at = [0] * (length + 2)
@@ -182,12 +230,17 @@ class SpeculationGate:
             at_least = passed
 
     def rates(self, num_requests: int) -> dict[int, float]:
-        """Committed tokens per second estimated for this many requests, per draft length run."""
+        """Committed tokens per second estimated for this many requests, per draft length measured."""
         stats = self._tiers.get(next_pow2(num_requests))
         if stats is None:
             return {}
         acceptance = self._acceptance
-        return {n: stats.rate(n, num_requests, acceptance) for n in self.lengths if stats.seconds.get(n)}
+        return {n: stats.rate(n, num_requests, acceptance) for n in self.lengths if stats.measured(n)}
+
+    @staticmethod
+    def _chose(stats: _TierStats, length: int) -> int:
+        stats.chosen[length] += 1
+        return length
 
     def _tier(self, num_requests: int) -> _TierStats:
         """The tier of this many decoding requests (made on first use: the first one warms up fully)."""
