@@ -99,11 +99,11 @@ def test_the_step_loop_writes_a_busy_steps_deltas_into_the_pipe_itself_while_the
 
     ours, theirs = mp.Pipe(duplex=False)
     pipe = _PipeRoom.of(theirs)
-    assert pipe is not None and pipe.unread() == 0  # Linux: the pipe says what is not read yet
-    assert pipe.write_if_drained(b"x" * 1000) and pipe.unread() == 1004  # the message and its length
-    assert not pipe.write_if_drained(b"y")  # the adapter has not read the last one: nothing written
-    assert ours.recv_bytes() == b"x" * 1000 and pipe.unread() == 0
-    assert not pipe.write_if_drained(b"z" * (1 << 20))  # larger than the pipe: never straight
+    assert pipe is not None and pipe.unread() == 0 and pipe.drained()  # Linux: it says what is unread
+    assert pipe.write_if_fits(b"x" * 1000) and pipe.unread() == 1004  # the message and its length
+    assert not pipe.drained()  # the adapter has not read the last one
+    assert ours.recv_bytes() == b"x" * 1000 and pipe.drained()
+    assert not pipe.write_if_fits(b"z" * (1 << 20))  # larger than the pipe: never straight
     outbox = _Outbox(pipe)
     outbox.bind_load(lambda: "load-1")
     busy = [_delta(f"r{i}", [i, i + 1]) for i in range(16)]
@@ -125,20 +125,30 @@ def test_the_step_loop_writes_a_busy_steps_deltas_into_the_pipe_itself_while_the
     outbox.sent()
 
 
-def test_what_does_not_fit_waits_for_the_sender_which_merges_it_and_nothing_overtakes_it():
-    from dspark.serving.engine_process import _Outbox, _send_events
+class _Behind:
+    """A pipe whose adapter has not read the last batch yet (it reads slower than the engine steps), until
+    `drained` is set; what is written goes into `theirs`."""
 
-    class Behind:
-        """A pipe whose adapter has not read the last batch yet (it reads slower than the engine steps)."""
+    def __init__(self, theirs) -> None:  # noqa: ANN001
+        self.theirs = theirs
+        self.is_drained = False
+        self.capacity = 1 << 16
 
-        def __init__(self) -> None:
-            self.drained = False
+    def drained(self) -> bool:
+        return self.is_drained
 
-        def write_if_drained(self, message) -> bool:
-            return self.drained and bool(theirs.send_bytes(message) or True)
+    def write_if_fits(self, message) -> bool:  # noqa: ANN001
+        if len(message) > self.capacity:
+            return False
+        self.theirs.send_bytes(message)
+        return True
+
+
+def test_while_the_adapter_is_behind_the_loop_holds_the_deltas_and_merges_them_into_the_next_write():
+    from dspark.serving.engine_process import _Outbox
 
     ours, theirs = mp.Pipe(duplex=False)
-    behind = Behind()
+    behind = _Behind(theirs)
     outbox = _Outbox(behind)
     outbox.bind_load(lambda: "load")
     outbox.put(_delta("a", [1]))
@@ -146,18 +156,66 @@ def test_what_does_not_fit_waits_for_the_sender_which_merges_it_and_nothing_over
     outbox.put(_delta("a", [2]))
     outbox.put(_delta("b", [5]))
     outbox.wake()
-    behind.drained = True  # caught up, but the waiting deltas go first: this step waits behind them
+    assert not ours.poll(0) and outbox.take(0) == []  # held by the loop: no sender woken, nothing sent
+    outbox.sent()
+    behind.is_drained = True  # caught up: the held deltas go first, with this step's, in one message
     outbox.put(_delta("a", [3], finished=True))
     outbox.wake()
-    outbox.put_now(None)  # the end: the sender returns once it is sent
-    _send_events(outbox, theirs)
-    kind, packed, _ = ours.recv()
-    received = unpack_deltas(packed)
-    assert [(d.request_id, d.new_token_ids, d.finished) for d in received] == [
+    kind, packed, load = ours.recv()
+    assert [(d.request_id, d.new_token_ids, d.finished) for d in unpack_deltas(packed)] == [
         ("a", [1, 2, 3], True),
         ("b", [5], False),
     ]
+    assert (kind, load) == ("deltas", "load") and not ours.poll(0)
+    # A step with no deltas of its own still writes what is held once the adapter has caught up.
+    behind.is_drained = False
+    outbox.put(_delta("c", [7]))
+    outbox.wake()
+    behind.is_drained = True
+    outbox.wake()
+    assert [d.request_id for d in unpack_deltas(ours.recv()[1])] == ["c"]
+
+
+def test_what_the_loop_holds_goes_to_the_sender_when_it_idles_or_before_an_event_and_nothing_overtakes_it():
+    from dspark.serving.engine_process import _Outbox, _send_events
+
+    ours, theirs = mp.Pipe(duplex=False)
+    behind = _Behind(theirs)
+    outbox = _Outbox(behind)
+    outbox.bind_load(lambda: "load")
+    outbox.put(_delta("a", [1]))
+    outbox.wake()
+    outbox.release()  # the loop is about to wait idle: the sender sends what it held
+    items = outbox.take(0)
+    assert [d.request_id for d in items] == ["a"]
+    outbox.sent()
+    outbox.put(_delta("a", [2]))
+    outbox.wake()
+    outbox.put_now(("cancel_done", 3))  # an event goes behind the held deltas
+    behind.is_drained = True
+    outbox.put(_delta("a", [3], finished=True))
+    outbox.wake()  # something older waits for the sender: this step's deltas wait behind it
+    outbox.put_now(None)
+    _send_events(outbox, theirs)
+    kind, packed, _ = ours.recv()
+    assert [(d.request_id, d.new_token_ids) for d in unpack_deltas(packed)] == [("a", [2])]
+    assert ours.recv() == ("cancel_done", 3)
+    kind, packed, _ = ours.recv()
+    assert [(d.request_id, d.new_token_ids, d.finished) for d in unpack_deltas(packed)] == [("a", [3], True)]
     assert not ours.poll(0)
+
+
+def test_a_message_larger_than_the_pipe_goes_to_the_sender():
+    from dspark.serving.engine_process import _Outbox
+
+    ours, theirs = mp.Pipe(duplex=False)
+    behind = _Behind(theirs)
+    behind.is_drained, behind.capacity = True, 100
+    outbox = _Outbox(behind)
+    outbox.put(_delta("a", list(range(200))))
+    outbox.wake()
+    assert not ours.poll(0)
+    assert [d.request_id for d in outbox.take(0)] == ["a"]
 
 
 class _Commands:

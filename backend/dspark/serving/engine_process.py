@@ -402,21 +402,23 @@ class _Outbox:
 
     A step's deltas are put by the step loop (`put`) and sent at the step's end (`wake`, on the loop's
     thread): one message written straight into the events pipe when the adapter has read everything
-    before (`_PipeRoom`) and nothing older is waiting, however few deltas the step has (leaving steps
-    of fewer than 16 to the sender cost served throughput at 8 streams on the H200: 0.49-0.82 of
-    offline against 1.04-1.06 writing every step, the sender taking the GIL from the loop there too). A
-    sender thread woken at every step's end took the GIL from the step loop in the middle of the next
-    step, at every handoff (py-spy, H200, 64 streams: the loop's first host copy of a step held 18% of
-    its samples, 4% offline; steps 2.49 ms against 2.10 ms for the same closed loop in one process).
-    What does not go straight (the adapter reads slower than the engine steps; no `pipe`; events)
-    waits for the sender thread (`take`), which sends it with each request's waiting deltas merged
-    into one."""
+    before (`_PipeRoom`) and nothing older is waiting for the sender, however few deltas the step has
+    (leaving steps of fewer than 16 to the sender cost served throughput at 8 streams on the H200:
+    0.49-0.82 of offline against 1.04-1.06 writing every step). While the adapter has not read the last
+    message, the loop holds the deltas and tries again at the next step's end, merged with that step's
+    (each request's into one): handing them to the sender thread woke it, and it took the GIL from the
+    step loop at its next system call (a sender woken at every step's end: the loop's first host copy of
+    a step held 18% of its samples on the H200, 4% offline; on this CPU, four adapters at 64 streams,
+    waking senders and their GIL made most of the loop's time between steps). What the loop holds when it
+    is about to wait idle goes to the sender (`release`), as does what cannot go straight (larger than
+    the pipe, no `pipe`) and every event; the sender sends it with each request's deltas merged."""
 
     def __init__(self, pipe: _PipeRoom | None = None) -> None:
         """pipe: the events pipe's writer, when the loop may write into it itself."""
         self._pipe = pipe
         self._load: Callable[[], EngineLoad] | None = None
         self._step: list[RequestDelta] = []  # the step's deltas, put by the loop
+        self._held: list[RequestDelta] = []  # earlier steps' deltas the loop writes itself, in order
         self._waiting: list = []  # for the sender, in order
         self._sending = False  # the sender has items in hand: nothing may overtake them
         self._lock = threading.Lock()
@@ -446,25 +448,42 @@ class _Outbox:
         """Queue a delta or an event (the engine's death, None: the end) behind everything queued, for
         the sender, and wake it."""
         with self._lock:
-            self._waiting += self._step
-            self._step = []
+            self._waiting += self._held + self._step
+            self._held, self._step = [], []
             self._waiting.append(item)
         self._ready.set()
 
     def wake(self) -> None:
-        """The step's end (the loop's thread): send its deltas, straight into the pipe when they can go."""
+        """The step's end (the loop's thread): send the step's deltas and those held from earlier steps,
+        straight into the pipe once the adapter has read everything before, else hold them."""
         with self._lock:
-            if not self._step:
+            self._held += self._step
+            self._step = []
+            if not self._held:
                 return
-            deltas, self._step = self._step, []
-            if self._pipe is not None and not self._waiting and not self._sending:
+            if self._pipe is not None and not self._waiting:
+                if self._sending or not self._pipe.drained():
+                    return  # held for the next step's end (or `release`)
+                deltas, self._held = self._held, []
                 try:
                     message = ForkingPickler.dumps(self.batch(deltas))
                 except Exception:  # noqa: BLE001 - the sender fails on it again and ends the process
                     message = None
-                if message is not None and self._pipe.write_if_drained(message):
+                if message is not None and self._pipe.write_if_fits(message):
                     return
-            self._waiting += deltas
+                self._waiting += deltas
+            else:
+                self._waiting += self._held
+                self._held = []
+        self._ready.set()
+
+    def release(self) -> None:
+        """The loop is about to wait idle: the deltas it holds go to the sender."""
+        with self._lock:
+            if not self._held:
+                return
+            self._waiting += self._held
+            self._held = []
         self._ready.set()
 
     def take(self, timeout: float) -> list:
@@ -487,8 +506,7 @@ class _PipeRoom:
     """The events pipe's sending end, written by the step loop only when the adapter has read
     everything before (Linux: FIONREAD, the bytes not yet read) and the message fits the pipe's
     capacity: the loop never blocks on it, and an adapter that falls behind gets what the engine
-    commits meanwhile from the sender thread, merged into fewer, fuller batches (its pipe then fills
-    at the default capacity and the sender waits, merging, as before)."""
+    commits meanwhile in fewer, fuller batches (held by the loop, `_Outbox`)."""
 
     def __init__(self, events: Connection) -> None:
         import fcntl
@@ -515,10 +533,14 @@ class _PipeRoom:
         self._ioctl(self._fd, self._fionread, self._unread, True)
         return self._unread[0]
 
-    def write_if_drained(self, message: bytes | memoryview) -> bool:
-        """Send `message` (a pickled object, as `Connection.send` frames it) if the adapter has read
-        everything before and it fits the empty pipe; False, nothing written, if not."""
-        if len(message) + FRAME_HEADER_BYTES > self._capacity or self.unread():
+    def drained(self) -> bool:
+        """The adapter has read everything written before."""
+        return self.unread() == 0
+
+    def write_if_fits(self, message: bytes | memoryview) -> bool:
+        """Send `message` (a pickled object, as `Connection.send` frames it) into the drained pipe if it
+        fits the pipe's capacity (the write cannot block); False, nothing written, if not."""
+        if len(message) + FRAME_HEADER_BYTES > self._capacity:
             return False
         self._events.send_bytes(message)
         return True
@@ -618,6 +640,9 @@ class _ControlIntake:
         """Apply every command that arrives within `timeout` seconds (0: only those already here)."""
         if self.closed:
             return
+        if timeout > 0:  # the loop is about to wait: what it holds for the adapters goes to the senders
+            for client in self._clients.values():
+                client.outbox.release()
         for fd, _ in self._poller.poll(int(timeout * 1000)):
             if fd == self._wake_read:
                 self._take_joining()
