@@ -32,10 +32,12 @@ in a row without overlap, five with it: the first and last of a run are not meas
 every later tier until it has one (the acceptance is known by then, only the step times are new:
 served, the request count moves between tiers as requests come and go, and a full warm-up in each was
 most of a short run). A probe re-measures a losing length now and then, in turn, for as many steps in
-a row as it takes to measure it once. A step that carries a prefill chunk is not measured (the chunk's
-cost is not the length's): a warm-up length goes on being chosen, up to a bound, until it is measured,
-so that under served load, where requests arrive one by one and many steps carry a chunk, no length
-stays unmeasured (and so never chosen) after the warm-up.
+a row as it takes to measure it once, and the next comes PROBE_INTERVAL steps later for each step it
+took (probes of 3 steps under overlap, as often as those of 1 step, would run 3x the losing steps).
+A step that carries a prefill chunk is not measured (the chunk's cost is not the length's): a warm-up
+length goes on being chosen, up to a bound, until it is measured, so that under served load, where
+requests arrive one by one and many steps carry a chunk, no length stays unmeasured (and so never
+chosen) after the warm-up.
 
 """
 
@@ -52,7 +54,7 @@ WARM_UP_STEPS = 3  # measured steps of each length in the first tier before the 
 LATER_TIER_WARM_UP_STEPS = 1  # the same in every later tier (the acceptance is shared, known already)
 RUN_EDGES = 2  # unmeasured steps of a run of one length under overlap: its first and its last
 WARM_UP_TRIES = 3  # most warm-up choices of a length per tier, measured or not, in measured steps' worth
-PROBE_INTERVAL = 32  # every this many steps of a tier, probe one losing length
+PROBE_INTERVAL = 32  # a tier probes a losing length after this many steps per step of its last probe
 PROBE_MOST_STEPS = 1 + RUN_EDGES  # a probe runs until its length is measured once, at most this long
 SMOOTHING = 0.05  # weight of the newest step in each moving average, once it has 1 / SMOOTHING steps
 
@@ -113,6 +115,8 @@ class _TierStats:
     seconds: dict[int, _Average] = field(default_factory=lambda: collections.defaultdict(_Average))
     chosen: collections.Counter = field(default_factory=collections.Counter)
     steps: int = 0
+    next_probe: int = PROBE_INTERVAL  # the step count at which the next probe starts
+    probes: int = 0
 
     def measured(self, length: int) -> int:
         """How many steps of this length were measured (without adding the length to `seconds`)."""
@@ -179,16 +183,19 @@ class SpeculationGate:
             ):
                 probe.steps += 1
                 return self._chose(stats, probe.length)
+            probe.tier.next_probe = probe.tier.steps + PROBE_INTERVAL * probe.steps
             self._probe = None
         for length in reversed(self.lengths):  # warm-up, longest first
             tries = WARM_UP_TRIES * (stats.warm_up + RUN_EDGES)
             if stats.measured(length) < stats.warm_up and stats.chosen[length] < tries:
                 return self._chose(stats, length)
         winner = max(self.lengths, key=lambda n: stats.rate(n, num_requests, self._acceptance))
-        if stats.steps % PROBE_INTERVAL == 0:
+        if stats.steps >= stats.next_probe:
             losers = [n for n in self.lengths if n != winner]
-            winner = losers[(stats.steps // PROBE_INTERVAL) % len(losers)]
+            stats.probes += 1
+            winner = losers[stats.probes % len(losers)]
             self._probe = _Probe(stats, winner, stats.measured(winner))
+            stats.next_probe = stats.steps + PROBE_INTERVAL  # until the probe ends (a tier change)
         return self._chose(stats, winner)
 
     def start_step(self, length: int, at: float | None = None, prefill: bool = False) -> None:
