@@ -144,7 +144,9 @@ class _Behind:
         return True
 
 
-def test_while_the_adapter_is_behind_the_loop_holds_the_deltas_and_merges_them_into_the_next_write():
+def _held_outbox():  # noqa: ANN202
+    """An outbox over a pipe whose adapter is behind, holding one step's delta ("a", [1]): (the pipe's
+    reading end, the pipe, the outbox)."""
     from dspark.serving.engine_process import _Outbox
 
     ours, theirs = mp.Pipe(duplex=False)
@@ -153,6 +155,11 @@ def test_while_the_adapter_is_behind_the_loop_holds_the_deltas_and_merges_them_i
     outbox.bind_load(lambda: "load")
     outbox.put(_delta("a", [1]))
     outbox.wake()
+    return ours, behind, outbox
+
+
+def test_while_the_adapter_is_behind_the_loop_holds_the_deltas_and_merges_them_into_the_next_write():
+    ours, behind, outbox = _held_outbox()
     outbox.put(_delta("a", [2]))
     outbox.put(_delta("b", [5]))
     outbox.wake()
@@ -177,14 +184,9 @@ def test_while_the_adapter_is_behind_the_loop_holds_the_deltas_and_merges_them_i
 
 
 def test_what_the_loop_holds_goes_to_the_sender_when_it_idles_or_before_an_event_and_nothing_overtakes_it():
-    from dspark.serving.engine_process import _Outbox, _send_events
+    from dspark.serving.engine_process import _send_events
 
-    ours, theirs = mp.Pipe(duplex=False)
-    behind = _Behind(theirs)
-    outbox = _Outbox(behind)
-    outbox.bind_load(lambda: "load")
-    outbox.put(_delta("a", [1]))
-    outbox.wake()
+    ours, behind, outbox = _held_outbox()
     outbox.release()  # the loop is about to wait idle: the sender sends what it held
     items = outbox.take(0)
     assert [d.request_id for d in items] == ["a"]
@@ -196,7 +198,7 @@ def test_what_the_loop_holds_goes_to_the_sender_when_it_idles_or_before_an_event
     outbox.put(_delta("a", [3], finished=True))
     outbox.wake()  # something older waits for the sender: this step's deltas wait behind it
     outbox.put_now(None)
-    _send_events(outbox, theirs)
+    _send_events(outbox, behind.theirs)
     kind, packed, _ = ours.recv()
     assert [(d.request_id, d.new_token_ids) for d in unpack_deltas(packed)] == [("a", [2])]
     assert ours.recv() == ("cancel_done", 3)
