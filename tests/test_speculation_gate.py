@@ -12,7 +12,9 @@ from dspark import LLM, EngineConfig, SamplingParams
 from dspark.spec.gate import (
     LATER_TIER_WARM_UP_STEPS,
     PROBE_INTERVAL,
+    RUN_EDGES,
     WARM_UP_STEPS,
+    WARM_UP_TRIES,
     SpeculationGate,
     draft_lengths,
 )
@@ -230,7 +232,7 @@ def test_seeded_sampling_stays_reproducible_under_the_gate(tiny_target_dir, tiny
 def _run_overlapped(
     gate: SpeculationGate,
     clock: _Clock,
-    requests: int,
+    requests,
     steps: int,
     prepare,
     accepted,
@@ -238,18 +240,21 @@ def _run_overlapped(
 ) -> list[int]:
     """Drive `steps` steps as the engine's overlap scheduling runs them where the host sets the pace:
     each call prepares and launches a step (prepare(length) seconds) and then finishes the step launched
-    by the call before, whose device work is long done. Returns the lengths chosen."""
+    by the call before, whose device work is long done. requests: a count, or requests(step) one.
+    Returns the lengths chosen."""
     decisions = []
-    in_flight: tuple[int, bool] | None = None
+    in_flight: tuple[int, bool, int] | None = None
     for step in range(steps):
-        length = gate.draft_length(requests)
+        count = requests(step) if callable(requests) else requests
+        length = gate.draft_length(count)
         began = clock.now
         clock.now += prepare(length)
         gate.start_step(length, began, prefill(step))
         if in_flight is not None:
-            earlier, chunk = in_flight
-            gate.finish_step([] if chunk else [1 + min(a, earlier) for a in accepted(step)])
-        in_flight = (length, prefill(step))
+            earlier, chunk, earlier_count = in_flight
+            committed = [1 + min(a, earlier) for a in accepted(step)[:earlier_count]]
+            gate.finish_step([] if chunk else committed)
+        in_flight = (length, prefill(step), count)
         decisions.append(length)
     return decisions
 
@@ -302,3 +307,37 @@ def test_a_neighbour_with_a_prefill_chunk_leaves_a_step_unmeasured() -> None:
         prefill=lambda step: step % 2 == 0,
     )
     assert gate.rates(4) == {}
+
+
+def test_a_run_of_one_length_goes_on_across_tiers_so_that_alternating_tiers_still_measure_every_length():
+    """Under launch-ahead the decoding count can move between tiers from one step to the next (requests
+    sit a step out). A warm-up or probe run that stopped at the tier's change never had two neighbours
+    of its length; here the count alternates 8 / 9 (tiers 8 and 16) and plain, 3x faster to prepare,
+    must still be measured in both tiers and win."""
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    accepted = _cycle({0: 70, 1: 30}, requests=9)
+    decisions = _run_overlapped(
+        gate, clock, lambda step: 8 + step % 2, 600, lambda n: 0.003 if n else 0.001, accepted
+    )
+    assert 0 in gate.rates(8) and 0 in gate.rates(9)
+    settled = decisions[200:]
+    assert settled.count(0) >= 0.9 * len(settled), decisions[:120]
+
+
+def test_a_choice_counts_once_its_step_starts():
+    """A launch given up and tried again (a drafting step that cannot go ahead eagerly) asks the gate
+    twice for one step: the warm-up's tries are steps, not questions. Here no step is measured (each
+    carries a prefill chunk), so each length is tried its whole bound of steps, longest first."""
+    clock = _Clock()
+    gate = SpeculationGate(1, clock)
+    decisions = []
+    for _ in range(4 * 5 * WARM_UP_STEPS):
+        length = gate.draft_length(4)
+        assert gate.draft_length(4) == length  # asked again for the same step
+        gate.start_step(length, prefill=True)
+        clock.now += 0.001
+        gate.finish_step([])
+        decisions.append(length)
+    tries = WARM_UP_TRIES * (WARM_UP_STEPS + RUN_EDGES)
+    assert decisions[: 2 * tries] == [1] * tries + [0] * tries

@@ -387,6 +387,8 @@ def engine_main(
     if listener is not None:
         listener.start()
     engine.run()
+    # The loop's last deltas (a stop's aborts) go now, not after the shutdown below (which can be slow).
+    intake.release()
     # A loop that died leaves the commands served (each submit fails alone) until the spawning adapter
     # leaves or one went away.
     while not intake.closed:
@@ -640,9 +642,8 @@ class _ControlIntake:
         """Apply every command that arrives within `timeout` seconds (0: only those already here)."""
         if self.closed:
             return
-        if timeout > 0:  # the loop is about to wait: what it holds for the adapters goes to the senders
-            for client in self._clients.values():
-                client.outbox.release()
+        if timeout > 0:  # the loop is about to wait
+            self.release()
         for fd, _ in self._poller.poll(int(timeout * 1000)):
             if fd == self._wake_read:
                 self._take_joining()
@@ -662,6 +663,11 @@ class _ControlIntake:
                 self._apply(client, message)
                 if self.closed:
                     return
+
+    def release(self) -> None:
+        """The loop waits or has stopped: what it holds for each adapter goes to that adapter's sender."""
+        for client in self._clients.values():
+            client.outbox.release()
 
     def step_ended(self) -> None:
         """The loop's `after_step`: every adapter's share of the step goes out."""

@@ -34,6 +34,9 @@ served, the request count moves between tiers as requests come and go, and a ful
 most of a short run). A probe re-measures a losing length now and then, in turn, for as many steps in
 a row as it takes to measure it once, and the next comes PROBE_INTERVAL steps later for each step it
 took (probes of 3 steps under overlap, as often as those of 1 step, would run 3x the losing steps).
+A warm-up or probe run keeps its length whatever the tier of the steps it runs (a tier's own steps
+interleaved with another's would never be neighbours), and a choice counts once its step starts (a
+launch given up and tried again asks twice).
 A step that carries a prefill chunk is not measured (the chunk's cost is not the length's): a warm-up
 length goes on being chosen, up to a bound, until it is measured, so that under served load, where
 requests arrive one by one and many steps carry a chunk, no length stays unmeasured (and so never
@@ -130,13 +133,21 @@ class _TierStats:
 
 
 @dataclass
-class _Probe:
-    """A losing length being re-measured: run until its measured steps pass `measured_before`."""
+class _Run:
+    """One length chosen for steps in a row, whatever their tier (a step is measured only between
+    neighbours of its length, and a batch's request count can move between tiers from one step to the
+    next), until `tier` has `target` measured steps of it or the run has started `most` steps: a
+    warm-up (target: the tier's warm-up) or a probe of a losing length (target: one more)."""
 
     tier: _TierStats
     length: int
-    measured_before: int
-    steps: int = 1
+    target: int
+    most: int
+    probe: bool
+    steps: int = 0
+
+    def going(self) -> bool:
+        return self.steps < self.most and self.tier.measured(self.length) < self.target
 
 
 @dataclass(frozen=True)
@@ -168,40 +179,55 @@ class SpeculationGate:
         self._started: collections.deque[_Launched] = collections.deque()
         self._last_finish = float("-inf")
         self._last_kind: tuple[int, bool] | None = None
-        self._probe: _Probe | None = None
+        self._run: _Run | None = None
+        self._choice: tuple[_TierStats, int] | None = None  # the last choice, until its step starts
 
     def draft_length(self, num_requests: int) -> int:
-        """How many drafts a step with this many decoding requests verifies at most (0: a plain step)."""
+        """How many drafts a step with this many decoding requests verifies at most (0: a plain step).
+        The choice counts once its step starts (`start_step`): a launch given up and tried again asks
+        again."""
         stats = self._tier(num_requests)
-        stats.steps += 1
-        probe = self._probe
-        if probe is not None:
-            if (
-                probe.tier is stats
-                and probe.steps < PROBE_MOST_STEPS
-                and stats.measured(probe.length) == probe.measured_before
-            ):
-                probe.steps += 1
-                return self._chose(stats, probe.length)
-            probe.tier.next_probe = probe.tier.steps + PROBE_INTERVAL * probe.steps
-            self._probe = None
-        for length in reversed(self.lengths):  # warm-up, longest first
-            tries = WARM_UP_TRIES * (stats.warm_up + RUN_EDGES)
+        run = self._run
+        if run is not None and not run.going():
+            if run.probe:
+                run.tier.next_probe = run.tier.steps + PROBE_INTERVAL * max(run.steps, 1)
+            run = self._run = None
+        if run is None:
+            run = self._run = self._warm_up(stats)
+        if run is not None:
+            length = run.length
+        else:
+            length = max(self.lengths, key=lambda n: stats.rate(n, num_requests, self._acceptance))
+            if stats.steps >= stats.next_probe:
+                losers = [n for n in self.lengths if n != length]
+                stats.probes += 1
+                length = losers[stats.probes % len(losers)]
+                self._run = _Run(stats, length, stats.measured(length) + 1, PROBE_MOST_STEPS, probe=True)
+                stats.next_probe = stats.steps + PROBE_INTERVAL  # moved on when the probe ends
+        self._choice = (stats, length)
+        return length
+
+    def _warm_up(self, stats: _TierStats) -> _Run | None:
+        """A warm-up run of the tier's longest length short of its measured steps, if any."""
+        tries = WARM_UP_TRIES * (stats.warm_up + RUN_EDGES)
+        for length in reversed(self.lengths):  # longest first
             if stats.measured(length) < stats.warm_up and stats.chosen[length] < tries:
-                return self._chose(stats, length)
-        winner = max(self.lengths, key=lambda n: stats.rate(n, num_requests, self._acceptance))
-        if stats.steps >= stats.next_probe:
-            losers = [n for n in self.lengths if n != winner]
-            stats.probes += 1
-            winner = losers[stats.probes % len(losers)]
-            self._probe = _Probe(stats, winner, stats.measured(winner))
-            stats.next_probe = stats.steps + PROBE_INTERVAL  # until the probe ends (a tier change)
-        return self._chose(stats, winner)
+                return _Run(stats, length, stats.warm_up, tries - stats.chosen[length], probe=False)
+        return None
 
     def start_step(self, length: int, at: float | None = None, prefill: bool = False) -> None:
         """Mark the launch of an engine step that verified up to `length` drafts (0: plain), whose
         preparation began `at` (the clock's time; None: now), with a prefill chunk or not. Each launched
         step is finished, in launch order."""
+        choice, self._choice = self._choice, None
+        if choice is not None:
+            stats, chosen = choice
+            stats.steps += 1
+            run = self._run
+            if run is not None and run.length == chosen:
+                run.steps += 1
+                stats = run.tier  # a run's steps count as its tier's tries
+            stats.chosen[chosen] += 1
         self._started.append(_Launched(self.clock() if at is None else at, length, prefill))
 
     def finish_step(self, committed: Sequence[int]) -> None:
@@ -243,11 +269,6 @@ class SpeculationGate:
             return {}
         acceptance = self._acceptance
         return {n: stats.rate(n, num_requests, acceptance) for n in self.lengths if stats.measured(n)}
-
-    @staticmethod
-    def _chose(stats: _TierStats, length: int) -> int:
-        stats.chosen[length] += 1
-        return length
 
     def _tier(self, num_requests: int) -> _TierStats:
         """The tier of this many decoding requests (made on first use: the first one warms up fully)."""
