@@ -117,12 +117,18 @@ def test_the_step_loop_writes_a_busy_steps_deltas_into_the_pipe_itself_while_the
     assert received == [(d.request_id, d.new_token_ids) for d in busy]
     assert outbox.take(0) == [] and not ours.poll(0)
     outbox.sent()
-    # A step of one delta goes straight too.
+    # A step of one delta goes straight too, without the occupancy (sent at most every LOAD_EVERY_S)...
     outbox.put(_delta("x", [9]))
     outbox.wake()
-    assert [d.request_id for d in unpack_deltas(ours.recv()[1])] == ["x"]
+    kind, packed, load = ours.recv()
+    assert [d.request_id for d in unpack_deltas(packed)] == ["x"] and load is None
     assert outbox.take(0) == []
     outbox.sent()
+    # ... but with it when a request ends in the batch (the adapter's gauges follow at once).
+    outbox.bind_load(lambda: "load-2")
+    outbox.put(_delta("x", [10], finished=True))
+    outbox.wake()
+    assert ours.recv()[2] == "load-2"
 
 
 class _Behind:

@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # past the engine's own shutdown, before its process is killed
 LOAD_INTERVAL_S = 0.1  # how often an idle engine process reports a changed occupancy
+LOAD_EVERY_S = 0.02  # the occupancy goes with a batch of deltas at most this often (and when one ended)
 SENDER_FAILED_STATUS = 70  # the engine process's exit status when its events could not be sent
 FRAME_HEADER_BYTES = 12  # the most `Connection.send_bytes` writes before a message (its length)
 READ_CHUNK_BYTES = 1 << 20  # the most the engine loop reads of its commands at once
@@ -426,9 +427,11 @@ class _Outbox:
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self.last_load: EngineLoad | None = None  # sent with the latest batch of deltas
+        self._load_at = float("-inf")  # when `last_load` was taken for a batch
 
     def bind_load(self, load: Callable[[], EngineLoad]) -> None:
-        """The engine's occupancy snapshot, sent with each batch of deltas and, while idle, on change."""
+        """The engine's occupancy snapshot, sent with batches of deltas (`batch`) and, while idle, on
+        change."""
         self._load = load
 
     def occupancy(self) -> EngineLoad | None:
@@ -437,9 +440,17 @@ class _Outbox:
 
     def batch(self, deltas: list[RequestDelta]) -> tuple:
         """The message of a batch of deltas: each request's merged into one, packed as columns, with the
-        occupancy now (kept as `last_load`)."""
-        self.last_load = self.occupancy()
-        return ("deltas", pack_deltas(merge_by_request(deltas)), self.last_load)
+        occupancy now (kept as `last_load`) when a request ended in it or LOAD_EVERY_S passed since the
+        last (else None): the adapter publishes it every POLL_INTERVAL_S, and made and pickled with
+        every step's batch it was most of a one-request step's message (~10 µs of the loop a step)."""
+        merged = merge_by_request(deltas)
+        load = None
+        if self._load is not None:
+            now = time.monotonic()
+            if now - self._load_at >= LOAD_EVERY_S or any(delta.finished for delta in merged):
+                load = self.last_load = self._load()
+                self._load_at = now
+        return ("deltas", pack_deltas(merged), load)
 
     def put(self, delta: RequestDelta) -> None:
         """Queue one of the step's deltas (sent at the step's end)."""
