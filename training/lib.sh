@@ -24,16 +24,27 @@ import_target() {
   stage "target: import the GGUF"
   if [[ -z "$GGUF" ]]; then
     GGUF="$ROOT/.carry/SmolLM2-135M-Instruct.Q4_1.gguf"
-    if [[ ! -f "$GGUF" ]] && compgen -G "$GGUF.part-*" >/dev/null; then
-      ls -l "$GGUF".part-*
-      cat "$GGUF".part-* > "$GGUF"  # the glob expands in sorted order: part-00, part-01
+    local name parts sums sum
+    name=$(basename "$GGUF")
+    if [[ ! -f "$GGUF" ]]; then
+      # Carried in .carry/ (or a subfolder of it) by this call, or parked in /tmp/carry by earlier ones.
+      parts=("$GGUF".part-*)
+      [[ -e "${parts[0]}" ]] || parts=("$ROOT"/.carry/*/"$name".part-*)
+      [[ -e "${parts[0]}" ]] || parts=(/tmp/carry/"$name".part-*)
+      if [[ -e "${parts[0]}" ]]; then
+        ls -l "${parts[@]}"
+        cat "${parts[@]}" > "$GGUF"  # the glob expands in sorted order: part-00, part-01
+      fi
     fi
     # A part left behind by a machine that went cold between the carrying calls shows up here.
-    if [[ -f "$GGUF.sha256" ]] && [[ "$(sha256sum < "$GGUF" | cut -d' ' -f1)" != "$(cat "$GGUF.sha256")" ]]; then
-      echo "$GGUF does not match $GGUF.sha256: carry every part again"
-      rm -f "$GGUF"
-      exit 1
-    fi
+    sums=("$GGUF.sha256" "$ROOT"/.carry/*/"$name".sha256)
+    for sum in "${sums[@]}"; do
+      if [[ -f "$sum" && -f "$GGUF" ]] && [[ "$(sha256sum < "$GGUF" | cut -d' ' -f1)" != "$(cat "$sum")" ]]; then
+        echo "$GGUF does not match $sum: carry every part again"
+        rm -f "$GGUF"
+        exit 1
+      fi
+    done
   fi
   if [[ -f "$GGUF" ]]; then
     dspark import-gguf --gguf "$GGUF"

