@@ -461,8 +461,9 @@ class _Outbox:
         """Queue a delta or an event (the engine's death, None: the end) behind everything queued, for
         the sender, and wake it."""
         with self._lock:
-            self._waiting += self._held + self._step
-            self._held, self._step = [], []
+            self._held += self._step
+            self._step = []
+            self._to_sender()
             self._waiting.append(item)
         self._ready.set()
 
@@ -477,17 +478,14 @@ class _Outbox:
             if self._pipe is not None and not self._waiting:
                 if self._sending or not self._pipe.drained():
                     return  # held for the next step's end (or `release`)
-                deltas, self._held = self._held, []
                 try:
-                    message = ForkingPickler.dumps(self.batch(deltas))
+                    message = ForkingPickler.dumps(self.batch(self._held))
                 except Exception:  # noqa: BLE001 - the sender fails on it again and ends the process
                     message = None
                 if message is not None and self._pipe.write_if_fits(message):
+                    self._held = []
                     return
-                self._waiting += deltas
-            else:
-                self._waiting += self._held
-                self._held = []
+            self._to_sender()
         self._ready.set()
 
     def release(self) -> None:
@@ -495,9 +493,13 @@ class _Outbox:
         with self._lock:
             if not self._held:
                 return
-            self._waiting += self._held
-            self._held = []
+            self._to_sender()
         self._ready.set()
+
+    def _to_sender(self) -> None:
+        """Move the held deltas behind what waits for the sender (the caller holds `_lock`)."""
+        self._waiting += self._held
+        self._held = []
 
     def take(self, timeout: float) -> list:
         """Everything waiting, once woken (or after `timeout`: possibly nothing); the caller sends it

@@ -42,6 +42,9 @@ length goes on being chosen, up to a bound, until it is measured, so that under 
 requests arrive one by one and many steps carry a chunk, no length stays unmeasured (and so never
 chosen) after the warm-up.
 
+Lossless: the decision reads only the wall times and token counts of earlier steps, never this step's
+drafts, and every length gives a lossless step. (A seeded sampling request keeps its distribution, but
+which steps speculated, and so its exact stream, then depends on timing.)
 """
 
 from __future__ import annotations
