@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import emulated_graphs_config
+from tiny_models import RandomLengthGate, emulated_graphs_config
 
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.runner.attention_batch import AttentionBatch
@@ -377,3 +377,39 @@ def test_capture_budget_keeps_the_tiers_whose_estimated_graph_memory_fits(
     assert needed(7, (0, 1)) > needed(7, ()) > needed(6, ())
     graphs.emulate = True
     assert capture_budget(graphs, ()) == tiers
+
+
+@pytest.mark.gpu
+@gpu
+def test_switching_draft_lengths_launched_ahead_keep_plain_greedy_tokens_on_the_gpu(
+    smollm2_dir, smollm2_drafter_dir
+) -> None:
+    """fp32 on the GPU at batch 64: a gate that changes the draft length at random every step (plain
+    steps and drafting ones of every length, each launched ahead of the one before through the captured
+    graphs) gives plain decoding's greedy tokens, and so does the real gate timing real steps."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 40))] for _ in range(64)]
+    base = EngineConfig(
+        model=str(smollm2_dir),
+        draft_model=str(smollm2_drafter_dir),
+        device="cuda",
+        dtype="float32",
+        num_kv_pages=1024,  # a set cache: the xdist workers share the GPU
+        max_num_seqs=64,
+    )
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    plain = LLM(base.replace(spec_mode="off"))
+    expected = [o.token_ids for o in plain.generate(params=params, prompt_token_ids=prompts)]
+    plain.engine.close()
+    llm = LLM(base)
+    gated = [o.token_ids for o in llm.generate(params=params, prompt_token_ids=prompts)]
+    engine = llm.engine
+    engine.gate = RandomLengthGate(engine.limits.block_size, random.Random(4))
+    before = engine.load().loop
+    switching = [o.token_ids for o in llm.generate(params=params, prompt_token_ids=prompts)]
+    after = engine.load().loop
+    engine.close()
+    assert after.ahead_steps - before.ahead_steps > 32, "steps did not go ahead of each other"
+    assert after.graph_steps - before.graph_steps > 32, "steps did not replay graphs"
+    assert switching == expected
+    assert gated == expected

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from tiny_models import emulated_graphs_config, tiny_engine_config, use_emulated_graphs
+from tiny_models import RandomLengthGate, emulated_graphs_config, tiny_engine_config, use_emulated_graphs
 
 from dspark import LLMEngine, SamplingParams
 from dspark.config import EngineConfig
@@ -215,3 +215,27 @@ def test_steps_launched_ahead_on_the_gpu_through_cuda_graphs(
     assert ahead[0] > 10, ahead
     assert engine.allocator.num_used == 0
     engine.close()
+
+
+def test_graph_steps_launched_ahead_switching_draft_lengths_give_the_tokens_of_plain_steps(
+    tiny_target_dir, tiny_drafter_dir
+) -> None:
+    """The gate's choices change the verify window from one step to the next, including a plain step
+    launched ahead of a drafting one and back: the tokens stay those of plain decoding with steps that
+    wait."""
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    prompts, params = _greedy_requests(rng, 9)
+    plain = _run(
+        _emulated_graphs_engine(tiny_target_dir, None, spec_mode="off", overlap_scheduling=False),
+        prompts,
+        params,
+    )
+    engine = _emulated_graphs_engine(tiny_target_dir, tiny_drafter_dir, spec_mode="static")
+    engine.gate = RandomLengthGate(engine.limits.block_size, random.Random(seed + 1))
+    ahead = _count_launched_ahead(engine)
+    assert _run(engine, prompts, params) == plain
+    assert engine.allocator.num_used == 0
+    assert ahead[0] > 10, ahead
+    assert 0 < engine.total_spec_stats.drafting_steps < engine.total_spec_stats.steps

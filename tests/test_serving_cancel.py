@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 from server_fixtures import GrpcStream, wait_for
@@ -16,6 +17,17 @@ LONG = {"max_tokens": 400, "ignore_eos": True}
 
 def pages_used(server) -> float:
     return server.metric("dspark_kv_pages_used", model="dspark")
+
+
+def cancel_in_flight(server, request_id: str, request: threading.Thread) -> tuple[int, str]:
+    """Post a cancel of `request_id` until the server finds it in flight (while `request`, the thread
+    waiting on it, runs): the server's answer. A gauge polled first (pages in use) can lag a whole
+    request on a GPU, where a 380-token request takes a fraction of a second."""
+    while True:
+        status, body = server.post("/v2/models/dspark/generate", {"cancel_request_id": request_id})
+        if status == 200 or not request.is_alive():
+            return status, body
+        time.sleep(0.002)
 
 
 def test_cancelled_grpc_stream_frees_its_kv_pages_at_the_next_step(triton_server):
@@ -62,8 +74,7 @@ def test_http_cancel_by_request_id_ends_that_stream_with_reason_abort(triton_ser
     assert wait_for(lambda: pages_used(triton_server) == 0)
     thread = threading.Thread(target=stream)
     thread.start()
-    assert wait_for(lambda: pages_used(triton_server) >= 8)
-    status, body = triton_server.post("/v2/models/dspark/generate", {"cancel_request_id": "story-1"})
+    status, body = cancel_in_flight(triton_server, "story-1", thread)
     assert status == 200, body
     assert json.loads(body)["finish_reason"] == "cancelled"
     thread.join(60)
@@ -116,8 +127,7 @@ def test_cancelling_a_wrapper_request_by_id_returns_its_partial_completion(trito
     )
     assert wait_for(lambda: pages_used(triton_server) == 0)  # from none: the pages seen are this one's
     thread.start()
-    assert wait_for(lambda: pages_used(triton_server) >= 8)
-    status, body = triton_server.post("/v2/models/dspark/generate", {"cancel_request_id": "whole-1"})
+    status, body = cancel_in_flight(triton_server, "whole-1", thread)
     assert status == 200, body
     thread.join(60)
     assert result["out"].as_numpy("finish_reason")[0] == b"abort"

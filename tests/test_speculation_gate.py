@@ -7,11 +7,13 @@ import collections
 import random
 
 import pytest
+from tiny_models import emulated_graphs_config, use_emulated_graphs
 
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.spec.gate import (
     LATER_TIER_WARM_UP_STEPS,
     PROBE_INTERVAL,
+    PROBE_MOST_STEPS,
     RUN_EDGES,
     WARM_UP_STEPS,
     WARM_UP_TRIES,
@@ -163,26 +165,34 @@ def test_gate_follows_a_change_of_regime() -> None:
     assert sum(after[-100:]) <= 100 // PROBE_INTERVAL + 1
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 def test_gated_engine_is_lossless_and_speculates_on_some_steps_only(
-    tiny_target_dir, tiny_drafter_dir
+    tiny_target_dir, tiny_drafter_dir, graphs
 ) -> None:
+    """On the CPU, where the test's clock decides. graphs: the steps replay emulated CUDA graphs, drafting
+    inside the target step, and go ahead of each other (a GPU's path: a step is timed only between
+    neighbours of its length)."""
     rng = random.Random(11)
     prompts = [[rng.randrange(1, 8) for _ in range(rng.randrange(2, 20))] for _ in range(4)]
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    base = EngineConfig(
-        model=str(tiny_target_dir), draft_model=str(tiny_drafter_dir), num_kv_pages=256, kv_page_size=4
-    )
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    base = emulated_graphs_config(tiny_target_dir, tiny_drafter_dir, kv_page_size=4, device="cpu")
     plain = LLM(base.replace(spec_mode="off")).generate(params=params, prompt_token_ids=prompts)
     llm = LLM(base.replace(adaptive_speculation=True))
+    if graphs:
+        use_emulated_graphs(llm.engine)
     clock = _Clock()
     gate = llm.engine.gate = SpeculationGate(llm.engine.limits.block_size, clock)
     # Steps are timed by the test's clock: a plain step "takes" 1 ms and a drafting one 10 ms, charged
     # when it finishes (steps finish in launch order), so drafting is made to look slow.
     launched: collections.deque[int] = collections.deque()
+    # Every launched step's request count and length (a launch given up asks the gate again).
+    started: list[tuple[int, int]] = []
+    asked = [0]  # the request count of the gate's last decision
     real_start, real_finish = gate.start_step, gate.finish_step
 
     def start(length: int, at: float | None = None, prefill: bool = False) -> None:
         launched.append(length)
+        started.append((asked[0], length))
         real_start(length, at, prefill)
 
     def finish(committed: list[int]) -> None:
@@ -193,6 +203,7 @@ def test_gated_engine_is_lossless_and_speculates_on_some_steps_only(
     real_decide = gate.draft_length
 
     def decide(num_requests: int) -> int:
+        asked[0] = num_requests
         decisions.append(real_decide(num_requests))
         return decisions[-1]
 
@@ -204,11 +215,20 @@ def test_gated_engine_is_lossless_and_speculates_on_some_steps_only(
     stats = llm.engine.total_spec_stats
     assert stats.drafted_tokens > 0, "the gate's warm-up drafts"
     assert 0 < stats.drafting_steps < stats.steps  # what dspark_spec_drafting_steps_total publishes
-    # Speculation, 10x slower here, is switched off after the warm-up, but for the probes.
-    lengths = len(gate.lengths)
+    # Speculation, 10x slower here, is switched off after the warm-up, but for the probes: while all
+    # four requests run (the first tier; as they end, smaller tiers warm up in turn), past the warm-up
+    # of every length (WARM_UP_STEPS measured steps each; where steps overlap, on a GPU, a run's first
+    # and last are not measured: RUN_EDGES), only probes draft: at most PROBE_MOST_STEPS steps per
+    # PROBE_INTERVAL steps.
     assert decisions[:WARM_UP_STEPS] == [gate.lengths[-1]] * WARM_UP_STEPS
-    drafting = sum(1 for n in decisions if n)
-    assert drafting <= (lengths - 1) * WARM_UP_STEPS + len(decisions) // PROBE_INTERVAL + 2, decisions
+    edges = RUN_EDGES if llm.engine.loop_counters.ahead_steps else 0
+    warm_up = len(gate.lengths) * (WARM_UP_STEPS + edges)
+    first_tier = [length for count, length in started if count == len(prompts)]
+    steady = first_tier[warm_up:]
+    assert len(steady) >= PROBE_INTERVAL, started
+    assert bool(llm.engine.loop_counters.ahead_steps) == graphs
+    drafting = sum(1 for n in steady if n)
+    assert drafting <= PROBE_MOST_STEPS * (len(steady) // PROBE_INTERVAL + 1), started
 
 
 def test_seeded_sampling_stays_reproducible_under_the_gate(tiny_target_dir, tiny_drafter_dir) -> None:

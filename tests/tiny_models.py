@@ -4,6 +4,7 @@ DSpark drafters for it. Small enough that a test can enumerate the target's exac
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from dspark.config import EngineConfig
 from dspark.engine.llm_engine import LLMEngine
 from dspark.runner.models.hf_config import ModelConfig
 from dspark.spec.draft_checkpoint import create_random_drafter, fresh_draft_config, save_drafter
+from dspark.spec.gate import SpeculationGate
 
 
 def write_tiny_target(
@@ -149,3 +151,16 @@ def drafter_with_vocab(draft_dir: Path, out_dir: Path, order: list[int]) -> Path
     shutil.copytree(draft_dir, copy)
     save_draft_vocab(torch.tensor(order), copy)
     return copy
+
+
+class RandomLengthGate(SpeculationGate):
+    """A speculation gate that picks a random draft length every step: plain and drafting steps of every
+    length follow (and, with overlap scheduling, go ahead of) each other in every order."""
+
+    def __init__(self, block_size: int, rng: random.Random) -> None:
+        super().__init__(block_size)
+        self._rng = rng
+
+    def draft_length(self, num_requests: int) -> int:
+        """A random one of the gate's lengths."""
+        return self._rng.choice(self.lengths)
