@@ -6,7 +6,12 @@ run, per concurrency and speculation mode; greedy, `--max-tokens` tokens, ignore
 
 The offline engine lives beside the server and each level's offline figure is measured right before
 its served one (`Offline`): the H200 host's speed drifts within a call, and offline levels measured
-minutes before the served ones gave ratios that moved with the drift.
+minutes before the served ones gave ratios that moved with the drift. Even side by side, one pair moves
+a lot: the same offline batch of 256 stepped in 5.1 ms and then 8.8 ms a step, back to back (session 22,
+engine_process_check.py), and single pairs gave plain at 64 streams 0.70, 0.98 and 1.07 in three calls.
+So `--rounds N` (default 3) measures every level's pair N times, in turn over the levels, and the table
+gives the median of the rounds' served/offline ratios with their range; the loop tables show the round
+whose ratio is the median (the lower middle one for an even N).
 
 Writes overhead.json and overhead.md under --out. `--modes` picks the engine configurations:
 `off` (plain decoding), `default` (the serve default), `static` (the default without its gate: every
@@ -25,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -77,14 +83,12 @@ class Offline(OfflineEngine):
 
     def __init__(self, config: EngineConfig, max_tokens: int) -> None:
         super().__init__(config, max_tokens)
-        self.rates: dict[int, float] = {}
-        self.tokens: dict[int, list[list[int]]] = {}
-        self.loops: dict[int, dict] = {}
+        self.tokens: dict[int, list[list[int]]] = {}  # each batch size's first run
 
     def measure(self, batch: int) -> tuple[float, list[list[int]], dict]:
-        """`OfflineEngine.measure`, its figures kept and printed."""
+        """`OfflineEngine.measure`, printed; its tokens kept (the first run of each batch size)."""
         rate, tokens, loop = super().measure(batch)
-        self.rates[batch], self.tokens[batch], self.loops[batch] = rate, tokens, loop
+        self.tokens.setdefault(batch, tokens)
         print(f"offline {batch:>4} streams: {rate:.0f} tok/s, loop {loop}", flush=True)
         return rate, tokens, loop
 
@@ -188,10 +192,12 @@ def served(
     requests_per_stream: int = 2,
     offline: Offline | None = None,
     instances: int = DEFAULT_INSTANCES,
-) -> dict:
-    """The same engine behind `dspark serve`: the load generator's result at each concurrency (and, at
-    `profile_levels`, py-spy's samples of the server's Python processes while the load runs).
-    `offline`: measured at each level right before the served load."""
+    rounds: int = 1,
+) -> dict[int, list[dict]]:
+    """The same engine behind `dspark serve`: per concurrency, each round's load generator result with
+    the served loop and intake figures (and, in the last round at `profile_levels`, py-spy's samples of
+    the server's Python processes while the load runs). `offline`: measured at each level right before
+    each served load (`offline_tokens_per_s`, `offline_loop` in the round's figures)."""
     repo = root / "model_repository"
     shutil.copytree(
         DEFAULT_MODEL_REPOSITORY / "dspark", repo / "dspark", ignore=shutil.ignore_patterns("__pycache__")
@@ -203,12 +209,14 @@ def served(
     everything = os.sched_getaffinity(0)
     if engine_cpus:
         print(pin_server(server.pid, engine_cpus), flush=True)
-    results = {}
+    results: dict[int, list[dict]] = {level: [] for level in levels}
     try:
         run_load(f"localhost:{ports[1]}", 8, 8, 16)  # warm-up
-        for level in levels:
+        for r, level in ((r, level) for r in range(rounds) for level in levels):
+            offline_figures = {}
             if offline is not None:
-                offline.measure(level)
+                rate, _, offline_loop = offline.measure(level)
+                offline_figures = {"offline_tokens_per_s": rate, "offline_loop": offline_loop}
             time.sleep(0.3)  # the warm-up's or the last level's counters published
             before = metrics_text(ports[2])
             result = run_load(f"localhost:{ports[1]}", level, requests_per_stream * level, max_tokens)
@@ -218,14 +226,14 @@ def served(
                 served_loop_totals(before), served_loop_totals(after), result.seconds, result.output_tokens
             )
             intake = intake_split(intake_counters(before), intake_counters(after))
-            if level in profile_levels:  # a longer run of this load, sampled, not timed
+            if level in profile_levels and r == rounds - 1:  # a longer run, sampled, not timed
                 profiler = start_profile(server.pid, root / f"py-spy-{level}.txt", profile_s)
                 run_load(f"localhost:{ports[1]}", level, max(10 * level, 1280), max_tokens)
                 if profiler is not None:
                     profiler.wait(profile_s + 30)
-            results[level] = asdict(result) | {"loop": loop, "intake": intake}
+            results[level].append(asdict(result) | {"loop": loop, "intake": intake} | offline_figures)
             print(
-                f"server  {level:>4} streams: {result.tokens_per_s:.0f} tok/s, "
+                f"round {r} server {level:>4} streams: {result.tokens_per_s:.0f} tok/s, "
                 f"TTFT p50 {result.ttft_p50_ms:.1f} ms, {result.responses_per_s:.0f} responses/s, "
                 f"errors {result.errors}, intake {intake}, loop {loop}",
                 flush=True,
@@ -254,21 +262,51 @@ def start_profile(pid: int, out: Path, seconds: float) -> subprocess.Popen | Non
     )
 
 
+def summarize(rounds: list[dict], offline_of: list[dict] | None = None) -> dict:
+    """One level's rounds (`served`) in one entry: the round whose served/offline ratio is the median
+    (the lower middle one for an even count; the last round without offline figures), with the medians
+    of the rounds' tokens/s, served and offline, and TTFT p50, the ratios of every round (`ratios`) and
+    their median (`ratio`). offline_of: another mode's rounds whose offline figures these share."""
+    offline_rounds = offline_of or rounds
+    ratios = [
+        round(served["tokens_per_s"] / offline["offline_tokens_per_s"], 3)
+        for served, offline in zip(rounds, offline_rounds, strict=False)
+        if offline.get("offline_tokens_per_s")
+    ]
+    pick = sorted(range(len(ratios)), key=ratios.__getitem__)[(len(ratios) - 1) // 2] if ratios else -1
+    entry = dict(rounds[pick])
+    if offline_of:
+        entry["offline_loop"] = offline_of[pick].get("offline_loop", {})
+    entry["tokens_per_s"] = round(statistics.median(r["tokens_per_s"] for r in rounds), 1)
+    entry["ttft_p50_ms"] = round(statistics.median(r["ttft_p50_ms"] for r in rounds), 2)
+    offline_rates = [r["offline_tokens_per_s"] for r in offline_rounds if r.get("offline_tokens_per_s")]
+    entry["offline_tokens_per_s"] = round(statistics.median(offline_rates), 1) if offline_rates else None
+    entry["ratios"] = ratios
+    entry["ratio"] = round(statistics.median(ratios), 3) if ratios else None
+    return entry
+
+
 def table(levels: list[int], runs: dict) -> str:
-    """Markdown: offline and served tokens/s per mode and their ratio, with the served TTFT."""
-    modes = list(runs)
+    """Markdown: per mode, the medians over the rounds of the offline and served tokens/s, the median of
+    the rounds' served/offline ratios and their range, and the served TTFT p50."""
+    modes = [m for m, run in runs.items() if isinstance(run, dict) and "server" in run]
     head = "| streams | " + " | ".join(
-        f"{m} offline tok/s | {m} server tok/s | {m} server/offline" for m in modes
+        f"{m} offline tok/s | {m} server tok/s | {m} server/offline (range)" for m in modes
     )
     head += " | " + " | ".join(f"{m} TTFT p50 ms" for m in modes) + " |"
     lines = [head, "|" + "---:|" * (1 + 4 * len(modes))]
     for level in levels:
         cells = []
         for mode in modes:
-            offline = runs[mode]["offline"].get(level)
-            server = runs[mode]["server"].get(level, {}).get("tokens_per_s")
-            ratio = f"{server / offline:.2f}" if offline and server else "-"
-            cells += [f"{offline or '-'}", f"{server or '-'}", ratio]
+            entry = runs[mode]["server"].get(level, {})
+            ratios = entry.get("ratios") or []
+            spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+            ratio = f"{entry['ratio']:.2f}{spread}" if entry.get("ratio") else "-"
+            cells += [
+                f"{entry.get('offline_tokens_per_s') or '-'}",
+                f"{entry.get('tokens_per_s', '-')}",
+                ratio,
+            ]
         cells += [f"{runs[m]['server'].get(level, {}).get('ttft_p50_ms', '-')}" for m in modes]
         lines.append(f"| {level} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -329,7 +367,7 @@ def _loop_rows(levels: list[int], runs: dict, keys: tuple[str, ...], title: str)
         if not isinstance(run, dict) or "server" not in run:
             continue
         for level in levels:
-            offline = run.get("offline_loop", {}).get(level, {})
+            offline = run["server"].get(level, {}).get("offline_loop", {})
             server = run["server"].get(level, {}).get("loop", {})
             cells = [f"{offline.get(k, '-')} / {server.get(k, '-')}" for k in keys]
             lines.append(f"| {mode} | {level} | " + " | ".join(cells) + " |")
@@ -354,6 +392,13 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="served side: each closed-loop stream's requests, one after the other (more: the start-up "
         "burst and the last requests' tail weigh less against steady load)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="pairs (offline, then served) measured per level, in turn over the levels: the table gives "
+        "the median ratio and its range",
     )
     parser.add_argument(
         "--instances",
@@ -399,17 +444,16 @@ def main(argv: list[str] | None = None) -> int:
                 args.requests_per_stream,
                 engine,
                 args.instances,
+                args.rounds,
             )
         finally:
             if engine is not None:
                 engine.close()
-        offline, loops = {}, {}
         if engine is not None:
-            offline, loops, outputs[mode] = engine.rates, engine.loops, engine.tokens
-        elif mode in OFFLINE_OF and OFFLINE_OF[mode] in runs:
-            offline = runs[OFFLINE_OF[mode]]["offline"]
-            loops = runs[OFFLINE_OF[mode]]["offline_loop"]
-        runs[mode] = {"offline": offline, "server": server, "offline_loop": loops}
+            outputs[mode] = engine.tokens
+        shared = runs.get(OFFLINE_OF.get(mode, ""), {}).get("rounds")  # the same engine's offline rounds
+        summary = {level: summarize(server[level], shared.get(level) if shared else None) for level in levels}
+        runs[mode] = {"server": summary, "rounds": server}
         (args.out / "overhead.json").write_text(json.dumps(runs, indent=1))
     markdown = table(levels, runs) + "\n\n" + loop_table(levels, runs) + "\n\n" + intake_table(levels, runs)
     if outputs.get("off") and outputs.get("default"):
