@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import struct
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -257,6 +258,8 @@ def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
 
 def merge_by_request(deltas: list[RequestDelta]) -> list[RequestDelta]:
     """The deltas with each request's merged into one, in the order of each request's first."""
+    if len({delta.request_id for delta in deltas}) == len(deltas):
+        return list(deltas)  # one delta a request (an adapter that keeps up): nothing to merge
     runs: dict[str, list[RequestDelta]] = {}
     for delta in deltas:
         runs.setdefault(delta.request_id, []).append(delta)
@@ -303,15 +306,21 @@ def pack_deltas(deltas: Sequence[RequestDelta]) -> tuple:
             rare.append((index, delta.error, delta.logprobs, delta.cumulative_logprob))
     return (
         [delta.request_id for delta in deltas],
-        array("q", tokens).tobytes(),
-        array("q", token_ends).tobytes(),
+        _int64s(tokens),
+        _int64s(token_ends),
         "".join(texts),
-        array("q", text_ends).tobytes(),
-        array("q", numbers).tobytes(),
+        _int64s(text_ends),
+        _int64s(numbers),
         positions,
         reasons,
         rare,
     )
+
+
+def _int64s(values: list[int]) -> bytes:
+    """The values as native int64s, the bytes of `array("q", values)` (`unpack_deltas` reads them so):
+    struct packs a list ~2x faster than array converts it (50 us for a 256-request step's numbers)."""
+    return struct.pack(f"{len(values)}q", *values)
 
 
 def unpack_deltas(packed: tuple) -> list[RequestDelta]:

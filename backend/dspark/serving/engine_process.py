@@ -420,6 +420,7 @@ class _Outbox:
         """pipe: the events pipe's writer, when the loop may write into it itself."""
         self._pipe = pipe
         self._load: Callable[[], EngineLoad] | None = None
+        # The loop's thread's own (the lock guards what the sender thread shares: `_waiting`, `_sending`):
         self._step: list[RequestDelta] = []  # the step's deltas, put by the loop
         self._held: list[RequestDelta] = []  # earlier steps' deltas the loop writes itself, in order
         self._waiting: list = []  # for the sender, in order
@@ -453,9 +454,10 @@ class _Outbox:
         return ("deltas", pack_deltas(merged), load)
 
     def put(self, delta: RequestDelta) -> None:
-        """Queue one of the step's deltas (sent at the step's end)."""
-        with self._lock:
-            self._step.append(delta)
+        """Queue one of the step's deltas (sent at the step's end). The loop's thread only: `_step` and
+        `_held` are its own (the sender thread touches `_waiting` and `_sending`, under the lock), so
+        this takes no lock (a lock a delta was 55 us of a 256-request step's loop on this CPU)."""
+        self._step.append(delta)
 
     def put_now(self, item: Any) -> None:
         """Queue a delta or an event (the engine's death, None: the end) behind everything queued, for
