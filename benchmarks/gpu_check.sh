@@ -32,7 +32,9 @@
 # own). PROFILE_ARGS go to profile_host.py (e.g. "--kernels --modes off,static"). SERVING_S (default
 # 300; 0 skips; SERVING_TESTS: which test files, text and ids, streaming and not, cancel, several instances
 # sharing the engine by default) and
-# OVERHEAD_S (default 0: skipped), OVERHEAD_ARGS for serving_overhead.py. STRESS_S (default 0: skipped; it
+# OVERHEAD_S (default 0: skipped), OVERHEAD_ARGS for serving_overhead.py (it measures each level's pair
+# --rounds times, default 3: one round of two modes at five levels took ~200 s on the H200 with the
+# start-ups, so three fit one call with one mode, or two modes at --rounds 2). STRESS_S (default 0: skipped; it
 # needs a call of its own: TESTS_S=0 SERVING_S=0 STRESS_S=540), STRESS_ARGS for stress.py; the run is
 # told to end 15 s before STRESS_S (--deadline-s) and writes $OUT/stress/{stress.json,stress.md,...}.
 # The tests run in TEST_WORKERS (default 8) pytest-xdist processes sharing the GPU: they are mostly bound
