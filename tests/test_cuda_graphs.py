@@ -277,24 +277,35 @@ def test_graphs_give_the_eager_engines_tokens(smollm2_dir, smollm2_drafter_dir, 
     assert outputs[256] == outputs[0]
 
 
+def _smollm2_prompts(seed: int, count: int, longest: int) -> list[list[int]]:
+    """`count` prompts of 3 to `longest` random SmolLM2 token ids."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, longest))] for _ in range(count)]
+
+
+def _smollm2_fp32_gpu(smollm2_dir, smollm2_drafter_dir, **changes) -> EngineConfig:
+    """SmolLM2 and its drafter in fp32 on the GPU (exact greedy comparisons), with a set cache: the
+    xdist workers share the GPU."""
+    config = EngineConfig(
+        model=str(smollm2_dir),
+        draft_model=str(smollm2_drafter_dir),
+        device="cuda",
+        dtype="float32",
+        num_kv_pages=512,
+    )
+    return config.replace(**changes)
+
+
 @pytest.mark.gpu
 @gpu
 def test_sampling_with_speculation_on_the_gpu(smollm2_dir, smollm2_drafter_dir) -> None:
     """Sampling requests on the GPU path: drafts sampled on the device, windows judged by the rejection
     kernel, first tokens drawn by the exponential-race kernel. Seeded streams replay, greedy requests
     in the same batch keep plain decoding's tokens, and sampled drafts do get accepted."""
-    rng = random.Random(1)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 30))] for _ in range(6)]
+    prompts = _smollm2_prompts(1, 6, 30)
     sampled = [SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=10 + i) for i in range(3)]
     greedy = [SamplingParams(max_tokens=32, ignore_eos=True) for _ in range(3)]
-    base = EngineConfig(
-        model=str(smollm2_dir),
-        draft_model=str(smollm2_drafter_dir),
-        device="cuda",
-        dtype="float32",
-        adaptive_speculation=False,
-        num_kv_pages=512,  # a set cache: the xdist workers share the GPU
-    )
+    base = _smollm2_fp32_gpu(smollm2_dir, smollm2_drafter_dir, adaptive_speculation=False)
     llm = LLM(base.replace(spec_mode="static"))
     first = llm.generate(params=[*sampled, *greedy], prompt_token_ids=prompts)
     again = llm.generate(params=[*sampled, *greedy], prompt_token_ids=prompts)
@@ -313,15 +324,11 @@ def test_static_steps_draft_inside_the_target_step_on_the_gpu(smollm2_dir, smoll
     """fp32 on the GPU: `static` steps draft from the target graphs' layout (the in-step block is
     replayed), and greedy tokens equal plain decoding's, alone and in mixed batches with prompt chunks;
     the drafts are real ones (some are accepted)."""
-    rng = random.Random(2)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 60))] for _ in range(9)]
-    base = EngineConfig(
-        model=str(smollm2_dir),
-        draft_model=str(smollm2_drafter_dir),
-        device="cuda",
-        dtype="float32",
+    prompts = _smollm2_prompts(2, 9, 60)
+    base = _smollm2_fp32_gpu(
+        smollm2_dir,
+        smollm2_drafter_dir,
         adaptive_speculation=False,
-        num_kv_pages=512,  # a set cache: the xdist workers share the GPU
         max_num_batched_tokens=64,  # prompt chunks share steps with verify windows
     )
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -387,16 +394,8 @@ def test_switching_draft_lengths_launched_ahead_keep_plain_greedy_tokens_on_the_
     """fp32 on the GPU at batch 64: a gate that changes the draft length at random every step (plain
     steps and drafting ones of every length, each launched ahead of the one before through the captured
     graphs) gives plain decoding's greedy tokens, and so does the real gate timing real steps."""
-    rng = random.Random(3)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 40))] for _ in range(64)]
-    base = EngineConfig(
-        model=str(smollm2_dir),
-        draft_model=str(smollm2_drafter_dir),
-        device="cuda",
-        dtype="float32",
-        num_kv_pages=1024,  # a set cache: the xdist workers share the GPU
-        max_num_seqs=64,
-    )
+    prompts = _smollm2_prompts(3, 64, 40)
+    base = _smollm2_fp32_gpu(smollm2_dir, smollm2_drafter_dir, num_kv_pages=1024, max_num_seqs=64)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     plain = LLM(base.replace(spec_mode="off"))
     expected = [o.token_ids for o in plain.generate(params=params, prompt_token_ids=prompts)]
