@@ -36,6 +36,10 @@ class StreamStats:
     responses: int = 0
     ttft: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)  # seconds between successive responses of a request
+    # Seconds from a request's last response before its final one to the final one (its end's trip
+    # through the server), and from a final response to the stream's next send (the client's own).
+    final_gaps: list[float] = field(default_factory=list)
+    resends: list[float] = field(default_factory=list)
     first_send: float = float("inf")
     last_final: float = 0.0
 
@@ -56,6 +60,9 @@ class LoadResult:
     ttft_p90_ms: float
     gap_p50_ms: float
     gap_p90_ms: float
+    final_gap_p50_ms: float = 0.0
+    final_gap_p90_ms: float = 0.0
+    resend_p50_ms: float = 0.0
     first_error: str = ""
 
 
@@ -76,16 +83,20 @@ def _stream_loop(
     session = GrpcSession(url)
     while time.time() < start_at:  # every stream starts at the same moment
         time.sleep(0.001)
+    ended = None  # when the stream's last request got its final response
     try:
         for index in range(count):
             prompt = PROMPTS[(offset + index) % len(PROMPTS)]
             sent = time.monotonic()
             with lock:
                 stats.first_send = min(stats.first_send, sent)
+                if ended is not None:
+                    stats.resends.append(sent - ended)
             last = sent
             tokens = responses = 0
             ttft = None
             gaps = []
+            final_gap = None
             try:
                 for chunk in session.generate(prompt, params):
                     now = time.monotonic()
@@ -93,6 +104,8 @@ def _stream_loop(
                         ttft = now - sent
                     elif chunk.token_ids:
                         gaps.append(now - last)
+                    if chunk.final and responses:
+                        final_gap = now - last
                     last = now
                     tokens += len(chunk.token_ids)
                     responses += 1
@@ -106,7 +119,10 @@ def _stream_loop(
                 stats.responses += responses
                 stats.ttft.append(ttft if ttft is not None else last - sent)
                 stats.gaps.extend(gaps)
+                if final_gap is not None:
+                    stats.final_gaps.append(final_gap)
                 stats.last_final = max(stats.last_final, last)
+            ended = last
     finally:
         session.close()
 
@@ -221,6 +237,8 @@ def run_load(
     responses = sum(p.responses for p in parts)
     ttft = [t for p in parts for t in p.ttft]
     gaps = [g for p in parts for g in p.gaps]
+    final_gaps = [g for p in parts for g in p.final_gaps]
+    resends = [r for p in parts for r in p.resends]
     errors = [e for p in parts for e in p.errors]
     return LoadResult(
         concurrency=concurrency,
@@ -235,6 +253,9 @@ def run_load(
         ttft_p90_ms=round(_percentile_ms(ttft, 90), 2),
         gap_p50_ms=round(_percentile_ms(gaps, 50), 2),
         gap_p90_ms=round(_percentile_ms(gaps, 90), 2),
+        final_gap_p50_ms=round(_percentile_ms(final_gaps, 50), 2),
+        final_gap_p90_ms=round(_percentile_ms(final_gaps, 90), 2),
+        resend_p50_ms=round(_percentile_ms(resends, 50), 2),
         first_error=errors[0] if errors else "",
     )
 

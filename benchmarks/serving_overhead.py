@@ -344,10 +344,11 @@ def intake_table(levels: list[int], runs: dict) -> str:
         "Served requests' time before their first token, mean ms per request (`intake_split`): in "
         "Triton's queue, in the backend's execute, from execute to the first token; of that, in the "
         "engine process, from the hand-over to admission and to the first token; and the client's "
-        "TTFT p50",
+        "TTFT p50, the p50 gap before a request's final response (its end's trip through the server) "
+        "and from a final response to the stream's next send",
         "",
-        "| mode | streams | " + " | ".join(keys) + " | TTFT p50 ms |",
-        "|---|---:|" + "---:|" * (len(keys) + 1),
+        "| mode | streams | " + " | ".join(keys) + " | TTFT p50 ms | final gap p50 ms | resend p50 ms |",
+        "|---|---:|" + "---:|" * (len(keys) + 3),
     ]
     for mode, run in runs.items():
         if not isinstance(run, dict) or "server" not in run:
@@ -355,7 +356,8 @@ def intake_table(levels: list[int], runs: dict) -> str:
         for level in levels:
             served = run["server"].get(level, {})
             intake = served.get("intake", {})
-            cells = [f"{intake.get(k, '-')}" for k in keys] + [f"{served.get('ttft_p50_ms', '-')}"]
+            cells = [f"{intake.get(k, '-')}" for k in keys]
+            cells += [f"{served.get(k, '-')}" for k in ("ttft_p50_ms", "final_gap_p50_ms", "resend_p50_ms")]
             lines.append(f"| {mode} | {level} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
