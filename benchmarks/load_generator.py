@@ -40,6 +40,9 @@ class StreamStats:
     # through the server), and from a final response to the stream's next send (the client's own).
     final_gaps: list[float] = field(default_factory=list)
     resends: list[float] = field(default_factory=list)
+    # Per stream, each response's arrival and output tokens (`steady_window`).
+    arrivals: list[list[float]] = field(default_factory=list)
+    arrival_tokens: list[list[int]] = field(default_factory=list)
     first_send: float = float("inf")
     last_final: float = 0.0
 
@@ -63,6 +66,9 @@ class LoadResult:
     final_gap_p50_ms: float = 0.0
     final_gap_p90_ms: float = 0.0
     resend_p50_ms: float = 0.0
+    # Output tokens/s while every stream was running (`steady_window`), and that window's seconds.
+    steady_tokens_per_s: float = 0.0
+    steady_seconds: float = 0.0
     first_error: str = ""
 
 
@@ -84,6 +90,8 @@ def _stream_loop(
     while time.time() < start_at:  # every stream starts at the same moment
         time.sleep(0.001)
     ended = None  # when the stream's last request got its final response
+    arrivals: list[float] = []
+    arrival_tokens: list[int] = []
     try:
         for index in range(count):
             prompt = PROMPTS[(offset + index) % len(PROMPTS)]
@@ -107,6 +115,8 @@ def _stream_loop(
                     if chunk.final and responses:
                         final_gap = now - last
                     last = now
+                    arrivals.append(now)
+                    arrival_tokens.append(len(chunk.token_ids))
                     tokens += len(chunk.token_ids)
                     responses += 1
             except ServerError as exc:
@@ -125,6 +135,9 @@ def _stream_loop(
             ended = last
     finally:
         session.close()
+        with lock:
+            stats.arrivals.append(arrivals)
+            stats.arrival_tokens.append(arrival_tokens)
 
 
 def _worker(
@@ -150,6 +163,27 @@ def _worker(
         thread.join()
     # monotonic clocks are per boot, shared by the processes of one machine
     return asdict(stats)
+
+
+def steady_window(arrivals: list[list[float]], tokens: list[list[int]]) -> tuple[float, float]:
+    """Output tokens/s and seconds of the window in which every stream was running: from the latest
+    stream's first response to the earliest stream's last one. A closed loop of N requests a stream
+    starts its streams together but ends them apart (each stream's requests add up their own delays),
+    and the tail where fewer streams run is the run's length, not the server's speed. (0, 0) when the
+    streams never ran together."""
+    spans = [times for times in arrivals if times]
+    if not spans or len(spans) < len(arrivals):
+        return 0.0, 0.0
+    start, end = max(times[0] for times in spans), min(times[-1] for times in spans)
+    if end <= start:
+        return 0.0, 0.0
+    count = sum(
+        n
+        for times, counts in zip(arrivals, tokens, strict=True)
+        for t, n in zip(times, counts, strict=True)
+        if start < t <= end
+    )
+    return count / (end - start), end - start
 
 
 def split_evenly(total: int, parts: int) -> list[int]:
@@ -238,6 +272,9 @@ def run_load(
     ttft = [t for p in parts for t in p.ttft]
     gaps = [g for p in parts for g in p.gaps]
     final_gaps = [g for p in parts for g in p.final_gaps]
+    steady_rate, steady_seconds = steady_window(
+        [times for p in parts for times in p.arrivals], [n for p in parts for n in p.arrival_tokens]
+    )
     resends = [r for p in parts for r in p.resends]
     errors = [e for p in parts for e in p.errors]
     return LoadResult(
@@ -256,6 +293,8 @@ def run_load(
         final_gap_p50_ms=round(_percentile_ms(final_gaps, 50), 2),
         final_gap_p90_ms=round(_percentile_ms(final_gaps, 90), 2),
         resend_p50_ms=round(_percentile_ms(resends, 50), 2),
+        steady_tokens_per_s=round(steady_rate, 1),
+        steady_seconds=round(steady_seconds, 3),
         first_error=errors[0] if errors else "",
     )
 

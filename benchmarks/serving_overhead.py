@@ -283,18 +283,27 @@ def summarize(rounds: list[dict], offline_of: list[dict] | None = None) -> dict:
     entry["offline_tokens_per_s"] = round(statistics.median(offline_rates), 1) if offline_rates else None
     entry["ratios"] = ratios
     entry["ratio"] = round(statistics.median(ratios), 3) if ratios else None
+    steady = [
+        round(served["steady_tokens_per_s"] / offline["offline_tokens_per_s"], 3)
+        for served, offline in zip(rounds, offline_rounds, strict=False)
+        if offline.get("offline_tokens_per_s") and served.get("steady_tokens_per_s")
+    ]
+    entry["steady_ratio"] = round(statistics.median(steady), 3) if steady else None
     return entry
 
 
 def table(levels: list[int], runs: dict) -> str:
     """Markdown: per mode, the medians over the rounds of the offline and served tokens/s, the median of
-    the rounds' served/offline ratios and their range, and the served TTFT p50."""
+    the rounds' served/offline ratios and their range, the same ratio for the served tokens/s while
+    every stream ran (`load_generator.steady_window`: without the closed loop's ragged end), and the
+    served TTFT p50."""
     modes = [m for m, run in runs.items() if isinstance(run, dict) and "server" in run]
     head = "| streams | " + " | ".join(
-        f"{m} offline tok/s | {m} server tok/s | {m} server/offline (range)" for m in modes
+        f"{m} offline tok/s | {m} server tok/s | {m} server/offline (range) | {m} steady/offline"
+        for m in modes
     )
     head += " | " + " | ".join(f"{m} TTFT p50 ms" for m in modes) + " |"
-    lines = [head, "|" + "---:|" * (1 + 4 * len(modes))]
+    lines = [head, "|" + "---:|" * (1 + 5 * len(modes))]
     for level in levels:
         cells = []
         for mode in modes:
@@ -302,11 +311,9 @@ def table(levels: list[int], runs: dict) -> str:
             ratios = entry.get("ratios") or []
             spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
             ratio = f"{entry['ratio']:.2f}{spread}" if entry.get("ratio") else "-"
-            cells += [
-                f"{entry.get('offline_tokens_per_s') or '-'}",
-                f"{entry.get('tokens_per_s', '-')}",
-                ratio,
-            ]
+            steady = f"{entry['steady_ratio']:.2f}" if entry.get("steady_ratio") else "-"
+            offline = entry.get("offline_tokens_per_s") or "-"
+            cells += [f"{offline}", f"{entry.get('tokens_per_s', '-')}", ratio, steady]
         cells += [f"{runs[m]['server'].get(level, {}).get('ttft_p50_ms', '-')}" for m in modes]
         lines.append(f"| {level} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
