@@ -25,6 +25,8 @@ from typing import Any
 
 from dspark_client.bench import PROMPTS  # the prompts `dspark-client bench` sends
 
+START_TIMEOUT_S = 120.0  # a stream starts anyway when not every stream connected by then (one failed)
+
 
 @dataclass
 class StreamStats:
@@ -45,6 +47,8 @@ class StreamStats:
     arrival_tokens: list[list[int]] = field(default_factory=list)
     first_send: float = float("inf")
     last_final: float = 0.0
+    # Per stream, its start (its first send) and its last request's final response.
+    stream_spans: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -69,6 +73,10 @@ class LoadResult:
     # Output tokens/s while every stream was running (`steady_window`), and that window's seconds.
     steady_tokens_per_s: float = 0.0
     steady_seconds: float = 0.0
+    # How far apart the streams started and ended: the latest first send after the earliest, and the
+    # latest last final response after the earliest (a closed loop's ragged start and end).
+    start_spread_ms: float = 0.0
+    end_spread_ms: float = 0.0
     first_error: str = ""
 
 
@@ -80,16 +88,27 @@ def _percentile_ms(values: list[float], q: float) -> float:
 
 
 def _stream_loop(
-    url: str, count: int, params: dict, offset: int, stats: StreamStats, lock: threading.Lock, start_at: float
+    url: str,
+    count: int,
+    params: dict,
+    offset: int,
+    stats: StreamStats,
+    lock: threading.Lock,
+    go: Any,
+    report: Callable[[Any], None],
 ):
     from dspark_client.streaming import GrpcSession, ServerError
 
     # Connected before the start: at 256 streams, 256 channels opened inside the measured window cost
     # the 2-core machine's client the time of the first responses.
     session = GrpcSession(url)
-    while time.time() < start_at:  # every stream starts at the same moment
-        time.sleep(0.001)
+    report("ready")
+    # Every stream starts at the same moment, once every stream of every process is connected: a start
+    # at a set clock time left the processes that were still importing to start late (a ragged start
+    # the offline engine does not have).
+    go.wait(START_TIMEOUT_S)
     ended = None  # when the stream's last request got its final response
+    started = time.monotonic()
     arrivals: list[float] = []
     arrival_tokens: list[int] = []
     try:
@@ -138,6 +157,7 @@ def _stream_loop(
         with lock:
             stats.arrivals.append(arrivals)
             stats.arrival_tokens.append(arrival_tokens)
+            stats.stream_spans.append((started, ended if ended is not None else time.monotonic()))
 
 
 def _worker(
@@ -146,14 +166,14 @@ def _worker(
     per_stream: list[int],
     params: dict,
     offset: int,
-    start_at: float,
+    go: Any,
     report: Callable[[Any], None],
 ) -> dict:
     stats = StreamStats()
     lock = threading.Lock()
     threads = [
         threading.Thread(
-            target=_stream_loop, args=(url, per_stream[i], params, offset + i, stats, lock, start_at)
+            target=_stream_loop, args=(url, per_stream[i], params, offset + i, stats, lock, go, report)
         )
         for i in range(streams)
     ]
@@ -256,12 +276,19 @@ def run_load(
     processes = max(1, min(processes or os.cpu_count() or 1, concurrency))
     params = {"max_tokens": max_tokens, "ignore_eos": True, **(params or {})}
     per_stream = split_evenly(requests, concurrency)
-    start_at = time.time() + 2.0 + 0.02 * concurrency  # time for the processes to import and connect
+    go = multiprocessing.get_context("spawn").Event()  # set once every stream is connected
+    ready = [0]
+
+    def on_progress(_: int, payload: Any) -> None:
+        ready[0] += payload == "ready"
+        if ready[0] == concurrency:
+            go.set()
+
     worker_args, stream = [], 0
     for streams in split_evenly(concurrency, processes):
-        worker_args.append((url, streams, per_stream[stream : stream + streams], params, stream, start_at))
+        worker_args.append((url, streams, per_stream[stream : stream + streams], params, stream, go))
         stream += streams
-    returned = run_in_processes(_worker, worker_args)
+    returned = run_in_processes(_worker, worker_args, on_progress)
     for value in returned:
         if isinstance(value, WorkerFailed):
             raise value
@@ -276,6 +303,8 @@ def run_load(
         [times for p in parts for times in p.arrivals], [n for p in parts for n in p.arrival_tokens]
     )
     resends = [r for p in parts for r in p.resends]
+    spans = [span for p in parts for span in p.stream_spans]
+    starts, ends = [span[0] for span in spans], [span[1] for span in spans]
     errors = [e for p in parts for e in p.errors]
     return LoadResult(
         concurrency=concurrency,
@@ -295,6 +324,8 @@ def run_load(
         resend_p50_ms=round(_percentile_ms(resends, 50), 2),
         steady_tokens_per_s=round(steady_rate, 1),
         steady_seconds=round(steady_seconds, 3),
+        start_spread_ms=round((max(starts) - min(starts)) * 1000, 2) if spans else 0.0,
+        end_spread_ms=round((max(ends) - min(ends)) * 1000, 2) if spans else 0.0,
         first_error=errors[0] if errors else "",
     )
 

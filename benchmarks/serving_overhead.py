@@ -343,6 +343,10 @@ def loop_table(levels: list[int], runs: dict) -> str:
     return loop + "\n\n" + phases
 
 
+# The client's figures in the intake table (load_generator.LoadResult's fields).
+CLIENT_KEYS = ("ttft_p50_ms", "final_gap_p50_ms", "resend_p50_ms", "start_spread_ms", "end_spread_ms")
+
+
 def intake_table(levels: list[int], runs: dict) -> str:
     """Markdown: where a served request's time before its first token went (`intake_split`), per mode
     and level, beside the client's TTFT."""
@@ -352,10 +356,12 @@ def intake_table(levels: list[int], runs: dict) -> str:
         "Triton's queue, in the backend's execute, from execute to the first token; of that, in the "
         "engine process, from the hand-over to admission and to the first token; and the client's "
         "TTFT p50, the p50 gap before a request's final response (its end's trip through the server) "
-        "and from a final response to the stream's next send",
+        "and from a final response to the stream's next send; how far apart the streams started and "
+        "ended (ms between the first and the last)",
         "",
-        "| mode | streams | " + " | ".join(keys) + " | TTFT p50 ms | final gap p50 ms | resend p50 ms |",
-        "|---|---:|" + "---:|" * (len(keys) + 3),
+        "| mode | streams | " + " | ".join(keys) + " | TTFT p50 ms | final gap p50 ms | resend p50 ms "
+        "| start spread ms | end spread ms |",
+        "|---|---:|" + "---:|" * (len(keys) + 5),
     ]
     for mode, run in runs.items():
         if not isinstance(run, dict) or "server" not in run:
@@ -364,7 +370,7 @@ def intake_table(levels: list[int], runs: dict) -> str:
             served = run["server"].get(level, {})
             intake = served.get("intake", {})
             cells = [f"{intake.get(k, '-')}" for k in keys]
-            cells += [f"{served.get(k, '-')}" for k in ("ttft_p50_ms", "final_gap_p50_ms", "resend_p50_ms")]
+            cells += [f"{served.get(k, '-')}" for k in CLIENT_KEYS]
             lines.append(f"| {mode} | {level} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
