@@ -222,3 +222,37 @@ def test_per_request_histograms_are_a_uniform_sample_of_at_most_the_budget_a_sec
     now[0] = 3.0
     metrics.flush()
     assert metric("dspark_time_to_first_token_seconds").observed[len(ttft) :] == [0.5]
+
+
+def test_a_models_instances_split_the_sampling_budgets_between_them():
+    FakeFamily.created = {}
+    now = [0.0]
+    instances = 4
+    metrics = TritonMetrics(
+        FakeFamily,
+        {"model": "dspark", "version": "1"},
+        512,
+        clock=lambda: now[0],
+        rng=random.Random(2),
+        instances=instances,
+    )
+    for i in range(10_000):  # in 2 s: far over either budget
+        metrics.tokens_generated(1, since_arrival=0.01 if i % 10 == 0 else None, since_last=0.002)
+        if i % 10 == 0:
+            metrics.request_completed(prompt_tokens=10, generation_tokens=10, e2e_latency=0.1)
+    now[0] = 2.0
+    metrics.flush()
+    # Each of the 4 stubs observes a quarter: together the families get the budgets their help states.
+    assert (
+        len(metric("dspark_inter_token_latency_seconds").observed)
+        == 2 * UPDATE_OBSERVATIONS_PER_S // instances
+    )
+    assert (
+        len(metric("dspark_time_to_first_token_seconds").observed)
+        == 2 * REQUEST_OBSERVATIONS_PER_S // instances
+    )
+    assert (
+        len(metric("vllm:e2e_request_latency_seconds").observed)
+        == 2 * REQUEST_OBSERVATIONS_PER_S // instances
+    )
+    assert metric("dspark_generation_tokens_total").value == 10_000  # counters stay exact

@@ -540,7 +540,12 @@ class TritonPythonModel:
             return Metrics()
         labels = {"model": args["model_name"], "version": args["model_version"]}
         try:
-            return TritonMetrics(pb_utils.MetricFamily, labels, max_model_len=vllm_max_model_len(config))
+            return TritonMetrics(
+                pb_utils.MetricFamily,
+                labels,
+                max_model_len=vllm_max_model_len(config),
+                instances=self._instances,
+            )
         except pb_utils.TritonModelException as exc:  # the server runs with --allow-metrics=false
             self._logger.log_warn(f"dspark: metrics unavailable: {exc}")
             return Metrics()
