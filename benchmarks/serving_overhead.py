@@ -16,7 +16,10 @@ whose ratio is the median (the lower middle one for an even N).
 Writes overhead.json and overhead.md under --out. `--modes` picks the engine configurations:
 `off` (plain decoding), `default` (the serve default), `static` (the default without its gate: every
 step drafts the block), `default-inprocess` (the default with the engine in the adapter's process:
-engine_process false, the design before the engine process).
+engine_process false, the design before the engine process); `off-unpaced` / `default-unpaced` (a
+response whenever the engine commits; each after its own mode, whose offline figures it shares) and
+`off-paced` / `default-paced` (max_responses_per_s 500, a quarter of the default; offline figures
+of their own, measured beside each served round like every other mode's).
 `--user-defaults`: both sides run what `dspark serve` runs by default (max_num_seqs, the KV cache
 sized at start) instead of room for exactly the largest level.
 `--profile-levels 64,256` then runs a longer load at those levels (at least 10 requests a stream),
@@ -62,6 +65,10 @@ MODES = {
     # Responses unpaced (one whenever the engine commits): the same engines, the served side only.
     "off-unpaced": {"spec_mode": "off", "max_responses_per_s": 0},
     "default-unpaced": {"max_responses_per_s": 0},
+    # Fewer responses (each stub paces at a quarter of the default): does less CPU beside the engine
+    # (backend stubs, tritonserver, clients) lift the served engine's step at 1-8 streams?
+    "off-paced": {"spec_mode": "off", "max_responses_per_s": 500},
+    "default-paced": {"max_responses_per_s": 500},
 }
 # Modes whose engine is another mode's (only the server differs): their offline figures are that one's.
 OFFLINE_OF = {"off-unpaced": "off", "default-unpaced": "default"}
@@ -393,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--levels", default="1,8,64,128,256")
     parser.add_argument(
-        "--modes", default="off,default", help=f"of {', '.join(MODES)} (an -unpaced mode after its own)"
+        "--modes",
+        default="off,default",
+        help=f"of {', '.join(MODES)} (an -unpaced mode after its own)",
     )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ports", default="18600,18601,18602")
