@@ -45,9 +45,8 @@ class StreamStats:
     # Per stream, each response's arrival and output tokens (`steady_window`).
     arrivals: list[list[float]] = field(default_factory=list)
     arrival_tokens: list[list[int]] = field(default_factory=list)
-    first_send: float = float("inf")
-    last_final: float = 0.0
-    # Per stream, its start (its first send) and its last request's final response.
+    # Per stream that sent a request: its first send and its last request's final response (its first
+    # send again when no request of it ended well).
     stream_spans: list[tuple[float, float]] = field(default_factory=list)
 
 
@@ -107,17 +106,17 @@ def _stream_loop(
     # at a set clock time left the processes that were still importing to start late (a ragged start
     # the offline engine does not have).
     go.wait(START_TIMEOUT_S)
+    first_sent = None
     ended = None  # when the stream's last request got its final response
-    started = time.monotonic()
     arrivals: list[float] = []
     arrival_tokens: list[int] = []
     try:
         for index in range(count):
             prompt = PROMPTS[(offset + index) % len(PROMPTS)]
             sent = time.monotonic()
-            with lock:
-                stats.first_send = min(stats.first_send, sent)
-                if ended is not None:
+            first_sent = sent if first_sent is None else first_sent
+            if ended is not None:
+                with lock:
                     stats.resends.append(sent - ended)
             last = sent
             tokens = responses = 0
@@ -150,14 +149,14 @@ def _stream_loop(
                 stats.gaps.extend(gaps)
                 if final_gap is not None:
                     stats.final_gaps.append(final_gap)
-                stats.last_final = max(stats.last_final, last)
             ended = last
     finally:
         session.close()
         with lock:
             stats.arrivals.append(arrivals)
             stats.arrival_tokens.append(arrival_tokens)
-            stats.stream_spans.append((started, ended if ended is not None else time.monotonic()))
+            if first_sent is not None:
+                stats.stream_spans.append((first_sent, ended if ended is not None else first_sent))
 
 
 def _worker(
@@ -293,7 +292,9 @@ def run_load(
         if isinstance(value, WorkerFailed):
             raise value
     parts = [StreamStats(**value) for value in returned]
-    seconds = max(p.last_final for p in parts) - min(p.first_send for p in parts)
+    spans = [span for p in parts for span in p.stream_spans]
+    starts, ends = [span[0] for span in spans], [span[1] for span in spans]
+    seconds = max(ends) - min(starts) if spans else 0.0
     tokens = sum(p.output_tokens for p in parts)
     responses = sum(p.responses for p in parts)
     ttft = [t for p in parts for t in p.ttft]
@@ -303,8 +304,6 @@ def run_load(
         [times for p in parts for times in p.arrivals], [n for p in parts for n in p.arrival_tokens]
     )
     resends = [r for p in parts for r in p.resends]
-    spans = [span for p in parts for span in p.stream_spans]
-    starts, ends = [span[0] for span in spans], [span[1] for span in spans]
     errors = [e for p in parts for e in p.errors]
     return LoadResult(
         concurrency=concurrency,
