@@ -50,8 +50,8 @@ def _import_root() -> None:
         sys.modules["dspark"] = package
         spec = importlib.util.spec_from_file_location(
             "dspark.kernels",
-            ROOT / "kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "kernels")],
+            ROOT / "backend" / "dspark" / "kernels" / "__init__.py",
+            submodule_search_locations=[str(ROOT / "backend" / "dspark" / "kernels")],
         )
         module = importlib.util.module_from_spec(spec)
         sys.modules["dspark.kernels"] = module

@@ -48,7 +48,7 @@ Phases of the default run (one H200 device call, killed at 600 s; `--deadline-s`
    sanitizer-target` (a short offline engine run per speculation mode, static and compact: ragged
    prompts, greedy and sampled requests, one without drafts, CUDA graphs of tiers 1-16) and `--tool
    racecheck` over `sanitizer-target --no-graphs` with only the Triton kernels checked (`--kernel-name
-   regex=`: every launch of kernels/ on its own; racecheck over every kernel of a 30-layer run did not
+   regex=`: every launch of dspark.kernels on its own; racecheck over every kernel of a 30-layer run did not
    finish in 150 s). Zero errors in the summary pass; no compute-sanitizer, a device it refuses or a run
    past its time box leaves the phase unavailable or incomplete, never passed.
 
@@ -931,7 +931,7 @@ def sanitizer_target(graphs: bool, modes: list[str], max_tokens: int, model: str
     return 0
 
 
-# Triton names a kernel after its function, unmangled; every kernel of kernels/ is `_<name>_kernel`
+# Triton names a kernel after its function, unmangled; every kernel of dspark.kernels is `_<name>_kernel`
 # (torch's and cuBLAS's are mangled C++ names). racecheck instruments only these: over every kernel
 # of the eager engine it did not finish a 30-layer run in 150 s on an H200.
 TRITON_KERNELS = "^_[A-Za-z0-9_]*_kernel$"

@@ -531,8 +531,8 @@ def reference_table(plan: Plan, results: dict, reference: dict, first: str) -> l
 
 
 def make_dspark_importable() -> None:
-    """Without an install (a bare GPU machine), expose backend/dspark with kernels/ as dspark.kernels,
-    as the package's own mapping does, through a folder of links that spawned ranks see too."""
+    """Without an install (a bare GPU machine), expose backend/dspark as dspark, as the package's own
+    mapping does, through a folder of links that spawned ranks see too."""
     try:
         import dspark.kernels  # noqa: F401
 
@@ -545,7 +545,6 @@ def make_dspark_importable() -> None:
     for entry in (REPO / "backend" / "dspark").iterdir():
         if entry.name != "__pycache__":
             (package / entry.name).symlink_to(entry)
-    (package / "kernels").symlink_to(REPO / "kernels")
     sys.path.insert(0, str(root))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
 

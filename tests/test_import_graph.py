@@ -11,8 +11,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Import root -> its directory (pyproject's package-dir: `dspark.kernels` lives in kernels/).
-PACKAGES = {"dspark": ROOT / "backend" / "dspark", "dspark.kernels": ROOT / "kernels"}
+# Import root -> its directory (pyproject's package-dir).
+PACKAGES = {"dspark": ROOT / "backend" / "dspark"}
 
 
 def module_files() -> dict[str, Path]:

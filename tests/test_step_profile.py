@@ -20,8 +20,8 @@ import step_profile as sp  # noqa: E402
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
-# Names as the CUDA profiler reports them: cuBLAS / cuBLASLt, this repo's Triton kernels (kernels/*.py)
-# and PyTorch's own.
+# Names as the CUDA profiler reports them: cuBLAS / cuBLASLt, this repo's Triton kernels
+# (backend/dspark/kernels/*.py) and PyTorch's own.
 KERNEL_NAMES = {
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1_execute_segment_k_off_"
     "kernel__5x_cublas": "gemm",

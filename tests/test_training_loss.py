@@ -207,6 +207,6 @@ def test_every_drafter_weight_gets_a_gradient(tiny_target, records) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_every_drafter_weight_gets_a_gradient_on_the_gpu(tiny_target_dir, records) -> None:
-    # The serving kernels have no backward: on CUDA, training must route around them (kernels/ops.py).
+    # The serving kernels have no backward: on CUDA, training must route around them (dspark/kernels/ops.py).
     target = load_target_model(tiny_target_dir, dtype=torch.bfloat16, device="cuda")
     _assert_every_trunk_weight_learns(target, records, torch.device("cuda"), autocast=True)
