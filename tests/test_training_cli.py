@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.tools.cli import main as dspark
@@ -71,3 +74,21 @@ def test_training_commands_produce_a_calibrated_drafter_the_engine_serves(tiny_t
     plain = LLM(base.replace(spec_mode="off")).generate(params=params, prompt_token_ids=prompt_ids)
     spec = LLM(base.replace(spec_mode="compact")).generate(params=params, prompt_token_ids=prompt_ids)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_run_dspark_script_maps_the_checkout_and_runs_a_command() -> None:
+    """training/run_dspark.py (how the GPU scripts call `dspark` without installing it) maps the
+    checkout's packages and runs a command (it failed at its start when the kernels package moved)."""
+    root = Path(__file__).resolve().parents[1]
+    script = (
+        "import runpy, sys; sys.argv = ['run_dspark.py', 'import-gguf', '--help']; "
+        f"runpy.run_path({str(root / 'training' / 'run_dspark.py')!r}, run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--gguf" in done.stdout

@@ -3,7 +3,7 @@
     python3 training/run_dspark.py train-draft --help
 
 For machines where the project cannot be pip-installed (no registry): it maps the import names the way
-pyproject.toml's package-dir does (`dspark` -> backend/dspark, `dspark.kernels` -> kernels) and calls
+pyproject.toml's package-dir does (`dspark` -> backend/dspark, its kernels inside it) and calls
 `dspark.tools.cli.main`.
 """
 
@@ -31,7 +31,6 @@ def _map_package(name: str, folder: Path) -> None:
 def main() -> int:
     """Map the packages, then hand the arguments to the `dspark` command."""
     _map_package("dspark", ROOT / "backend" / "dspark")
-    _map_package("dspark.kernels", ROOT / "kernels")
     from dspark.tools.cli import main as dspark_main
 
     return dspark_main(sys.argv[1:])
