@@ -117,8 +117,9 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
     steps replayed from a graph, launched ahead and carrying a prefill chunk, the drafts a request
     verified a step (the adaptive gate's choice), the share of the window
     in step calls, and per step: wall ms (also apart for the steps that carried a prefill chunk and the
-    others), the acceptance's ms (where the host waits for the device) and the host's ms in each phase
-    of the step (`host_<phase>_ms`)."""
+    others), the acceptance's ms (where the host waits for the device), the served loop's ms between
+    steps (taking in commands, handing over deltas) and the host's ms in each phase of the step
+    (`host_<phase>_ms`)."""
     steps = max(after.steps - before.steps, 1)
     requests = after.step_requests - before.step_requests
     step_s = after.step_seconds - before.step_seconds
@@ -138,6 +139,9 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
         "prefill_step_ms": round(1e3 * prefill_s / max(prefill_steps, 1), 3),
         "decode_step_ms": round(1e3 * (step_s - prefill_s) / max(steps - prefill_steps, 1), 3),
         "accept_ms": round(1e3 * (after.accept_seconds - before.accept_seconds) / steps, 3),
+        # The served loop between its steps (0 offline): commands taken in, deltas handed over.
+        "intake_ms": round(1e3 * (after.intake_seconds - before.intake_seconds) / steps, 3),
+        "handover_ms": round(1e3 * (after.handover_seconds - before.handover_seconds) / steps, 3),
     } | {
         f"host_{phase}_ms": round(1e3 * (getattr(after, name) - getattr(before, name)) / steps, 3)
         for phase, name in ((phase, f"host_{phase}_seconds") for phase in STEP_PHASES)

@@ -74,6 +74,11 @@ def test_the_engine_process_streams_what_the_in_process_engine_streams(tiny_targ
         loop = engine.load().loop
         assert loop.admitted_requests == len(PROMPTS)
         assert 0 < loop.intake_wait_seconds < loop.first_token_seconds < 60 * len(PROMPTS)
+        # And its time between steps: commands taken in, each step's deltas handed to the pipe; with
+        # the steps and the idle waits, no more than the loop has lived.
+        assert loop.intake_seconds > 0 and loop.handover_seconds > 0
+        between = loop.intake_seconds + loop.handover_seconds
+        assert between + loop.step_seconds + loop.idle_seconds < 60 * len(PROMPTS)
         with pytest.raises(InvalidParameterError) as bad:
             engine.submit("bad", GREEDY, lambda d: None, prompt_token_ids=[])
         assert bad.value.field == "prompt_token_ids"

@@ -399,6 +399,11 @@ class LoopTotals:
     prefill_step_seconds: float = 0.0
     accept_seconds: float = 0.0
     idle_seconds: float = 0.0
+    # The served loop's time between its steps (AsyncEngine): taking in commands without waiting, and
+    # handing each step's deltas to their requests (in the engine process: to its adapters' pipes).
+    # With step_seconds and idle_seconds they account for the loop's wall time.
+    intake_seconds: float = 0.0
+    handover_seconds: float = 0.0
     # Requests the loop admitted; summed over them, the seconds from their hand-over (`AsyncEngine.submit`,
     # in the Triton adapter's process when the engine has a process of its own) to their admission
     # into the engine, and to their first token's delta (a queue, or a late intake, shows here first).

@@ -233,8 +233,11 @@ class AsyncEngine:
         if self._intake is not None:
             waiting = time.perf_counter()
             self._intake(IDLE_WAIT_S if block else 0.0)
+            counters = self.engine.loop_counters
             if block:
-                self.engine.loop_counters.idle_seconds += time.perf_counter() - waiting
+                counters.idle_seconds += time.perf_counter() - waiting
+            else:
+                counters.intake_seconds += time.perf_counter() - waiting
             block = False
         try:
             if block:
@@ -276,6 +279,13 @@ class AsyncEngine:
         self._first_token_due[item.request_id] = item.submitted_at
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        """Hand a step's deltas to their requests' callbacks, then `after_step` (timed: the loop's
+        `handover_seconds`)."""
+        started = time.perf_counter()
+        self._hand_over(deltas)
+        self.engine.loop_counters.handover_seconds += time.perf_counter() - started
+
+    def _hand_over(self, deltas: list[RequestDelta]) -> None:
         if self._first_token_due:
             now = time.monotonic()
             for delta in deltas:

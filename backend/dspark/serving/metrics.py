@@ -50,6 +50,8 @@ LOOP_COUNTERS = {
     "prefill_step_seconds": "Of step_seconds: the steps that carried a prefill chunk",
     "accept_seconds": "Wall seconds of the steps' acceptance, where the host waits for the device",
     "idle_seconds": "Seconds the engine loop waited with no request to run",
+    "intake_seconds": "Seconds the engine loop spent taking in commands between its steps (not waiting)",
+    "handover_seconds": "Seconds the engine loop spent handing each step's deltas to their requests",
     "admitted_requests": "Requests the engine loop admitted",
     "intake_wait_seconds": "Seconds from requests' hand-over to the engine to their admission, summed",
     "first_token_seconds": "Seconds from requests' hand-over to the engine to their first token, summed",
