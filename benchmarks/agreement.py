@@ -76,11 +76,11 @@ class OfflineEngine:
         self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         self.llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))
 
-    def measure(self, batch: int) -> tuple[float, list[list[int]], dict]:
-        """`timed_generate` of `batch` prompts after an untimed one (the adaptive gate settles, every
-        graph tier it uses is warm)."""
+    def measure(self, batch: int, repeats: int = 1) -> tuple[float, list[list[int]], dict]:
+        """`timed_generate` of `batch` prompts, `repeats` times back to back, after an untimed one (the
+        adaptive gate settles, every graph tier it uses is warm)."""
         self.llm.generate(bench_prompts(batch), self.params)
-        return timed_generate(self.llm, batch, self.params)
+        return timed_generate(self.llm, batch, self.params, repeats)
 
     def close(self) -> None:
         """Free the engine and its GPU memory."""
@@ -96,19 +96,25 @@ def bench_prompts(count: int) -> list[str]:
     return [PROMPTS[i % len(PROMPTS)] for i in range(count)]
 
 
-def timed_generate(llm: LLM, batch: int, params: SamplingParams) -> tuple[float, list[list[int]], dict]:
-    """One timed generate() of `batch` bench prompts: output tokens/s, the tokens, and the engine loop's
-    shares of its time (`loop_shares`)."""
+def timed_generate(
+    llm: LLM, batch: int, params: SamplingParams, repeats: int = 1
+) -> tuple[float, list[list[int]], dict]:
+    """`repeats` timed generate() calls of `batch` bench prompts, back to back: output tokens/s over
+    them all, the first call's tokens, and the engine loop's shares of their time (`loop_shares`). A
+    window as long as the one it is compared with: this host's speed moves within a second."""
     prompts = bench_prompts(batch)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     before = llm.engine.load().loop
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - started
-    output_tokens = sum(len(o.token_ids) for o in outputs)
+    seconds, output_tokens, tokens = 0.0, 0, None
+    for _ in range(repeats):
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        seconds += time.perf_counter() - started
+        output_tokens += sum(len(o.token_ids) for o in outputs)
+        tokens = tokens or [list(o.token_ids) for o in outputs]
     loop = loop_shares(before, llm.engine.load().loop, seconds, output_tokens)
-    return round(output_tokens / seconds, 1), [list(o.token_ids) for o in outputs], loop
+    return round(output_tokens / seconds, 1), tokens or [], loop
 
 
 def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_tokens: int) -> dict:

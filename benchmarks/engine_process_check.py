@@ -3,7 +3,8 @@ engine's host phases run 1.5-2x their offline time on the H200 host (issue 18). 
 engine three ways side by side, at each concurrency, with the load generator's closed loop (each of
 `level` streams submits its next request when the last one ends; greedy, ignore_eos):
 
-- offline: `dspark.LLM` in this process (one generate() of a batch of `level` prompts);
+- offline: `dspark.LLM` in this process (generate() of a batch of `level` prompts, once a request a
+  stream: the closed loop's work);
 - in process: the same engine stepped from this process's thread, fed by the closed loop (the
   arrivals' cost, with this benchmark's own client work on the loop's thread);
 - engine process: `EngineProcess` (the spawned engine process the adapter runs, its control and
@@ -98,10 +99,11 @@ def in_process_loop(engine: LLMEngine, level: int, requests: int, max_tokens: in
     return time.perf_counter() - started, tokens
 
 
-def offline_once(llm: LLM, level: int, max_tokens: int) -> dict:
-    """One timed generate() of `level` bench prompts (`agreement.timed_generate`): tokens/s and the
-    loop's shares."""
-    rate, _, loop = timed_generate(llm, level, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+def offline_once(llm: LLM, level: int, max_tokens: int, repeats: int = 1) -> dict:
+    """`repeats` timed generate() calls of `level` bench prompts (`agreement.timed_generate`; as many
+    as the closed loop's requests a stream: the same work): tokens/s and the loop's shares."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    rate, _, loop = timed_generate(llm, level, params, repeats)
     return {"tokens_per_s": rate, "loop": loop}
 
 
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 for level in levels:
                     measured = {
-                        "offline": offline_once(llm, level, args.max_tokens),
+                        "offline": offline_once(llm, level, args.max_tokens, args.requests_per_stream),
                         "in_process": in_process_once(llm, level, args.requests_per_stream, args.max_tokens),
                         "engine_process": engine_process_once(
                             engine, level, args.requests_per_stream, args.max_tokens

@@ -5,10 +5,13 @@ run, per concurrency and speculation mode; greedy, `--max-tokens` tokens, ignore
     python benchmarks/serving_overhead.py --levels 1,8,64,128,256 --out /tmp/overhead
 
 The offline engine lives beside the server and each level's offline figure is measured right before
-its served one (`Offline`): the H200 host's speed drifts within a call, and offline levels measured
-minutes before the served ones gave ratios that moved with the drift. Even side by side, one pair moves
-a lot: the same offline batch of 256 stepped in 5.1 ms and then 8.8 ms a step, back to back (session 22,
-engine_process_check.py), and single pairs gave plain at 64 streams 0.70, 0.98 and 1.07 in three calls.
+its served one (`Offline`), over the same work (`--requests-per-stream` batches of `level` prompts back
+to back, as the served streams run that many requests each: until session 24 one batch, a window of
+~0.15 s against the served one's ~1.3 s at 8 streams): the H200 host's speed drifts within a call,
+and offline levels measured minutes before the served ones gave ratios that moved with the drift.
+Even side by side, one pair moves a lot: the same offline batch of 256 stepped in 5.1 ms and then
+8.8 ms a step, back to back (session 22, engine_process_check.py), and single pairs gave plain at 64
+streams 0.70, 0.98 and 1.07 in three calls.
 So `--rounds N` (default 3) measures every level's pair N times, in turn over the levels, and the table
 gives the median of the rounds' served/offline ratios with their range; the loop tables show the round
 whose ratio is the median (the lower middle one for an even N).
@@ -88,13 +91,15 @@ class Offline(OfflineEngine):
     before its served one: this host's speed drifts within a call (offline plain at 64 streams ran 24.7k
     and 39.4k tok/s in two calls, and one call's levels moved by 2x). Keeps and prints each level's."""
 
-    def __init__(self, config: EngineConfig, max_tokens: int) -> None:
+    def __init__(self, config: EngineConfig, max_tokens: int, repeats: int = 1) -> None:
         super().__init__(config, max_tokens)
+        self.repeats = repeats  # batches a measurement: the served side's requests a stream
         self.tokens: dict[int, list[list[int]]] = {}  # each batch size's first run
 
-    def measure(self, batch: int) -> tuple[float, list[list[int]], dict]:
-        """`OfflineEngine.measure`, printed; its tokens kept (the first run of each batch size)."""
-        rate, tokens, loop = super().measure(batch)
+    def measure(self, batch: int, repeats: int = 0) -> tuple[float, list[list[int]], dict]:
+        """`OfflineEngine.measure` (`repeats` batches, default the engine's), printed; its tokens kept
+        (the first run of each batch size)."""
+        rate, tokens, loop = super().measure(batch, repeats or self.repeats)
         self.tokens.setdefault(batch, tokens)
         print(f"offline {batch:>4} streams: {rate:.0f} tok/s, loop {loop}", flush=True)
         return rate, tokens, loop
@@ -455,7 +460,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"=== {mode}: {config}", flush=True)
         engine = None
         if not (mode in OFFLINE_OF and OFFLINE_OF[mode] in runs) and not mode.endswith("inprocess"):
-            engine = None if args.served_only else Offline(config, args.max_tokens)
+            # The same work offline as served (a batch of `level` prompts per request a stream): the
+            # two windows are then as long, and drift within a second weighs on both alike.
+            engine = None if args.served_only else Offline(config, args.max_tokens, args.requests_per_stream)
         engine_cpus = {int(c) for c in args.engine_cpus.split(",") if c}
         try:
             server = served(

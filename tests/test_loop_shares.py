@@ -39,3 +39,19 @@ def test_loop_shares_are_per_step_differences_under_distinct_keys() -> None:
     )
     for i, phase in enumerate(STEP_PHASES):
         assert shares[f"host_{phase}_ms"] == pytest.approx(1e3 * (0.5 + 0.01 * (i + 1)) / 10)
+
+
+def test_timed_generate_measures_repeated_batches_in_one_window(tiny_target_dir) -> None:
+    """The offline side of serving_overhead / engine_process_check runs as many batches as the served
+    streams run requests: one window over all of them, the first batch's tokens."""
+    from agreement import timed_generate
+
+    from dspark import LLM, EngineConfig, SamplingParams
+
+    llm = LLM(EngineConfig(model=str(tiny_target_dir), spec_mode="off", num_kv_pages=64, device="cpu"))
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    _, once, loop_once = timed_generate(llm, 3, params)
+    rate, tokens, loop = timed_generate(llm, 3, params, repeats=3)
+    assert tokens == once and [len(t) for t in tokens] == [5, 5, 5]
+    # Every batch's tokens over every batch's steps (counting only the first batch's would give 1).
+    assert rate > 0 and loop["tokens_per_step"] == loop_once["tokens_per_step"] == 3.0
