@@ -51,7 +51,7 @@ from typing import Any
 from dspark.config import EngineConfig
 from dspark.engine.async_engine import AsyncEngine, DeathCallback, DeltaCallback, EngineDeadError
 from dspark.outputs import EngineLoad, RequestDelta, merge_by_request, pack_deltas, unpack_deltas
-from dspark.parallel.tp_worker import python_executable, spawning_with
+from dspark.parallel.tp_worker import python_executable, skip_exit_collection, spawning_with
 from dspark.prompts import check_prompt
 from dspark.sampling_params import SamplingParams
 from dspark.serving.request_inputs import CANCEL_ALL
@@ -398,6 +398,7 @@ def engine_main(
         listener.close()
     engine.shutdown()
     intake.end_all()
+    skip_exit_collection()  # the adapter that spawned this process waits for its exit
 
 
 class _Outbox:

@@ -49,6 +49,7 @@ import triton_python_backend_utils as pb_utils
 from dspark import EngineConfig, InvalidParameterError
 from dspark.engine.async_engine import AsyncEngine, EngineDeadError
 from dspark.outputs import RequestDelta, merge_deltas
+from dspark.parallel.tp_worker import skip_exit_collection
 from dspark.sampling.logprobs import logprobs_json
 from dspark.serving.engine_process import EngineClosedError, EngineProcess
 from dspark.serving.metrics import Metrics, TritonMetrics, vllm_max_model_len
@@ -217,6 +218,8 @@ class TritonPythonModel:
         self._end_abandoned()
         self._stop_sending()
         self._logger.log_info("dspark: engine shut down")
+        # This backend process exits next, and Triton stops a model's instances one after another.
+        skip_exit_collection()
 
     # execute(): hand over ----------------------------------------------------------------------
 
