@@ -96,10 +96,10 @@ class Offline(OfflineEngine):
         self.repeats = repeats  # batches a measurement: the served side's requests a stream
         self.tokens: dict[int, list[list[int]]] = {}  # each batch size's first run
 
-    def measure(self, batch: int, repeats: int = 0) -> tuple[float, list[list[int]], dict]:
-        """`OfflineEngine.measure` (`repeats` batches, default the engine's), printed; its tokens kept
-        (the first run of each batch size)."""
-        rate, tokens, loop = super().measure(batch, repeats or self.repeats)
+    def measure(self, batch: int) -> tuple[float, list[list[int]], dict]:
+        """`OfflineEngine.measure` of `self.repeats` batches, printed; its tokens kept (the first run of
+        each batch size)."""
+        rate, tokens, loop = super().measure(batch, self.repeats)
         self.tokens.setdefault(batch, tokens)
         print(f"offline {batch:>4} streams: {rate:.0f} tok/s, loop {loop}", flush=True)
         return rate, tokens, loop
