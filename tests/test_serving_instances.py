@@ -99,6 +99,8 @@ def test_a_cancel_by_id_reaches_a_request_on_either_instance(two_instance_server
     """Six streams in flight at once spread over the two instances; each cancel by id, whichever
     instance takes it, answers "cancelled" and ends its stream with reason abort."""
     ids = [f"story-{i}" for i in range(6)]
+    admitted = lambda: _metric_total(two_instance_server, "dspark_engine_admitted_requests_total")  # noqa: E731
+    admitted_before = admitted()
     streams = [GrpcStream(two_instance_server) for _ in ids]
     try:
         for grpc, request_id in zip(streams, ids, strict=True):
@@ -124,6 +126,10 @@ def test_a_cancel_by_id_reaches_a_request_on_either_instance(two_instance_server
         for grpc in streams:
             grpc.close()
     assert [outcome.finish_reason for outcome in outcomes] == ["abort"] * len(ids)
+    # The engine's counters reach the server whichever instance held the requests (the spawning
+    # instance publishes them, every 0.1 s), and its gauges say nothing runs.
+    caught_up = wait_for(lambda: admitted() == admitted_before + len(ids), timeout=10)
+    assert caught_up, (admitted_before, admitted())
     running = lambda: two_instance_server.metric("dspark_num_requests_running", model="dspark")  # noqa: E731
     assert wait_for(lambda: running() == 0, timeout=10)
     status, body = two_instance_server.post("/v2/models/dspark/generate", {"cancel_request_id": "no-such"})
@@ -139,7 +145,7 @@ def test_each_request_is_counted_once_and_the_engine_by_one_instance(two_instanc
             server.metric("dspark_engine_admitted_requests_total", **labels) or 0.0,
         )
 
-    before = counts()
+    before = _settled(counts)  # an earlier test's last counts may still be on their way
     for _ in range(4):
         with GrpcStream(two_instance_server) as grpc:
             outcome = grpc.send(
@@ -149,3 +155,21 @@ def test_each_request_is_counted_once_and_the_engine_by_one_instance(two_instanc
     expected = (before[0] + 4, before[1] + 20, before[2] + 4)  # each instance publishes every 0.1 s
     assert wait_for(lambda: counts() == expected, timeout=10), (before, counts())
     assert not wait_for(lambda: counts() != expected, timeout=1)  # and nothing more comes
+
+
+def _metric_total(server, name: str) -> float:
+    return server.metric(name, model="dspark", version="1") or 0.0
+
+
+def _settled(read, quiet_s: float = 0.5, timeout: float = 10.0):
+    """read()'s value once it stayed the same for quiet_s (the instances publish every 0.1 s)."""
+    deadline = time.monotonic() + timeout
+    value, since = read(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = read()
+        if now != value:
+            value, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return value
+    raise AssertionError(f"the metrics kept moving for {timeout} s: {value}")
