@@ -3,6 +3,7 @@ calibrate-draft -> eval-acceptance, on the tiny target, and speculation with it 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import subprocess
@@ -92,3 +93,27 @@ def test_run_dspark_script_maps_the_checkout_and_runs_a_command() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "--gguf" in done.stdout
+
+
+def test_the_gpu_scripts_join_gguf_parts_carried_now_and_parked_before(tmp_path) -> None:
+    """training/lib.sh's import_target joins the GGUF from its parts wherever each one is: the working
+    call carries the last part in a subfolder of .carry/ while earlier calls parked the others (in
+    /tmp/carry on the device); it joined the lone part in .carry/c4 and failed its checksum."""
+    root = Path(__file__).resolve().parents[1]
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    content = bytes(range(256)) * 40
+    chunks = [content[i : i + 3000] for i in range(0, len(content), 3000)]
+    for index, chunk in enumerate(chunks):
+        folder = tmp_path / (".carry/c4" if index == len(chunks) - 1 else "parked")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.part-{index:02d}").write_bytes(chunk)
+    (tmp_path / ".carry" / "c4" / f"{name}.sha256").write_text(hashlib.sha256(content).hexdigest() + "\n")
+    script = (
+        f"ROOT={tmp_path}; PARKED={tmp_path / 'parked'}; PY=true; GGUF=''; START=$(date +%s); "
+        f"source {root / 'training' / 'lib.sh'}; "
+        'dspark() { echo "dspark $*"; }; import_target'
+    )
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / ".carry" / name).read_bytes() == content
+    assert f"dspark import-gguf --gguf {tmp_path / '.carry' / name}" in done.stdout

@@ -1,4 +1,6 @@
-# Stages shared by run_h200.sh and variants.sh (sourced, not run). They read ROOT, PY, GGUF and START.
+# Stages shared by run_h200.sh and variants.sh (sourced, not run). They read ROOT, PY, GGUF and START, and
+# PARKED: where earlier calls parked carried files (training/README.md, "Preparing the carry").
+PARKED=${PARKED:-/tmp/carry}
 
 elapsed() { echo $(( $(date +%s) - START )); }
 left() { echo $(( BUDGET_S - $(elapsed) )); }
@@ -11,8 +13,10 @@ environment() {
   "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__,
     torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
   if ! "$PY" -c "import gguf" 2>/dev/null; then
-    local wheels=("$ROOT"/.carry/gguf-*.whl)
-    [[ -f "${wheels[0]}" ]] || { echo "no gguf package and no .carry/gguf-*.whl"; exit 1; }
+    local wheels
+    wheels=$(compgen -G "$ROOT/.carry/gguf-*.whl" || compgen -G "$ROOT/.carry/*/gguf-*.whl" \
+      || compgen -G "$PARKED/gguf-*.whl") || { echo "no gguf package and no .carry/gguf-*.whl"; exit 1; }
+    wheels=(${wheels})
     "$PY" -m pip install -q --no-index --no-deps --target /tmp/dspark-site "${wheels[0]}"
     export PYTHONPATH=/tmp/dspark-site${PYTHONPATH:+:$PYTHONPATH}
   fi
@@ -27,13 +31,20 @@ import_target() {
     local name parts sums sum actual=""
     name=$(basename "$GGUF")
     if [[ ! -f "$GGUF" ]]; then
-      # Carried in .carry/ (or a subfolder of it) by this call, or parked in /tmp/carry by earlier ones.
-      parts=("$GGUF".part-*)
-      [[ -e "${parts[0]}" ]] || parts=("$ROOT"/.carry/*/"$name".part-*)
-      [[ -e "${parts[0]}" ]] || parts=(/tmp/carry/"$name".part-*)
-      if [[ -e "${parts[0]}" ]]; then
+      # Carried in .carry/ (or a subfolder of it) by this call, or parked in $PARKED by earlier ones:
+      # each part from the first of these places that has it (a working call carries the last part
+      # while the others are parked).
+      local part base
+      local -A found=()
+      for part in "$GGUF".part-* "$ROOT"/.carry/*/"$name".part-* "$PARKED/$name".part-*; do
+        base=$(basename "$part")
+        if [[ -e "$part" && -z "${found[$base]:-}" ]]; then found[$base]=$part; fi
+      done
+      parts=()
+      for base in $(printf '%s\n' "${!found[@]}" | sort); do parts+=("${found[$base]}"); done
+      if (( ${#parts[@]} )); then
         ls -l "${parts[@]}"
-        cat "${parts[@]}" > "$GGUF"  # the glob expands in sorted order: part-00, part-01
+        cat "${parts[@]}" > "$GGUF"  # sorted by name: part-00, part-01, ...
       fi
     fi
     # A part left behind by a machine that went cold between the carrying calls shows up here.
