@@ -122,6 +122,34 @@ def test_the_soft_cross_entropy_is_against_the_targets_distribution(tiny_target,
         LossWeights(ce_target="labels")
 
 
+def test_the_argmax_cross_entropy_is_against_the_targets_most_likely_token(tiny_target, records) -> None:
+    fixed = next(AnchorSampler(records, 16, 4, 64, seed=125))
+    drafter = _drafter(tiny_target)
+    argmax = LossWeights(ce_target="argmax")
+    with torch.no_grad():
+        parts = drafter_loss(tiny_target, drafter, fixed, argmax, autocast=False)
+        data_parts = drafter_loss(tiny_target, drafter, fixed, LossWeights(ce_target="data"), autocast=False)
+        features, targets = block_targets(tiny_target, fixed, BLOCK, list(drafter.config.target_layer_ids))
+        hidden = block_hidden(
+            drafter, tiny_target.embed_tokens.weight, features, fixed.token_ids, fixed.anchors
+        )
+        log_pd = torch.log_softmax(
+            drafter.corrected_logits(
+                F.linear(hidden.flatten(0, 1), tiny_target.lm_head.weight).float(),
+                drafter.markov_features(targets.previous),
+            ),
+            -1,
+        )
+        labels = targets.target_logits.argmax(-1)
+        expected = -log_pd.gather(-1, labels[..., None]).squeeze(-1)
+        w = position_weights(BLOCK, argmax.decay, expected.device)[None, :] * targets.valid
+    torch.testing.assert_close(parts.ce, (w * expected).sum() / w.sum())
+    torch.testing.assert_close(parts.l1, data_parts.l1)  # only the cross-entropy's label changes
+    # The records' tokens are sampled, not the target's argmax everywhere: the two labels differ.
+    assert bool(((labels != targets.labels) & targets.valid.bool()).any())
+    assert abs(float(parts.ce) - float(data_parts.ce)) > 1e-4
+
+
 def test_resumed_run_ends_where_an_uninterrupted_run_does(tiny_target, records, tmp_path) -> None:
     cpu = torch.device("cpu")
     straight = _drafter(tiny_target)

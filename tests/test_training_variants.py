@@ -68,6 +68,7 @@ def test_train_draft_builds_each_capacity_variant(tiny_target_dir, tmp_path) -> 
         "two-layers": ("--num-layers 2 --block-size 7", {"num_hidden_layers": 2, "block_size": 7}),
         "layers-0-1": ("--target-layers 0,1", {"target_layer_ids": [0, 1]}),
         "rank-8": ("--markov-rank 8 --num-target-features 1", {"markov_rank": 8, "target_layer_ids": [1]}),
+        "argmax-ce": ("--ce-target argmax --target-layers 1", {"target_layer_ids": [1]}),
     }
     for name, (flags, expected) in variants.items():
         out = tmp_path / name

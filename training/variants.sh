@@ -16,6 +16,10 @@
 #   block3         the base trained on blocks of 3 (the block the shipped drafter serves)
 #   data-ce        the base with its cross-entropy against the data's next token (--ce-target data; the
 #                  default was this until the base, against the target's distribution, won: +3% tau)
+#   argmax-ce      the base with its cross-entropy against the target's argmax (--ce-target argmax: the
+#                  token greedy verification accepts, where the soft label also fits the tail)
+#   top-layer      the target's last layer (29) in place of 27 among the 3 features (1,14,29): the state
+#                  the target's own head reads, as EAGLE feeds its drafter
 # All train on blocks of 7 but block3. Each variant trains TRAIN_MINUTES (default: an equal share of the
 # budget) or, with TRAIN_STEPS, that many steps (equal steps; TRAIN_MINUTES then only caps them).
 # $OUT receives 3 files: variants.md (the table, rewritten after every variant), run.log and
@@ -70,6 +74,8 @@ variant_flags() {
     rank64) echo "--block-size 7 --num-layers 1 --num-target-features 3 --markov-rank 64" ;;
     block3) echo "--block-size 3 --num-layers 1 --num-target-features 3 --markov-rank 32" ;;
     data-ce) echo "--block-size 7 --num-layers 1 --num-target-features 3 --markov-rank 32 --ce-target data" ;;
+    argmax-ce) echo "--block-size 7 --num-layers 1 --num-target-features 3 --markov-rank 32 --ce-target argmax" ;;
+    top-layer) echo "--block-size 7 --num-layers 1 --target-layers 1,14,29 --markov-rank 32" ;;
     *) echo "unknown variant: $1" >&2; return 1 ;;
   esac
 }

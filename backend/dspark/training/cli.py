@@ -368,7 +368,7 @@ def train_draft(argv: list[str]) -> int:
         "--ce-target",
         choices=CE_TARGETS,
         default=weights.ce_target,
-        help="the cross-entropy's label: the data's next token, or the target's distribution there",
+        help="the cross-entropy's label: the data's next token, the target's distribution, or its argmax",
     )
     parser.add_argument("--log-every", type=int, default=defaults.log_every)
     parser.add_argument("--save-every", type=int, default=defaults.save_every)

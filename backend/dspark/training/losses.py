@@ -4,7 +4,9 @@ Per block position k (0-based; slot k predicts the token after position anchor +
 - cross-entropy of the Markov-corrected logits U_k + W2 · W1[x_{k-1}] against the true next token, with
   teacher forcing (x_{k-1} is the true token at anchor + k; the anchor itself for k = 0), or, with
   `ce_target="target"`, against the target's distribution there (a soft label: the data's next token is
-  one draw of it when the answer was sampled at temperature 1, the argmax when greedy);
+  one draw of it when the answer was sampled at temperature 1, the argmax when greedy), or, with
+  `ce_target="argmax"`, against the target's argmax there (the token greedy verification accepts: the
+  label greedy tau counts, where the soft label also spends the drafter on the distribution's tail);
 - the L1 distance between the draft and target distributions, ‖p_d − p_t‖₁;
 - binary cross-entropy of the confidence head against 1 − ½‖p_d − p_t‖₁, the chance that speculative
   sampling accepts the draft.
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from dspark.spec.drafter import Drafter
 from dspark.training.draft_forward import confidence_logits
 
-CE_TARGETS = ("data", "target")
+CE_TARGETS = ("data", "target", "argmax")
 
 
 @dataclass
@@ -32,8 +34,9 @@ class LossWeights:
     confidence: float = 0.5
     decay: float = 4.0
     # What the cross-entropy's label is: "target" (the target's distribution at that position, which the
-    # L1 term computes anyway) or "data" (the next token of the training sequence). target: the same
-    # steps from scratch gave +3% held-out tau (H200, 2026-12-03, training/variants.sh).
+    # L1 term computes anyway), "data" (the next token of the training sequence) or "argmax" (the
+    # target's most likely token there). target against data: the same steps from scratch gave +3%
+    # held-out tau (H200, 2026-12-03, training/variants.sh); argmax not yet measured.
     ce_target: str = "target"
 
     def __post_init__(self) -> None:
@@ -84,7 +87,8 @@ def dspark_loss(
     if weights.ce_target == "target":
         ce = -(p_t * log_pd).sum(-1)
     else:
-        ce = -log_pd.gather(-1, targets.labels[..., None]).squeeze(-1)
+        labels = targets.labels if weights.ce_target == "data" else targets.target_logits.argmax(-1)
+        ce = -log_pd.gather(-1, labels[..., None]).squeeze(-1)
     l1 = (log_pd.exp() - p_t).abs().sum(-1)
     # The confidence head reads the drafter without steering it: its inputs and target are detached.
     acceptance = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
