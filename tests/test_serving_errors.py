@@ -256,7 +256,11 @@ def test_bad_request_is_rejected_naming_the_field_on_every_path_while_a_good_str
         first = good.next()
         assert not isinstance(first, str), first
         answers = {path: SENDERS[path](triton_server, bad.values) for path in bad.paths}
-        rest = good.collect()
+        # The first response may be the whole answer already: a response carries every token the engine
+        # committed since the last (the adapter reads the engine's deltas on a tick, and the engine
+        # process merges what it holds while the adapter has not read), so on a busy host all six can
+        # come at once, and there is no rest to wait for.
+        rest = Outcome([], None) if first.final else good.collect()
     for path, (status, message) in answers.items():
         assert (status, bad.field in message) == (CLIENT_ERROR[path], True), (path, status, message)
     assert rest.error is None
