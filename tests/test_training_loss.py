@@ -93,6 +93,18 @@ def test_loss_decreases_over_a_few_steps(tiny_target, records, tmp_path) -> None
     assert float(after.ce) < float(before.ce) and float(after.l1) < float(before.l1)
 
 
+def _draft_log_probs(tiny_target, drafter, batch):  # noqa: ANN001, ANN202
+    """The block targets of `batch` and the drafter's Markov-corrected log-probabilities for them, computed
+    apart from `dspark_loss` (what its cross-entropies are checked against)."""
+    features, targets = block_targets(tiny_target, batch, BLOCK, list(drafter.config.target_layer_ids))
+    hidden = block_hidden(drafter, tiny_target.embed_tokens.weight, features, batch.token_ids, batch.anchors)
+    logits = drafter.corrected_logits(
+        F.linear(hidden.flatten(0, 1), tiny_target.lm_head.weight).float(),
+        drafter.markov_features(targets.previous),
+    )
+    return targets, torch.log_softmax(logits, -1)
+
+
 def test_the_soft_cross_entropy_is_against_the_targets_distribution(tiny_target, records, tmp_path) -> None:
     fixed = next(AnchorSampler(records, 16, 4, 64, seed=124))
     drafter = _drafter(tiny_target)
@@ -101,15 +113,8 @@ def test_the_soft_cross_entropy_is_against_the_targets_distribution(tiny_target,
     with torch.no_grad():
         hard_parts = drafter_loss(tiny_target, drafter, fixed, LossWeights(ce_target="data"), autocast=False)
         soft_parts = drafter_loss(tiny_target, drafter, fixed, soft, autocast=False)
-        features, targets = block_targets(tiny_target, fixed, BLOCK, list(drafter.config.target_layer_ids))
-        hidden = block_hidden(
-            drafter, tiny_target.embed_tokens.weight, features, fixed.token_ids, fixed.anchors
-        )
-        logits = drafter.corrected_logits(
-            F.linear(hidden.flatten(0, 1), tiny_target.lm_head.weight).float(),
-            drafter.markov_features(targets.previous),
-        )
-        expected = -(torch.softmax(targets.target_logits.float(), -1) * torch.log_softmax(logits, -1)).sum(-1)
+        targets, log_pd = _draft_log_probs(tiny_target, drafter, fixed)
+        expected = -(torch.softmax(targets.target_logits.float(), -1) * log_pd).sum(-1)
         w = position_weights(BLOCK, soft.decay, expected.device)[None, :] * targets.valid
     torch.testing.assert_close(soft_parts.ce, (w * expected).sum() / w.sum())
     torch.testing.assert_close(soft_parts.l1, hard_parts.l1)  # only the cross-entropy's label changes
@@ -129,17 +134,7 @@ def test_the_argmax_cross_entropy_is_against_the_targets_most_likely_token(tiny_
     with torch.no_grad():
         parts = drafter_loss(tiny_target, drafter, fixed, argmax, autocast=False)
         data_parts = drafter_loss(tiny_target, drafter, fixed, LossWeights(ce_target="data"), autocast=False)
-        features, targets = block_targets(tiny_target, fixed, BLOCK, list(drafter.config.target_layer_ids))
-        hidden = block_hidden(
-            drafter, tiny_target.embed_tokens.weight, features, fixed.token_ids, fixed.anchors
-        )
-        log_pd = torch.log_softmax(
-            drafter.corrected_logits(
-                F.linear(hidden.flatten(0, 1), tiny_target.lm_head.weight).float(),
-                drafter.markov_features(targets.previous),
-            ),
-            -1,
-        )
+        targets, log_pd = _draft_log_probs(tiny_target, drafter, fixed)
         labels = targets.target_logits.argmax(-1)
         expected = -log_pd.gather(-1, labels[..., None]).squeeze(-1)
         w = position_weights(BLOCK, argmax.decay, expected.device)[None, :] * targets.valid

@@ -84,10 +84,11 @@ def dspark_loss(
     logits = drafter.corrected_logits(F.linear(hidden, lm_head.to(hidden.dtype)).float(), markov)
     log_pd = torch.log_softmax(logits, dim=-1)
     p_t = torch.softmax(targets.target_logits.float(), dim=-1)
+    target_choice = targets.target_logits.argmax(-1)  # the argmax label and the survival's reference
     if weights.ce_target == "target":
         ce = -(p_t * log_pd).sum(-1)
     else:
-        labels = targets.labels if weights.ce_target == "data" else targets.target_logits.argmax(-1)
+        labels = targets.labels if weights.ce_target == "data" else target_choice
         ce = -log_pd.gather(-1, labels[..., None]).squeeze(-1)
     l1 = (log_pd.exp() - p_t).abs().sum(-1)
     # The confidence head reads the drafter without steering it: its inputs and target are detached.
@@ -99,7 +100,7 @@ def dspark_loss(
     ce_mean, l1_mean, bce_mean = ((w * term).sum() / norm for term in (ce, l1, bce))
     total = ce_mean + weights.l1 * l1_mean + weights.confidence * bce_mean
     with torch.no_grad():
-        hit = logits.argmax(-1) == targets.target_logits.argmax(-1)
+        hit = logits.argmax(-1) == target_choice
         whole = targets.valid.all(dim=-1)
         survival = hit[whole].float().cumprod(dim=-1).sum(0) / whole.sum().clamp_min(1)
     return LossParts(total, ce_mean.detach(), l1_mean.detach(), bce_mean.detach(), survival)
