@@ -93,7 +93,7 @@ fi
 
 echo "=== GPU tests"
 TEST_FILES=${TEST_FILES:-"tests/test_cuda_graphs.py tests/test_training_loss.py \
-  tests/test_kernels_norm_rotary.py tests/test_kernels_activation.py tests/test_kernels_attention.py tests/test_kernels_accept.py \
+  tests/test_kernels_norm_rotary.py tests/test_kernels_activation.py tests/test_kernels_attention.py tests/test_kernels_accept.py tests/test_kernels_gemv.py \
   tests/test_kernels_layout.py tests/test_kernels_markov.py tests/test_planner.py tests/test_draft_context.py \
   tests/test_host_to_device.py tests/test_penalties_logprobs_gpu.py \
   tests/test_engine.py tests/test_launch_ahead.py tests/test_overlap_scheduling.py \

@@ -100,7 +100,7 @@ def test_a_cancel_by_id_reaches_a_request_on_either_instance(two_instance_server
     instance takes it, answers "cancelled" and ends its stream with reason abort."""
     ids = [f"story-{i}" for i in range(6)]
     admitted = lambda: _metric_total(two_instance_server, "dspark_engine_admitted_requests_total")  # noqa: E731
-    admitted_before = admitted()
+    admitted_before = _settled(admitted)  # the test before's admissions may still be on their way
     streams = [GrpcStream(two_instance_server) for _ in ids]
     try:
         for grpc, request_id in zip(streams, ids, strict=True):

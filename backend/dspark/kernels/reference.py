@@ -25,6 +25,12 @@ def rms_norm(
     return (normed.to(x.dtype) * weight), residual
 
 
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., k] @ weight [n, k]^T -> [..., n] for a few rows of x (a decode step's projection):
+    accumulated in fp32, rounded once to x's dtype (F.linear without a bias)."""
+    return F.linear(x, weight)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: gate_up [..., 2 * width] (gate then up) -> silu(gate) * up [..., width]."""
     gate, up = gate_up.chunk(2, dim=-1)

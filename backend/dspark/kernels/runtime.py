@@ -27,6 +27,7 @@ KERNEL_MODULES = (
     "sampling",
     "layout",
     "markov",
+    "gemv",
 )
 
 _lock = threading.Lock()

@@ -41,7 +41,8 @@ CPU_LINEAR_PATHS = CpuLinearPaths()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, computed as (W x^T)^T for a few rows on a CPU.
+    """F.linear, computed as (W x^T)^T for a few rows on a CPU and by the skinny-product kernel for a
+    few rows on a GPU (`ops.few_rows_linear`).
 
     The CPU BLAS reads a weight at GEMV speed for one row but runs a GEMM of 2-16 rows (a verify
     window, a draft block's vocabulary projection) at about a third of that; W x^T keeps the weight
@@ -49,7 +50,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `CPU_LINEAR_PATHS` measured that faster. Other shapes and devices: F.linear.
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.device.type != "cpu" or not 0 < rows <= CPU_FEW_ROWS:
+    if x.device.type != "cpu":
+        if bias is None and 0 < rows <= ops.FEW_ROWS:
+            return ops.few_rows_linear(x, weight)
+        return F.linear(x, weight, bias)
+    if not 0 < rows <= CPU_FEW_ROWS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:

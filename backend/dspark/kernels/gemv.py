@@ -1,0 +1,131 @@
+"""Skinny matrix products: y = x W^T for a few rows of x (a decode step of up to 8 requests).
+
+At one to eight rows a projection only streams its weight; cuBLAS's kernels for the Qwen3-8B shape's
+smaller projections (o, qkv, down) reached 0.66-0.84 of the copy bandwidth on an H200 (RESULTS.md,
+session 14). Each program here owns BLOCK_N output columns, streams their rows of W over the whole
+of K in pipelined tiles, and multiplies them against every row of x at once (padded to 16 rows for
+the tensor cores), so W is read once whatever the row count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark.kernels.common import dot_in_fp32, round_cast
+
+# Rows up to which `gemv` is meant to be used; more rows are a GEMM's job.
+MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tile of one program: output columns, reduction chunk, pipeline depth, warps."""
+
+    block_n: int = 32
+    block_k: int = 256
+    num_stages: int = 4
+    num_warps: int = 4
+
+
+def tile_for(n: int, k: int) -> GemvConfig:
+    """The tile for a weight [n, k]: the fastest of a 48-tile sweep for each projection of the SmolLM2
+    and Qwen3-8B shapes on an H200 (`benchmarks/gemv.py`), by bands of n (programs per multiprocessor)
+    and k (bytes each program streams)."""
+    if n <= 1024:
+        return GemvConfig(block_n=16, block_k=512 if k > 1024 else 256, num_stages=6 if k <= 1024 else 3)
+    if n <= 4096:
+        return GemvConfig(block_n=32, block_k=512 if k >= 4096 else 128, num_stages=4)
+    if n <= 8192:
+        return GemvConfig(block_n=64, block_k=256, num_stages=4)
+    return GemvConfig(block_n=64, block_k=128, num_stages=3)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    num_rows,
+    n,
+    k,
+    stride_x,
+    stride_w,
+    stride_y,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """Grid (cdiv(n, BLOCK_N),); x [num_rows, k], w [n, k], y [num_rows, n] (unit column strides)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    col_ok = cols < n
+    row_ok = rows < num_rows
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        k_ok = ks < k
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP32_DOT:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    out = y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
+    tl.store(out, round_cast(acc, y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., k] @ weight [n, k]^T -> [..., n] in x's dtype, accumulated in fp32 (F.linear's contract
+    without a bias), for at most MAX_ROWS rows of x.
+
+    config: the tile (a tuning override; default `tile_for`); out optionally supplies the result ([..., n],
+    contiguous)."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    config = config or tile_for(n, k)
+    if weight.shape[1] != k:
+        raise ValueError(f"gemv: x has {k} columns, weight {tuple(weight.shape)}")
+    rows = x.reshape(x.numel() // k if k else x.shape[:-1].numel(), k)
+    if rows.shape[0] > MAX_ROWS:
+        raise ValueError(f"gemv: {rows.shape[0]} rows, at most {MAX_ROWS}")
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    if out is None:
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    y = out.view(rows.shape[0], n)
+    if rows.shape[0] and n:
+        # tl.dot wants every tile side >= 16; fp32 stays fp32 (no TF32), F.linear's default.
+        block_n = max(16, min(config.block_n, triton.next_power_of_2(n)))
+        block_k = max(16, min(config.block_k, triton.next_power_of_2(k)))
+        _gemv_kernel[(triton.cdiv(n, block_n),)](
+            rows,
+            weight,
+            y,
+            rows.shape[0],
+            n,
+            k,
+            rows.stride(0),
+            weight.stride(0),
+            y.stride(0),
+            BLOCK_M=16,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            FP32_DOT=dot_in_fp32(x.dtype),
+            num_stages=config.num_stages,
+            num_warps=config.num_warps,
+        )
+    return out

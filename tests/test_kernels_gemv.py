@@ -1,0 +1,137 @@
+"""The skinny-product kernel == F.linear (the torch reference: x W^T accumulated in fp32, rounded once)
+on random inputs drawn fresh each run: 1 to 16 rows, ragged widths that no tile divides, strided rows
+and weights, every dtype, and the Qwen3-8B and SmolLM2 projection shapes on a GPU; the model's
+projections take it for a few rows on a GPU and only then.
+
+On a machine without CUDA the kernel runs in Triton's interpreter (see test_kernels_attention.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import kernel_parity as parity
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_setup import DEVICE, KERNELS, gpu_only
+
+from dspark.kernels import ops, reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def check(x: torch.Tensor, weight: torch.Tensor, config=None) -> None:
+    out = parity.poisoned((*x.shape[:-1], weight.shape[0]), x.dtype, x.device)
+    got = KERNELS.gemv.gemv(x, weight, config, out=out)
+    assert got is out
+    ref = F.linear(x.float(), weight.float()).to(x.dtype)
+    assert got.shape == ref.shape and got.dtype == x.dtype
+    if not ref.numel():
+        return
+    tolerance = parity.ulp_tolerance(x.dtype)
+    # Sums of k products of unit normals are ~sqrt(k) large; summed in another order they differ by
+    # about that many fp32 units (fp32), or round to a neighbour (half types).
+    scale = math.sqrt(max(x.shape[-1], 1))
+    torch.testing.assert_close(got, ref, rtol=tolerance["rtol"], atol=tolerance["atol"] * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, n, k", [(1, 64, 64), (3, 100, 300), (8, 33, 17), (16, 5, 1000), (2, 1, 1)])
+def test_gemv_matches_f_linear(rows, n, k, dtype, gen):
+    x = parity.randn((rows, k), dtype, DEVICE, gen)
+    weight = parity.randn((n, k), dtype, DEVICE, gen)
+    check(x, weight)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(block_n=16, block_k=16, num_stages=2, num_warps=4),
+        dict(block_n=64, block_k=128, num_stages=3, num_warps=8),
+    ],
+)
+def test_every_tile_covers_ragged_widths(config, gen):
+    x = parity.randn((5, 231), torch.float32, DEVICE, gen)
+    weight = parity.randn((77, 231), torch.float32, DEVICE, gen)
+    check(x, weight, KERNELS.gemv.GemvConfig(**config))
+
+
+def test_strided_rows_and_weight_and_leading_dims(gen):
+    wide = parity.randn((2, 3, 300), torch.bfloat16, DEVICE, gen)
+    x = wide[..., :200]  # rows with a stride wider than their width
+    weight = parity.randn((40, 400), torch.bfloat16, DEVICE, gen)[:, ::2]  # a column stride of 2
+    got = KERNELS.gemv.gemv(x, weight)
+    assert got.shape == (2, 3, 40)
+    check(x, weight)
+
+
+def test_no_rows_no_columns_and_an_empty_reduction(gen):
+    assert KERNELS.gemv.gemv(torch.empty((0, 8), device=DEVICE), torch.ones((4, 8), device=DEVICE)).shape == (
+        0,
+        4,
+    )
+    assert KERNELS.gemv.gemv(torch.ones((2, 8), device=DEVICE), torch.empty((0, 8), device=DEVICE)).shape == (
+        2,
+        0,
+    )
+    empty = KERNELS.gemv.gemv(torch.ones((2, 0), device=DEVICE), torch.empty((3, 0), device=DEVICE))
+    assert torch.equal(empty, torch.zeros((2, 3), device=DEVICE))
+
+
+def test_too_many_rows_or_a_wrong_width_is_refused(gen):
+    with pytest.raises(ValueError, match="rows"):
+        KERNELS.gemv.gemv(torch.ones((17, 8), device=DEVICE), torch.ones((4, 8), device=DEVICE))
+    with pytest.raises(ValueError, match="columns"):
+        KERNELS.gemv.gemv(torch.ones((2, 8), device=DEVICE), torch.ones((4, 9), device=DEVICE))
+
+
+@gpu_only
+@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize(
+    "n, k", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (960, 576), (576, 1536)]
+)
+def test_projection_shapes_of_qwen3_8b_and_smollm2(rows, n, k, gen):
+    x = parity.randn((rows, k), torch.bfloat16, DEVICE, gen)
+    weight = parity.randn((n, k), torch.bfloat16, DEVICE, gen) / math.sqrt(k)
+    check(x, weight)
+
+
+def test_ops_sends_cpu_tensors_and_gradients_to_the_reference(gen):
+    x = parity.randn((3, 40), torch.float32, torch.device("cpu"), gen)
+    weight = parity.randn((24, 40), torch.float32, torch.device("cpu"), gen)
+    assert torch.equal(ops.few_rows_linear(x, weight), reference.few_rows_linear(x, weight))
+    # Half precision on the kernel's device: only the gradient sends it to the reference.
+    trained = weight.to(DEVICE, torch.bfloat16).requires_grad_(True)
+    ops.few_rows_linear(x.to(DEVICE, torch.bfloat16), trained).float().sum().backward()
+    assert trained.grad is not None
+    expected = x.to(torch.bfloat16).float().sum(0).expand_as(weight)
+    torch.testing.assert_close(trained.grad.float().cpu(), expected, rtol=1.6e-2, atol=1.6e-2)
+
+
+@gpu_only
+def test_a_gpu_projection_takes_the_kernel_for_a_few_rows_only(gen):
+    """layers.linear on a GPU: the kernel's result for 1..FEW_ROWS rows of half precision within the
+    widest measured weight, cuBLAS's (F.linear) otherwise: more rows, a bias, fp32, an LM head."""
+    from dspark.runner.models.layers import linear
+
+    weight = parity.randn((96, 64), torch.bfloat16, DEVICE, gen)
+    for rows in (1, ops.FEW_ROWS):
+        x = parity.randn((rows, 64), torch.bfloat16, DEVICE, gen)
+        assert torch.equal(linear(x, weight), KERNELS.gemv.gemv(x, weight))
+    more = parity.randn((ops.FEW_ROWS + 1, 64), torch.bfloat16, DEVICE, gen)
+    assert torch.equal(linear(more, weight), F.linear(more, weight))
+    x = parity.randn((2, 64), torch.bfloat16, DEVICE, gen)
+    bias = parity.randn((96,), torch.bfloat16, DEVICE, gen)
+    assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
+    assert torch.equal(linear(x.float(), weight.float()), F.linear(x.float(), weight.float()))
+    head = parity.randn((ops.FEW_ROWS_MAX_OUTPUTS + 1, 64), torch.bfloat16, DEVICE, gen)
+    assert torch.equal(linear(x, head), F.linear(x, head))
+
+
+@pytest.mark.parametrize("n, k", [(100, 2000), (2000, 300), (5000, 64), (9000, 40)])
+def test_the_tile_of_every_band_of_widths(n, k, gen):
+    """`tile_for` picks by bands of n and k; each band's tile covers its ragged shapes."""
+    x = parity.randn((3, k), torch.bfloat16, DEVICE, gen)
+    weight = parity.randn((n, k), torch.bfloat16, DEVICE, gen)
+    check(x, weight)
