@@ -48,7 +48,8 @@ FEW_ROWS_MAX_OUTPUTS = 24576
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """See reference.few_rows_linear; the kernel takes half-precision CUDA tensors of at most FEW_ROWS
-    rows and FEW_ROWS_MAX_OUTPUTS outputs (fp32 stays with cuBLAS: the kernel was not measured there)."""
+    rows and FEW_ROWS_MAX_OUTPUTS outputs, everything else goes to F.linear (fp32 stays with cuBLAS: the
+    kernel was not measured there)."""
     if (
         _on_gpu(x, weight)
         and x.dtype in (torch.bfloat16, torch.float16)

@@ -36,7 +36,8 @@ class LossWeights:
     # What the cross-entropy's label is: "target" (the target's distribution at that position, which the
     # L1 term computes anyway), "data" (the next token of the training sequence) or "argmax" (the
     # target's most likely token there). target against data: the same steps from scratch gave +3%
-    # held-out tau (H200, 2026-12-03, training/variants.sh); argmax not yet measured.
+    # held-out tau (H200, 2026-12-03, training/variants.sh); argmax against target: +0.8%, within noise
+    # (session 26, RESULTS.md).
     ce_target: str = "target"
 
     def __post_init__(self) -> None:

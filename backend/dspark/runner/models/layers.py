@@ -51,9 +51,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu":
-        if bias is None and 0 < rows <= ops.FEW_ROWS:
-            return ops.few_rows_linear(x, weight)
-        return F.linear(x, weight, bias)
+        # ops decides which products the kernel takes (rows, dtype, width); the rest go to F.linear.
+        return F.linear(x, weight, bias) if bias is not None else ops.few_rows_linear(x, weight)
     if not 0 < rows <= CPU_FEW_ROWS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
