@@ -29,7 +29,8 @@
 #      size and the GPU's busy share of steady decode (OVERLAP_S, default 0: skipped; OVERLAP_ARGS).
 # Limits (seconds): TESTS_S (default 420; 0 skips them), PROFILE_S and E2E_S (default 0: skipped, the
 # tests need the call's time; e.g. TESTS_S=0 PROFILE_S=100 E2E_S=330 refreshes the tables in a call of its
-# own). PROFILE_ARGS go to profile_host.py (e.g. "--kernels --modes off,static"). SERVING_S (default
+# own; E2E_ARGS are added to gpu_e2e.py's, e.g. "--kernel-paths fused,gemv,cublas"). PROFILE_ARGS go
+# to profile_host.py (e.g. "--kernels --modes off,static"). SERVING_S (default
 # 300; 0 skips; SERVING_TESTS: which test files, text and ids, streaming and not, cancel, several instances
 # sharing the engine by default) and
 # OVERHEAD_S (default 0: skipped), OVERHEAD_ARGS for serving_overhead.py (it measures each level's pair
@@ -143,8 +144,9 @@ echo "=== benchmarks/gpu_e2e.py"
 if [[ "${E2E_S:-0}" == 0 ]]; then
   echo "skipped (E2E_S=0)"
 else
+  # shellcheck disable=SC2086  # E2E_ARGS is a list of arguments (later ones override the defaults)
   timeout "$E2E_S" python3 benchmarks/gpu_e2e.py --out "$OUT/e2e" --parts "${PARTS:-step,smollm2,e2e8b}" \
-    --step-batches 1,8,64,256 --repeats 9 --e2e-batches 1,8,64 --max-tokens 96 --accept 4 \
+    --step-batches 1,8,64,256 --repeats 9 --e2e-batches 1,8,64 --max-tokens 96 --accept 4 ${E2E_ARGS:-} \
     > "$OUT/e2e.log" 2>&1
   echo "gpu_e2e exit $?"
   grep -v "^step \|Loading" "$OUT/e2e.log" | tail -40

@@ -43,7 +43,7 @@ import json
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import date
 from pathlib import Path
 
@@ -57,6 +57,7 @@ import step_profile  # noqa: E402
 import tp_gpu  # noqa: E402
 
 from dspark import LLM, EngineConfig  # noqa: E402
+from dspark.kernels import ops  # noqa: E402
 from dspark.runner.model_runner import ModelRunner  # noqa: E402
 from dspark.spec.drafts import Drafts  # noqa: E402
 
@@ -127,29 +128,55 @@ def part_step(args: argparse.Namespace, checkpoint: Path, report: dict) -> None:
     kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     graphs = runner.graphs
     rows = report.setdefault("step", [])
+    paths = args.kernel_paths.split(",")
     for batch in batches:
         for window in windows:
             step = make_step(batch, window, args.context, 16, cfg.vocab_size, batch * 31 + window)
             floor_s = (weight_bytes + batch * (args.context + window) * kv_bytes_per_token) / (
                 bandwidth * 1e9
             )
-            graph_s = time_forward(runner, step, args.repeats)
-            runner.graphs = None
-            eager_s = time_forward(runner, step, max(3, args.repeats // 3))
-            runner.graphs = graphs
-            row = {
-                "batch": batch,
-                "window": window,
-                "tokens": batch * window,
-                "floor_ms": floor_s * 1e3,
-                "graph_ms": graph_s * 1e3,
-                "eager_ms": eager_s * 1e3,
-                "graph_vs_floor": graph_s / floor_s,
-            }
-            rows.append(row)
-            print("step", json.dumps(row), flush=True)
+            # The kernel paths side by side at each shape, each captured afresh.
+            for path in paths:
+                with kernel_path(path):
+                    graphs.release()
+                    graph_s = time_forward(runner, step, args.repeats)
+                    runner.graphs = None
+                    eager_s = time_forward(runner, step, max(3, args.repeats // 3))
+                    runner.graphs = graphs
+                row = {
+                    "batch": batch,
+                    "window": window,
+                    "tokens": batch * window,
+                    "kernels": path,
+                    "floor_ms": floor_s * 1e3,
+                    "graph_ms": graph_s * 1e3,
+                    "eager_ms": eager_s * 1e3,
+                    "graph_vs_floor": graph_s / floor_s,
+                }
+                rows.append(row)
+                print("step", json.dumps(row), flush=True)
+    graphs.release()
     del runner, graphs
     torch.cuda.empty_cache()
+
+
+# --kernel-paths: which kernels a few-row projection takes (kernels/ops.py's switches).
+KERNEL_PATHS = {
+    "fused": (ops.FEW_ROWS, True),  # the default: the skinny product with the norm / activation inside
+    "gemv": (ops.FEW_ROWS, False),  # the skinny product; norms and the activation as their own kernels
+    "cublas": (0, False),  # every projection by F.linear
+}
+
+
+@contextlib.contextmanager
+def kernel_path(name: str) -> Iterator[None]:
+    """Run the block with ops' few-row switches set as KERNEL_PATHS[name] says, then restore them."""
+    saved = ops.FEW_ROWS, ops.FUSE_INTO_FEW_ROWS
+    ops.FEW_ROWS, ops.FUSE_INTO_FEW_ROWS = KERNEL_PATHS[name]
+    try:
+        yield
+    finally:
+        ops.FEW_ROWS, ops.FUSE_INTO_FEW_ROWS = saved
 
 
 def part_profile(
@@ -373,13 +400,17 @@ def markdown(report: dict) -> str:
         lines += [
             f"## One target step, {shape} shape, bf16, {report['args']['context']} cached tokens a request",
             "",
-            "| batch | window | tokens | floor ms | graph ms | eager ms | graph / floor |",
-            "|---:|---:|---:|---:|---:|---:|---:|",
+            "Kernels: `fused` the skinny product with the norm / activation inside (the default), `gemv` "
+            "the skinny product alone, `cublas` F.linear for every projection.",
+            "",
+            "| batch | window | tokens | kernels | floor ms | graph ms | eager ms | graph / floor |",
+            "|---:|---:|---:|---|---:|---:|---:|---:|",
         ]
         for r in report["step"]:
             lines.append(
-                f"| {r['batch']} | {r['window']} | {r['tokens']} | {r['floor_ms']:.2f} | {r['graph_ms']:.2f} "
-                f"| {r['eager_ms']:.2f} | {r['graph_vs_floor']:.2f} |"
+                f"| {r['batch']} | {r['window']} | {r['tokens']} | {r.get('kernels', 'fused')} "
+                f"| {r['floor_ms']:.2f} | {r['graph_ms']:.2f} | {r['eager_ms']:.2f} "
+                f"| {r['graph_vs_floor']:.2f} |"
             )
         lines.append("")
     if report.get("profile"):
@@ -475,6 +506,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--step-batches", default="1,8,32,128,256")
     parser.add_argument("--step-windows", default="1,2,4,8")
+    parser.add_argument(
+        "--kernel-paths",
+        default="fused",
+        help=f"step: few-row projection paths side by side, comma-separated of {','.join(KERNEL_PATHS)}",
+    )
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--e2e-batches", default="1,4,16,64")
     parser.add_argument("--prompt-len", type=int, default=64)
