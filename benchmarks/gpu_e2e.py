@@ -160,23 +160,22 @@ def part_step(args: argparse.Namespace, checkpoint: Path, report: dict) -> None:
     torch.cuda.empty_cache()
 
 
-# --kernel-paths: which kernels a few-row projection takes (kernels/ops.py's switches).
+# --kernel-paths: the rows up to which a projection takes the skinny-product kernel (ops.FEW_ROWS).
 KERNEL_PATHS = {
-    "fused": (ops.FEW_ROWS, True),  # the default: the skinny product with the norm / activation inside
-    "gemv": (ops.FEW_ROWS, False),  # the skinny product; norms and the activation as their own kernels
-    "cublas": (0, False),  # every projection by F.linear
+    "gemv": ops.FEW_ROWS,  # the default: the skinny product at a few rows, cuBLAS past them
+    "cublas": 0,  # every projection by F.linear
 }
 
 
 @contextlib.contextmanager
 def kernel_path(name: str) -> Iterator[None]:
-    """Run the block with ops' few-row switches set as KERNEL_PATHS[name] says, then restore them."""
-    saved = ops.FEW_ROWS, ops.FUSE_INTO_FEW_ROWS
-    ops.FEW_ROWS, ops.FUSE_INTO_FEW_ROWS = KERNEL_PATHS[name]
+    """Run the block with ops.FEW_ROWS set as KERNEL_PATHS[name] says, then restore it."""
+    saved = ops.FEW_ROWS
+    ops.FEW_ROWS = KERNEL_PATHS[name]
     try:
         yield
     finally:
-        ops.FEW_ROWS, ops.FUSE_INTO_FEW_ROWS = saved
+        ops.FEW_ROWS = saved
 
 
 def part_profile(
@@ -400,15 +399,15 @@ def markdown(report: dict) -> str:
         lines += [
             f"## One target step, {shape} shape, bf16, {report['args']['context']} cached tokens a request",
             "",
-            "Kernels: `fused` the skinny product with the norm / activation inside (the default), `gemv` "
-            "the skinny product alone, `cublas` F.linear for every projection.",
+            "Kernels: `gemv` the skinny-product kernel at a few rows (the default), `cublas` F.linear for "
+            "every projection.",
             "",
             "| batch | window | tokens | kernels | floor ms | graph ms | eager ms | graph / floor |",
             "|---:|---:|---:|---|---:|---:|---:|---:|",
         ]
         for r in report["step"]:
             lines.append(
-                f"| {r['batch']} | {r['window']} | {r['tokens']} | {r.get('kernels', 'fused')} "
+                f"| {r['batch']} | {r['window']} | {r['tokens']} | {r.get('kernels', 'gemv')} "
                 f"| {r['floor_ms']:.2f} | {r['graph_ms']:.2f} | {r['eager_ms']:.2f} "
                 f"| {r['graph_vs_floor']:.2f} |"
             )
@@ -508,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-windows", default="1,2,4,8")
     parser.add_argument(
         "--kernel-paths",
-        default="fused",
+        default="gemv",
         help=f"step: few-row projection paths side by side, comma-separated of {','.join(KERNEL_PATHS)}",
     )
     parser.add_argument("--repeats", type=int, default=15)

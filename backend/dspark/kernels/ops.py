@@ -44,80 +44,21 @@ def rms_norm(
 # 151936 outputs) stay with cuBLAS, which reads them at the copy bandwidth already.
 FEW_ROWS = 8
 FEW_ROWS_MAX_OUTPUTS = 24576
-# Whether the norm before a projection and SwiGLU's activation run inside the skinny product (one
-# kernel instead of two, where it takes the product); off only for a benchmark's side-by-side.
-FUSE_INTO_FEW_ROWS = True
-
-
-def takes_few_rows(
-    rows: int, x: torch.Tensor, weight: torch.Tensor, *differentiable: torch.Tensor | None
-) -> bool:
-    """Whether the skinny-product kernel takes `rows` rows of x's kind times weight: half-precision
-    CUDA tensors of one dtype, at most FEW_ROWS rows and FEW_ROWS_MAX_OUTPUTS outputs, no gradient
-    wanted through them or `differentiable` (fp32 stays with cuBLAS: the kernel was not measured
-    there)."""
-    return (
-        _on_gpu(x, weight, *differentiable)
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and rows <= FEW_ROWS
-        and weight.shape[0] <= FEW_ROWS_MAX_OUTPUTS
-    )
-
-
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """See reference.few_rows_linear; the kernel where `takes_few_rows`, F.linear otherwise."""
-    if takes_few_rows(_rows(x), x, weight):
+    """See reference.few_rows_linear; the kernel takes half-precision CUDA tensors of at most FEW_ROWS
+    rows and FEW_ROWS_MAX_OUTPUTS outputs, everything else goes to F.linear (fp32 stays with cuBLAS: the
+    kernel was not measured there)."""
+    if (
+        _on_gpu(x, weight)
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.numel() <= FEW_ROWS * x.shape[-1]
+        and weight.shape[0] <= FEW_ROWS_MAX_OUTPUTS
+    ):
         return load_kernels().gemv.gemv(x, weight)
     return reference.few_rows_linear(x, weight)
-
-
-def fuses_norm(
-    x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
-) -> bool:
-    """Whether `rms_norm_linear` runs as one kernel: bf16 only, since the kernel multiplies the rows
-    by the norm weight before the norm's scale, and in fp16 a residual stream of a few thousand times
-    a norm weight can overflow."""
-    return (
-        FUSE_INTO_FEW_ROWS
-        and x.dtype == torch.bfloat16
-        and norm_weight.dtype == x.dtype
-        and (residual is None or residual.dtype == x.dtype)
-        and takes_few_rows(_rows(x), x, weight, norm_weight, residual)
-    )
-
-
-def rms_norm_linear(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See reference.rms_norm_linear; one kernel where `fuses_norm`, the norm then the projection
-    otherwise."""
-    if fuses_norm(x, norm_weight, residual, weight):
-        return load_kernels().gemv.rms_norm_gemv(x, norm_weight, eps, residual, weight)
-    normed, summed = rms_norm(x, norm_weight, eps, residual)
-    return few_rows_linear(normed, weight), (x if summed is None else summed)
-
-
-def fuses_activation(gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `silu_mul_linear` runs as one kernel for gate_up."""
-    rows = gate_up.numel() // weight.shape[1] // 2 if weight.shape[1] else 0
-    return FUSE_INTO_FEW_ROWS and takes_few_rows(rows, gate_up, weight)
-
-
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """See reference.silu_mul_linear; one kernel where `fuses_activation`, the activation then the
-    projection otherwise."""
-    if fuses_activation(gate_up, weight):
-        return load_kernels().gemv.silu_mul_gemv(gate_up, weight)
-    return few_rows_linear(silu_mul(gate_up), weight)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -31,24 +31,6 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def rms_norm_linear(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The norm before a projection, then the projection: (rms_norm(x, norm_weight, eps, residual)[0]
-    @ weight^T, x + residual), with x itself as the second without a residual."""
-    normed, summed = rms_norm(x, norm_weight, eps, residual)
-    return few_rows_linear(normed, weight), (x if summed is None else summed)
-
-
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's activation, then the down projection: silu_mul(gate_up) @ weight^T."""
-    return few_rows_linear(silu_mul(gate_up), weight)
-
-
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: gate_up [..., 2 * width] (gate then up) -> silu(gate) * up [..., width]."""
     gate, up = gate_up.chunk(2, dim=-1)

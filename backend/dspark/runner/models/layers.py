@@ -139,16 +139,6 @@ class ColumnParallelLinear(nn.Module):
         """[num_tokens, input] -> [num_tokens, local output]."""
         return linear(x, self.weight, self.bias)
 
-    def forward_normed(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward(norm(x, residual)), x + residual), x itself as the second without a residual; on a
-        GPU the norm runs inside the product where `ops.rms_norm_linear` can."""
-        if x.device.type == "cpu" or self.bias is not None:
-            normed, summed = norm(x, residual)
-            return self.forward(normed), (x if summed is None else summed)
-        return ops.rms_norm_linear(x, norm.weight, norm.eps, residual, self.weight)
-
 
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's input columns split over ranks; partial sums are all-reduced."""
@@ -169,18 +159,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[num_tokens, local input] -> [num_tokens, output], summed over ranks."""
-        return self._reduce(linear(x, self.weight))
-
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """forward(silu(gate) * up) of gate_up [num_tokens, 2 * local input]; on a GPU the activation
-        runs inside the product where `ops.silu_mul_linear` can."""
-        if gate_up.device.type == "cpu":
-            return self.forward(ops.silu_mul(gate_up))
-        return self._reduce(ops.silu_mul_linear(gate_up, self.weight))
-
-    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """This rank's partial product summed over ranks, plus the bias."""
-        y = self.tp.all_reduce(partial)
+        y = linear(x, self.weight)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -53,20 +53,10 @@ class Attention(nn.Module):
         cos_sin: torch.Tensor,
     ) -> torch.Tensor:
         """x: [num_tokens, hidden] -> [num_tokens, hidden]."""
-        return self.attend(self.qkv_proj(x), positions, batch, k_cache, v_cache, cos_sin)
-
-    def attend(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        batch: AttentionBatch,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        cos_sin: torch.Tensor,
-    ) -> torch.Tensor:
-        """The rest of `forward` from the qkv projection [num_tokens, q + 2 kv] on."""
-        n, d = qkv.shape[0], self.head_dim
-        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        n, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split(
+            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
+        )
         q = q.reshape(n, self.num_heads, d)
         k = k.reshape(n, self.num_kv_heads, d)
         v = v.reshape(n, self.num_kv_heads, d)
@@ -101,7 +91,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, hidden]."""
-        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -124,12 +114,12 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (block output, residual); their sum is the layer's output hidden state."""
-        attn, mlp = self.self_attn, self.mlp
-        # Each norm runs with the projection after it (one kernel on a GPU at a few rows).
-        qkv, residual = attn.qkv_proj.forward_normed(self.input_layernorm, x, residual)
-        h = attn.attend(qkv, positions, batch, kv[0], kv[1], cos_sin)
-        gate_up, residual = mlp.gate_up_proj.forward_normed(self.post_attention_layernorm, h, residual)
-        return mlp.down_proj.forward_silu_mul(gate_up), residual
+        h, residual = self.input_layernorm(x, residual)
+        if residual is None:
+            residual = x
+        h = self.self_attn(h, positions, batch, kv[0], kv[1], cos_sin)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
