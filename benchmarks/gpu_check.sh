@@ -29,7 +29,7 @@
 #      size and the GPU's busy share of steady decode (OVERLAP_S, default 0: skipped; OVERLAP_ARGS).
 # Limits (seconds): TESTS_S (default 420; 0 skips them), PROFILE_S and E2E_S (default 0: skipped, the
 # tests need the call's time; e.g. TESTS_S=0 PROFILE_S=100 E2E_S=330 refreshes the tables in a call of its
-# own; E2E_ARGS are added to gpu_e2e.py's, e.g. "--kernel-paths gemv,cublas"). PROFILE_ARGS go
+# own; E2E_ARGS are added to gpu_e2e.py's, e.g. "--kernel-paths gemv,gemv-apart,cublas"). PROFILE_ARGS go
 # to profile_host.py (e.g. "--kernels --modes off,static"). SERVING_S (default
 # 300; 0 skips; SERVING_TESTS: which test files, text and ids, streaming and not, cancel, several instances
 # sharing the engine by default) and

@@ -160,22 +160,24 @@ def part_step(args: argparse.Namespace, checkpoint: Path, report: dict) -> None:
     torch.cuda.empty_cache()
 
 
-# --kernel-paths: the rows up to which a projection takes the skinny-product kernel (ops.FEW_ROWS).
+# --kernel-paths: the rows up to which a projection takes the skinny-product kernel (ops.FEW_ROWS) and
+# whether SwiGLU's activation runs in the gate/up kernel's epilogue (ops.SILU_IN_GATE_UP).
 KERNEL_PATHS = {
-    "gemv": ops.FEW_ROWS,  # the default: the skinny product at a few rows, cuBLAS past them
-    "cublas": 0,  # every projection by F.linear
+    "gemv": (ops.FEW_ROWS, True),  # the default: the skinny product at a few rows, the activation inside
+    "gemv-apart": (ops.FEW_ROWS, False),  # the skinny product, the activation as a kernel of its own
+    "cublas": (0, False),  # every projection by F.linear
 }
 
 
 @contextlib.contextmanager
 def kernel_path(name: str) -> Iterator[None]:
-    """Run the block with ops.FEW_ROWS set as KERNEL_PATHS[name] says, then restore it."""
-    saved = ops.FEW_ROWS
-    ops.FEW_ROWS = KERNEL_PATHS[name]
+    """Run the block with ops' few-row switches set as KERNEL_PATHS[name] says, then restore them."""
+    saved = ops.FEW_ROWS, ops.SILU_IN_GATE_UP
+    ops.FEW_ROWS, ops.SILU_IN_GATE_UP = KERNEL_PATHS[name]
     try:
         yield
     finally:
-        ops.FEW_ROWS = saved
+        ops.FEW_ROWS, ops.SILU_IN_GATE_UP = saved
 
 
 def part_profile(
@@ -399,8 +401,9 @@ def markdown(report: dict) -> str:
         lines += [
             f"## One target step, {shape} shape, bf16, {report['args']['context']} cached tokens a request",
             "",
-            "Kernels: `gemv` the skinny-product kernel at a few rows (the default), `cublas` F.linear for "
-            "every projection.",
+            "Kernels: `gemv` the skinny-product kernel at a few rows with SwiGLU's activation in the gate/up "
+            "kernel (the default), `gemv-apart` the activation as a kernel of its own, `cublas` F.linear "
+            "for every projection.",
             "",
             "| batch | window | tokens | kernels | floor ms | graph ms | eager ms | graph / floor |",
             "|---:|---:|---:|---|---:|---:|---:|---:|",

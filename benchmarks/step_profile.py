@@ -161,6 +161,9 @@ def _scoped_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Modu
         yield "down", layer.mlp.down_proj
 
 
+# A projection's methods that run it with the op after it (SwiGLU's activation), called by the layers
+# instead of forward: wrapped in the projection's scope.
+_FUSED_METHODS = ("forward_silu_mul",)
 # ops called by the layers as plain functions (no module to hook): op name -> scope.
 _SCOPED_OPS = {"rotary_store_kv": "rotary_store_kv", "paged_attention": "attention", "silu_mul": "silu_mul"}
 
@@ -193,16 +196,23 @@ def annotated(model: torch.nn.Module) -> Iterator[None]:
 
     handles = []
     real_ops = {name: getattr(ops, name) for name in _SCOPED_OPS}
+    wrapped_methods: list[tuple[torch.nn.Module, str]] = []
     try:
         for scope, module in _scoped_modules(model):
             handles.append(module.register_forward_pre_hook(enter(scope)))
             handles.append(module.register_forward_hook(leave))
+            for method in _FUSED_METHODS:
+                if hasattr(module, method):
+                    setattr(module, method, wrapped(getattr(module, method), scope))
+                    wrapped_methods.append((module, method))
         for name, scope in _SCOPED_OPS.items():
             setattr(ops, name, wrapped(real_ops[name], scope))
         yield
     finally:
         for handle in handles:
             handle.remove()
+        for module, method in wrapped_methods:
+            delattr(module, method)  # the class's method again
         for name, real in real_ops.items():
             setattr(ops, name, real)
         while open_scopes:  # a forward that raised between a pre-hook and its hook

@@ -136,3 +136,76 @@ def test_the_tile_of_every_band_of_widths(n, k, gen):
     x = parity.randn((3, k), torch.bfloat16, DEVICE, gen)
     weight = parity.randn((n, k), torch.bfloat16, DEVICE, gen)
     check(x, weight)
+
+
+# SwiGLU's activation in the gate/up product's epilogue ------------------------------------------------
+
+
+def check_silu_mul(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
+    """silu_mul_gemv against the reference (the product in fp32, rounded, then the activation)."""
+    n = weight.shape[0] // 2
+    out = parity.poisoned((*x.shape[:-1], n), x.dtype, x.device)
+    got = KERNELS.gemv.silu_mul_gemv(x, weight, config, out=out)
+    assert got is out and got.shape == (*x.shape[:-1], n)
+    ref = reference.silu_mul(F.linear(x.float(), weight.float()).to(x.dtype))
+    if ref.numel():
+        tolerance = parity.ulp_tolerance(x.dtype)
+        scale = math.sqrt(max(x.shape[-1], 1))
+        torch.testing.assert_close(got, ref, rtol=tolerance["rtol"], atol=tolerance["atol"] * scale)
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, n, k", [(1, 32, 64), (3, 50, 300), (8, 17, 33), (16, 5, 1000), (2, 1, 1)])
+def test_the_activation_in_the_product_matches_the_product_then_the_activation(rows, n, k, dtype, gen):
+    x = parity.randn((rows, k), dtype, DEVICE, gen)
+    weight = parity.randn((2 * n, k), dtype, DEVICE, gen) / math.sqrt(k) * 3
+    check_silu_mul(x, weight)
+
+
+def test_the_activation_in_the_product_on_strided_rows_a_small_tile_and_no_rows(gen):
+    wide = parity.randn((2, 3, 300), torch.bfloat16, DEVICE, gen)
+    x = wide[..., :200]
+    weight = parity.randn((2 * 40, 400), torch.bfloat16, DEVICE, gen)[:, ::2] / 5
+    assert check_silu_mul(x, weight).shape == (2, 3, 40)
+    check_silu_mul(x, weight, KERNELS.gemv.GemvConfig(block_n=16, block_k=16, num_stages=2))
+    empty = KERNELS.gemv.silu_mul_gemv(torch.empty((0, 8), device=DEVICE), torch.ones((6, 8), device=DEVICE))
+    assert empty.shape == (0, 3)
+    with pytest.raises(ValueError, match="odd"):
+        KERNELS.gemv.silu_mul_gemv(torch.ones((2, 8), device=DEVICE), torch.ones((5, 8), device=DEVICE))
+
+
+def test_ops_leaves_the_activation_apart_on_a_cpu_and_for_gradients(gen):
+    x = parity.randn((3, 40), torch.float32, DEVICE, gen).cpu()
+    weight = parity.randn((48, 40), torch.float32, DEVICE, gen).cpu()
+    assert torch.equal(ops.silu_mul_linear(x, weight), reference.silu_mul(F.linear(x, weight)))
+    trained = weight.to(DEVICE, torch.bfloat16).requires_grad_(True)
+    ops.silu_mul_linear(x.to(DEVICE, torch.bfloat16), trained).float().sum().backward()
+    assert trained.grad is not None and trained.grad.abs().sum() > 0
+
+
+@gpu_only
+@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("n, k", [(12288, 4096), (1536, 576)])
+def test_the_activation_in_the_product_at_the_gate_up_shapes_is_the_two_kernels_to_the_bit(rows, n, k, gen):
+    """At the Qwen3-8B and SmolLM2 gate/up shapes the epilogue rounds where gemv then silu_mul round:
+    the same bits (so a step's result does not depend on which path its row count takes)."""
+    x = parity.randn((rows, k), torch.bfloat16, DEVICE, gen)
+    weight = parity.randn((2 * n, k), torch.bfloat16, DEVICE, gen) / math.sqrt(k) * 3
+    got = check_silu_mul(x, weight)
+    assert torch.equal(got, KERNELS.activation.silu_mul(KERNELS.gemv.gemv(x, weight)))
+
+
+@gpu_only
+def test_a_gpu_gate_up_projection_takes_the_epilogue_for_a_few_rows_only(gen):
+    from dspark.runner.models.layers import ColumnParallelLinear
+
+    proj = ColumnParallelLinear(64, [48, 48], bias=False, shard_names=["gate", "up"]).to(
+        DEVICE, torch.bfloat16
+    )
+    proj.weight.data = parity.randn((96, 64), torch.bfloat16, DEVICE, gen) / 4
+    for rows in (1, ops.FEW_ROWS):
+        x = parity.randn((rows, 64), torch.bfloat16, DEVICE, gen)
+        assert torch.equal(proj.forward_silu_mul(x), KERNELS.gemv.silu_mul_gemv(x, proj.weight))
+    more = parity.randn((ops.FEW_ROWS + 1, 64), torch.bfloat16, DEVICE, gen)
+    assert torch.equal(proj.forward_silu_mul(more), ops.silu_mul(F.linear(more, proj.weight)))

@@ -5,6 +5,10 @@ smaller projections (o, qkv, down) reached 0.66-0.84 of the copy bandwidth on an
 session 14). Each program here owns BLOCK_N output columns, streams their rows of W over the whole
 of K in pipelined tiles, and multiplies them against every row of x at once (padded to 16 rows for
 the tensor cores), so W is read once whatever the row count.
+
+SwiGLU's activation can run in the epilogue of the gate/up projection (`silu_mul_gemv`): each program
+multiplies the gate rows and the up rows of its columns and writes silu(gate) * up, one kernel and one
+round trip fewer per layer, with the products rounded where the two kernels would round them.
 """
 
 from __future__ import annotations
@@ -59,42 +63,56 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):
-    """Grid (cdiv(n, BLOCK_N),); x [num_rows, k], w [n, k], y [num_rows, n] (unit column strides)."""
+    """Grid (cdiv(n, BLOCK_N),); x [num_rows, k], w [n, k], y [num_rows, n] (unit column strides).
+
+    SILU_MUL: w is [2n, k], gate rows then up rows; y = silu(x w_gate^T) * (x w_up^T), each product
+    rounded to y's dtype first, then silu, then the product (as gemv then activation.silu_mul)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < n
     row_ok = rows < num_rows
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    up_rows = w_ptr + (cols + n).to(tl.int64)[:, None] * stride_w
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         k_ok = ks < k
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = col_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if FP32_DOT:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
+        if SILU_MUL:
+            up = tl.load(up_rows + ks[None, :], mask=w_ok, other=0.0)
+            if FP32_DOT:
+                acc_up += tl.dot(x.to(tl.float32), tl.trans(up.to(tl.float32)), input_precision="ieee")
+            else:
+                acc_up += tl.dot(x, tl.trans(up))
+    dtype = y_ptr.dtype.element_ty
+    if SILU_MUL:
+        gate = round_cast(acc, dtype).to(tl.float32)
+        silu = round_cast(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+        acc = silu * round_cast(acc_up, dtype).to(tl.float32)
     out = y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
-    tl.store(out, round_cast(acc, y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out, round_cast(acc, dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def gemv(
+def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
-    config: GemvConfig | None = None,
-    out: torch.Tensor | None = None,
+    n: int,
+    config: GemvConfig,
+    out: torch.Tensor | None,
+    silu_mul: bool,
 ) -> torch.Tensor:
-    """x [..., k] @ weight [n, k]^T -> [..., n] in x's dtype, accumulated in fp32 (F.linear's contract
-    without a bias), for at most MAX_ROWS rows of x.
-
-    config: the tile (a tuning override; default `tile_for`); out optionally supplies the result ([..., n],
-    contiguous)."""
+    """y [..., n] from x [..., k] and weight [n or 2n, k] (see _gemv_kernel)."""
     k = x.shape[-1]
-    n = weight.shape[0]
-    config = config or tile_for(n, k)
     if weight.shape[1] != k:
         raise ValueError(f"gemv: x has {k} columns, weight {tuple(weight.shape)}")
     rows = x.reshape(x.numel() // k if k else x.shape[:-1].numel(), k)
@@ -125,7 +143,43 @@ def gemv(
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             FP32_DOT=dot_in_fp32(x.dtype),
+            SILU_MUL=silu_mul,
             num_stages=config.num_stages,
             num_warps=config.num_warps,
         )
     return out
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., k] @ weight [n, k]^T -> [..., n] in x's dtype, accumulated in fp32 (F.linear's contract
+    without a bias), for at most MAX_ROWS rows of x.
+
+    config: the tile (a tuning override; default `tile_for`); out optionally supplies the result ([..., n],
+    contiguous)."""
+    n = weight.shape[0]
+    return _launch(x, weight, n, config or tile_for(n, x.shape[-1]), out, silu_mul=False)
+
+
+def silu_mul_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """reference.silu_mul_linear in one kernel: silu(gate) * up of x [..., k] @ weight [2n, k]^T (gate
+    rows then up rows) -> [..., n], each product rounded to x's dtype before the activation, as gemv
+    then activation.silu_mul do, for at most MAX_ROWS rows of x.
+
+    config: the tile of the whole [2n, k] product (default `tile_for(2n, k)`); each program takes half
+    its columns from the gate rows and half from the up rows, so it streams as many bytes."""
+    if weight.shape[0] % 2:
+        raise ValueError(f"silu_mul_gemv: weight {tuple(weight.shape)} has an odd number of rows")
+    n = weight.shape[0] // 2
+    config = config or tile_for(2 * n, x.shape[-1])
+    half = GemvConfig(max(16, config.block_n // 2), config.block_k, config.num_stages, config.num_warps)
+    return _launch(x, weight, n, half, out, silu_mul=True)

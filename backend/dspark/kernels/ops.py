@@ -46,19 +46,41 @@ FEW_ROWS = 8
 FEW_ROWS_MAX_OUTPUTS = 24576
 
 
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """See reference.few_rows_linear; the kernel takes half-precision CUDA tensors of at most FEW_ROWS
-    rows and FEW_ROWS_MAX_OUTPUTS outputs, everything else goes to F.linear (fp32 stays with cuBLAS: the
-    kernel was not measured there)."""
-    if (
+def takes_few_rows(rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the skinny-product kernel takes `rows` rows of x times weight: half-precision CUDA
+    tensors of one dtype, at most FEW_ROWS rows and FEW_ROWS_MAX_OUTPUTS weight rows, no gradient
+    wanted (fp32 stays with cuBLAS: the kernel was not measured there)."""
+    return (
         _on_gpu(x, weight)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
-        and x.numel() <= FEW_ROWS * x.shape[-1]
+        and rows <= FEW_ROWS
         and weight.shape[0] <= FEW_ROWS_MAX_OUTPUTS
-    ):
+    )
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """See reference.few_rows_linear; the kernel where `takes_few_rows`, F.linear otherwise."""
+    if takes_few_rows(_rows(x), x, weight):
         return load_kernels().gemv.gemv(x, weight)
     return reference.few_rows_linear(x, weight)
+
+
+# Whether SwiGLU's activation runs in the gate/up product's epilogue where the skinny-product kernel
+# takes the product (one kernel instead of two); off only for a benchmark's side-by-side.
+SILU_IN_GATE_UP = True
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """See reference.silu_mul_linear; one kernel where `takes_few_rows` (and SILU_IN_GATE_UP), the
+    product then the activation otherwise."""
+    if SILU_IN_GATE_UP and takes_few_rows(_rows(x), x, weight):
+        return load_kernels().gemv.silu_mul_gemv(x, weight)
+    return silu_mul(few_rows_linear(x, weight))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,12 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The gate/up projection, then SwiGLU's activation: silu_mul(x @ weight^T) for weight [2n, k]
+    (gate rows then up rows) -> [..., n]."""
+    return silu_mul(few_rows_linear(x, weight))
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: gate_up [..., 2 * width] (gate then up) -> silu(gate) * up [..., width]."""
     gate, up = gate_up.chunk(2, dim=-1)

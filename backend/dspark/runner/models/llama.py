@@ -91,7 +91,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, hidden]."""
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
 
 
 class DecoderLayer(nn.Module):
