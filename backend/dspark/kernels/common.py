@@ -28,6 +28,18 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=16)
+def _shared_memory(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def shared_memory_bytes(device: torch.device) -> int:
+    """Shared memory one program may use on the device (a nominal 227 KiB, an H100/H200's, off CUDA)."""
+    if device.type != "cuda":
+        return 227 << 10
+    return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of the device (a nominal 132, an H100/H200's count, off CUDA)."""
     if device.type != "cuda":

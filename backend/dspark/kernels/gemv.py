@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.common import dot_in_fp32, round_cast
+from dspark.kernels.common import dot_in_fp32, round_cast, shared_memory_bytes
 
 # Rows up to which `gemv` is meant to be used; more rows are a GEMM's job.
 MAX_ROWS = 16
@@ -129,6 +129,11 @@ def _launch(
         # tl.dot wants every tile side >= 16; fp32 stays fp32 (no TF32), F.linear's default.
         block_n = max(16, min(config.block_n, triton.next_power_of_2(n)))
         block_k = max(16, min(config.block_k, triton.next_power_of_2(k)))
+        # The pipeline keeps num_stages - 1 tiles of x and of each weight in shared memory: fewer stages
+        # where a tile tuned for bf16 does not fit (fp32 data, the epilogue's second weight tile).
+        tile_bytes = (16 + block_n * (2 if silu_mul else 1)) * block_k * x.element_size()
+        room = shared_memory_bytes(x.device) - (8 << 10)
+        num_stages = max(1, min(config.num_stages, 1 + room // tile_bytes))
         _gemv_kernel[(triton.cdiv(n, block_n),)](
             rows,
             weight,
@@ -144,7 +149,7 @@ def _launch(
             BLOCK_K=block_k,
             FP32_DOT=dot_in_fp32(x.dtype),
             SILU_MUL=silu_mul,
-            num_stages=config.num_stages,
+            num_stages=num_stages,
             num_warps=config.num_warps,
         )
     return out
