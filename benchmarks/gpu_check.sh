@@ -29,7 +29,7 @@
 #      size and the GPU's busy share of steady decode (OVERLAP_S, default 0: skipped; OVERLAP_ARGS).
 # Limits (seconds): TESTS_S (default 420; 0 skips them), PROFILE_S and E2E_S (default 0: skipped, the
 # tests need the call's time; e.g. TESTS_S=0 PROFILE_S=100 E2E_S=330 refreshes the tables in a call of its
-# own; E2E_ARGS are added to gpu_e2e.py's, e.g. "--kernel-paths gemv,gemv-apart,cublas"). PROFILE_ARGS go
+# own; E2E_ARGS are added to gpu_e2e.py's, e.g. "--kernel-paths gemv,no-pdl,cublas"). PROFILE_ARGS go
 # to profile_host.py (e.g. "--kernels --modes off,static"). SERVING_S (default
 # 300; 0 skips; SERVING_TESTS: which test files, text and ids, streaming and not, cancel, several instances
 # sharing the engine by default) and
@@ -94,7 +94,7 @@ fi
 
 echo "=== GPU tests"
 TEST_FILES=${TEST_FILES:-"tests/test_cuda_graphs.py tests/test_training_loss.py \
-  tests/test_kernels_norm_rotary.py tests/test_kernels_activation.py tests/test_kernels_attention.py tests/test_kernels_accept.py tests/test_kernels_gemv.py \
+  tests/test_kernels_norm_rotary.py tests/test_kernels_activation.py tests/test_kernels_attention.py tests/test_kernels_accept.py tests/test_kernels_gemv.py tests/test_dependent_launch.py \
   tests/test_kernels_layout.py tests/test_kernels_markov.py tests/test_planner.py tests/test_draft_context.py \
   tests/test_host_to_device.py tests/test_penalties_logprobs_gpu.py \
   tests/test_engine.py tests/test_launch_ahead.py tests/test_overlap_scheduling.py \

@@ -58,6 +58,7 @@ import tp_gpu  # noqa: E402
 
 from dspark import LLM, EngineConfig  # noqa: E402
 from dspark.kernels import ops  # noqa: E402
+from dspark.kernels.runtime import load_kernels  # noqa: E402
 from dspark.runner.model_runner import ModelRunner  # noqa: E402
 from dspark.spec.drafts import Drafts  # noqa: E402
 
@@ -160,24 +161,27 @@ def part_step(args: argparse.Namespace, checkpoint: Path, report: dict) -> None:
     torch.cuda.empty_cache()
 
 
-# --kernel-paths: the rows up to which a projection takes the skinny-product kernel (ops.FEW_ROWS) and
-# whether SwiGLU's activation runs in the gate/up kernel's epilogue (ops.SILU_IN_GATE_UP).
+# --kernel-paths: the rows up to which a projection takes the skinny-product kernel (ops.FEW_ROWS),
+# whether SwiGLU's activation runs in the gate/up kernel's epilogue (ops.SILU_IN_GATE_UP) and whether
+# the per-layer kernels are launched dependent on the one before (common.DEPENDENT_LAUNCH).
 KERNEL_PATHS = {
-    "gemv": (ops.FEW_ROWS, True),  # the default: the skinny product at a few rows, the activation inside
-    "gemv-apart": (ops.FEW_ROWS, False),  # the skinny product, the activation as a kernel of its own
-    "cublas": (0, False),  # every projection by F.linear
+    "gemv": (ops.FEW_ROWS, True, True),  # the default
+    "gemv-apart": (ops.FEW_ROWS, False, True),  # the activation as a kernel of its own
+    "no-pdl": (ops.FEW_ROWS, True, False),  # every kernel launched after the one before has ended
+    "cublas": (0, False, False),  # F.linear for every projection, no dependent launches
 }
 
 
 @contextlib.contextmanager
 def kernel_path(name: str) -> Iterator[None]:
-    """Run the block with ops' few-row switches set as KERNEL_PATHS[name] says, then restore them."""
-    saved = ops.FEW_ROWS, ops.SILU_IN_GATE_UP
-    ops.FEW_ROWS, ops.SILU_IN_GATE_UP = KERNEL_PATHS[name]
+    """Run the block with the kernel switches set as KERNEL_PATHS[name] says, then restore them."""
+    common = load_kernels().common  # kernel modules are imported through the runtime only
+    saved = ops.FEW_ROWS, ops.SILU_IN_GATE_UP, common.DEPENDENT_LAUNCH
+    ops.FEW_ROWS, ops.SILU_IN_GATE_UP, common.DEPENDENT_LAUNCH = KERNEL_PATHS[name]
     try:
         yield
     finally:
-        ops.FEW_ROWS, ops.SILU_IN_GATE_UP = saved
+        ops.FEW_ROWS, ops.SILU_IN_GATE_UP, common.DEPENDENT_LAUNCH = saved
 
 
 def part_profile(
@@ -402,8 +406,9 @@ def markdown(report: dict) -> str:
             f"## One target step, {shape} shape, bf16, {report['args']['context']} cached tokens a request",
             "",
             "Kernels: `gemv` the skinny-product kernel at a few rows with SwiGLU's activation in the gate/up "
-            "kernel (the default), `gemv-apart` the activation as a kernel of its own, `cublas` F.linear "
-            "for every projection.",
+            "kernel and dependent launches (the default), `gemv-apart` the activation as a kernel of its "
+            "own, `no-pdl` no dependent launches, `cublas` F.linear for every projection and no dependent "
+            "launches.",
             "",
             "| batch | window | tokens | kernels | floor ms | graph ms | eager ms | graph / floor |",
             "|---:|---:|---:|---|---:|---:|---:|---:|",

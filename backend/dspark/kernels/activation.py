@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.common import round_cast
+from dspark.kernels.common import dependent_launch, gdc_wait, round_cast
 
 
 @triton.jit
@@ -18,11 +18,14 @@ def _silu_mul_kernel(
     stride_in,
     stride_out,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (rows, cdiv(width, BLOCK)); gate_up [rows, 2 * width] (gate then up, row stride given);
     out [rows, width].
 
     Rounds where the reference does: silu(gate) to the input dtype, then the product to out's dtype."""
+    if PDL:  # launched dependent on the kernel before: wait for it before touching memory
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -48,6 +51,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     if num_rows == 0 or width == 0:
         return out
     block = min(triton.next_power_of_2(width), 1024)
+    pdl = dependent_launch(gate_up.device)  # see common.DEPENDENT_LAUNCH
     _silu_mul_kernel[(num_rows, triton.cdiv(width, block))](
         rows,
         out2,
@@ -56,6 +60,8 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
         rows.stride(0),
         out2.stride(0),
         BLOCK=block,
+        PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
     return out

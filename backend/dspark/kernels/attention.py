@@ -23,7 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.common import INTERPRET, dot_in_fp32, find_window, next_pow2, num_sms, round_cast
+from dspark.kernels.common import (
+    INTERPRET,
+    dependent_launch,
+    dot_in_fp32,
+    find_window,
+    gdc_wait,
+    next_pow2,
+    num_sms,
+    round_cast,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -172,10 +181,13 @@ def _paged_attention_kernel(
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T // BLOCK_Q + R, num_kv_heads, num_splits); q/out [T, Hq, D]; k/v cache [slots, Hkv, D]
     (flat slots); page_table [R, max_pages]; part_out [splits, T, Hq, D] and part_lse [splits, T, Hq]
     fp32 when SPLIT."""
+    if PDL:  # launched dependent on the kernel before: wait for it before touching memory
+        gdc_wait()
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     qblock = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -304,10 +316,13 @@ def _combine_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T, Hq): out[t, h] = sum_s 2^(lse_s - lse_max) o_s / sum_s 2^(lse_s - lse_max).
 
     part_out [splits, T, Hq, D], part_lse [splits, T, Hq] fp32; rows past cu[R] are left alone."""
+    if PDL:  # launched dependent on the kernel before: wait for it before touching memory
+        gdc_wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(cu_seqlens_ptr + num_requests):
@@ -406,6 +421,7 @@ def paged_attention(
         block_q = meta["BLOCK_M"] // group
         return (num_tokens // block_q + num_requests, num_kv_heads, num_splits)
 
+    pdl = dependent_launch(q.device)  # see common.DEPENDENT_LAUNCH
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -439,6 +455,8 @@ def paged_attention(
         SPLIT=split,
         WINDOW_CLASS=window_class,
         DOT_FP32=dot_in_fp32(q.dtype),
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     if split:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
@@ -455,5 +473,7 @@ def paged_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=max(16, next_pow2(head_dim)),  # tl.dot needs K >= 16
             BLOCK_S=next_pow2(num_splits),
+            PDL=pdl,
+            launch_pdl=pdl,
         )
     return out

@@ -7,6 +7,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait  # noqa: F401 - the kernels' wait (see dependent_launch)
 
 # Fixed when the kernel modules are imported (runtime.load_kernels sets TRITON_INTERPRET around that).
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)
@@ -26,6 +27,27 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 @functools.lru_cache(maxsize=16)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# Programmatic dependent launch: the per-layer kernels of a step (norm, products, rotary + store,
+# attention) are launched so that each one's launch overlaps the end of the kernel before it, and each
+# waits for that kernel (`gdc_wait`, its first statement when PDL is set) before it touches memory. A
+# kernel boundary inside a CUDA graph on an H200 cost 1.19 us as launched plainly and 0.79 us so
+# (RESULTS.md, session 27). Off only for a benchmark's side-by-side.
+DEPENDENT_LAUNCH = True
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether a kernel on `device` is launched dependent on the one before it (Hopper and later, not in
+    the interpreter; see DEPENDENT_LAUNCH). Such a kernel must run `gdc_wait()` before any load or store."""
+    if not DEPENDENT_LAUNCH or INTERPRET or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
 @functools.lru_cache(maxsize=16)

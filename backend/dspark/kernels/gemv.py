@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.common import dot_in_fp32, round_cast, shared_memory_bytes
+from dspark.kernels.common import dependent_launch, dot_in_fp32, gdc_wait, round_cast, shared_memory_bytes
 
 # Rows up to which `gemv` is meant to be used; more rows are a GEMM's job.
 MAX_ROWS = 16
@@ -64,11 +64,14 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (cdiv(n, BLOCK_N),); x [num_rows, k], w [n, k], y [num_rows, n] (unit column strides).
 
     SILU_MUL: w is [2n, k], gate rows then up rows; y = silu(x w_gate^T) * (x w_up^T), each product
     rounded to y's dtype first, then silu, then the product (as gemv then activation.silu_mul)."""
+    if PDL:  # launched dependent on the kernel before: wait for it before touching memory
+        gdc_wait()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < n
@@ -134,6 +137,7 @@ def _launch(
         tile_bytes = (16 + block_n * (2 if silu_mul else 1)) * block_k * x.element_size()
         room = shared_memory_bytes(x.device) - (8 << 10)
         num_stages = max(1, min(config.num_stages, 1 + room // tile_bytes))
+        pdl = dependent_launch(x.device)  # see common.DEPENDENT_LAUNCH
         _gemv_kernel[(triton.cdiv(n, block_n),)](
             rows,
             weight,
@@ -149,8 +153,10 @@ def _launch(
             BLOCK_K=block_k,
             FP32_DOT=dot_in_fp32(x.dtype),
             SILU_MUL=silu_mul,
+            PDL=pdl,
             num_stages=num_stages,
             num_warps=config.num_warps,
+            launch_pdl=pdl,
         )
     return out
 

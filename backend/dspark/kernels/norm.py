@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.common import next_pow2, round_cast
+from dspark.kernels.common import dependent_launch, gdc_wait, next_pow2, round_cast
 
 
 @triton.jit
@@ -26,11 +26,14 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (cdiv(rows, ROWS),); x, residual, out, res_out [rows, hidden] (row strides given); w [hidden].
 
     Rounds where the reference does: the sum to the residual dtype, the normalized x to x's dtype,
     then the product with w to out's dtype."""
+    if PDL:  # launched dependent on the kernel before: wait for it before touching memory
+        gdc_wait()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
     row_ok = rows < num_rows
@@ -96,6 +99,7 @@ def rms_norm(
     # Small rows (q/k norms over head_dim) share a program so each moves a useful amount of data.
     rows_per_program = max(1, min(16, 2048 // block_h))
     num_warps = 4 if block_h <= 1024 else (8 if block_h <= 4096 else 16)
+    pdl = dependent_launch(x.device)  # see common.DEPENDENT_LAUNCH
     _rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
         x2,
         r2,
@@ -112,6 +116,8 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK_H=block_h,
         ROWS=rows_per_program,
+        PDL=pdl,
         num_warps=num_warps,
+        launch_pdl=pdl,
     )
     return normed, summed

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.common import next_pow2, round_cast
+from dspark.kernels.common import dependent_launch, gdc_wait, next_pow2, round_cast
 
 
 @triton.jit
@@ -80,10 +80,13 @@ def _rotary_store_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (num_tokens,). q [T, Hq, D], k/v [T, Hkv, D] (token and head strides given); outputs q_out
     [T, Hq, D], k_out [T, Hkv, D]; caches [slots, Hkv, D] at flat slots [T] (negative: skipped);
     positions [T]; cos_sin [max_pos, D] (cos halves then sin halves); q/k norm weights [D]."""
+    if PDL:  # launched dependent on the kernel before: wait for it before touching memory
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_HQ)
     offs_kh = tl.arange(0, BLOCK_HKV)
@@ -186,6 +189,7 @@ def _launch(
     block_hq = next_pow2(num_q_heads)
     block_hkv = next_pow2(num_kv_heads)
     elements = (block_hq + 2 * block_hkv) * 2 * block_half
+    pdl = dependent_launch(k.device)  # see common.DEPENDENT_LAUNCH
     _rotary_store_kernel[(num_tokens,)](
         q_,
         k,
@@ -228,7 +232,9 @@ def _launch(
         BLOCK_HALF=block_half,
         BLOCK_HQ=block_hq,
         BLOCK_HKV=block_hkv,
+        PDL=pdl,
         num_warps=4 if elements <= 8192 else 8,
+        launch_pdl=pdl,
     )
 
 

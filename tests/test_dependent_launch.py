@@ -1,0 +1,99 @@
+"""Dependent launches (kernels/common.py, `dependent_launch`): never off CUDA or in the interpreter; on a
+Hopper GPU the per-layer kernels of a decode step, chained and replayed from one CUDA graph, give the
+same bits launched dependent on each other as launched one after the other ended. Each such kernel
+waits for the one before it before it touches memory; a kernel that did not would read its input half
+written, which this chain (every kernel reads what the one before it just wrote) would show.
+"""
+
+from __future__ import annotations
+
+import math
+
+import kernel_parity as parity
+import torch
+from kernel_setup import DEVICE, KERNELS, gpu_only
+
+
+def test_no_dependent_launch_off_cuda_or_in_the_interpreter():
+    assert not KERNELS.common.dependent_launch(torch.device("cpu"))
+    if DEVICE.type == "cpu":
+        assert KERNELS.common.INTERPRET
+
+
+@gpu_only
+def test_a_hopper_gpu_launches_the_layer_kernels_dependent():
+    assert KERNELS.common.dependent_launch(DEVICE) == (torch.cuda.get_device_capability(DEVICE)[0] >= 9)
+
+
+def _layers(x, residual, weights, case, kernels):
+    """A decode step's kernel chain, a few layers deep: norm, qkv product, attention (split over the
+    cache), o product, norm, gate/up product with the activation, down product."""
+    hidden = x.shape[-1]
+    heads, head_dim = case.q.shape[1], case.q.shape[2]
+    for norm_w, qkv_w, o_w, norm2_w, gate_up_w, down_w in weights:
+        h, residual = kernels.norm.rms_norm(x, norm_w, 1e-6, residual)
+        q = kernels.gemv.gemv(h, qkv_w).view(-1, heads, head_dim)
+        attended = kernels.attention.paged_attention(
+            q, case.k_cache, case.v_cache, case.page_table, case.cu_seqlens, case.kv_lens, case.scale, False
+        )
+        x = kernels.gemv.gemv(attended.reshape(-1, heads * head_dim), o_w)
+        h, residual = kernels.norm.rms_norm(x, norm2_w, 1e-6, residual)
+        x = kernels.gemv.gemv(kernels.gemv.silu_mul_gemv(h, gate_up_w), down_w)
+        assert x.shape[-1] == hidden
+    return x + residual
+
+
+def _replayed(fn, device: torch.device) -> torch.Tensor:
+    """fn() captured in a CUDA graph (after a warm-up that compiles), replayed twice; its output."""
+    fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    return out.clone()
+
+
+@gpu_only
+def test_a_layer_chain_replayed_from_a_graph_gives_the_same_bits_with_dependent_launches(gen):
+    rows, hidden, inter, heads, head_dim, layers = 4, 1024, 2816, 8, 128, 6
+    dtype = torch.bfloat16
+    case = parity.make_attention_case(
+        [1] * rows, [700, 33, 1500, 260], heads, heads, head_dim, 16, False, dtype, DEVICE, gen
+    )
+
+    def w(n, k):
+        return parity.randn((n, k), dtype, DEVICE, gen) / math.sqrt(k)
+
+    def norm():
+        return (1 + 0.1 * parity.randn((hidden,), torch.float32, DEVICE, gen)).to(dtype)
+
+    weights = [
+        (
+            norm(),
+            w(heads * head_dim, hidden),
+            w(hidden, heads * head_dim),
+            norm(),
+            w(2 * inter, hidden),
+            w(hidden, inter),
+        )
+        for _ in range(layers)
+    ]
+    x = parity.randn((rows, hidden), dtype, DEVICE, gen)
+    residual = parity.randn((rows, hidden), dtype, DEVICE, gen)
+    common = KERNELS.common
+    outputs = {}
+    saved = common.DEPENDENT_LAUNCH
+    try:
+        for dependent in (True, False):
+            common.DEPENDENT_LAUNCH = dependent
+            outputs[dependent] = _replayed(lambda: _layers(x, residual, weights, case, KERNELS), DEVICE)
+            outputs[dependent, "eager"] = _layers(x, residual, weights, case, KERNELS)
+    finally:
+        common.DEPENDENT_LAUNCH = saved
+    assert not torch.isnan(outputs[True]).any()
+    assert torch.equal(outputs[True], outputs[False])
+    assert torch.equal(outputs[True, "eager"], outputs[False, "eager"])
+    assert torch.equal(outputs[True], outputs[True, "eager"])
