@@ -7,7 +7,9 @@ written, which this chain (every kernel reads what the one before it just wrote)
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import kernel_parity as parity
 import torch
@@ -97,3 +99,44 @@ def test_a_layer_chain_replayed_from_a_graph_gives_the_same_bits_with_dependent_
     assert torch.equal(outputs[True], outputs[False])
     assert torch.equal(outputs[True, "eager"], outputs[False, "eager"])
     assert torch.equal(outputs[True], outputs[True, "eager"])
+
+
+def _kernel_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    """The module's @triton.jit functions (autotuned or not) by name."""
+
+    def jitted(decorator: ast.expr) -> bool:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        return isinstance(target, ast.Attribute) and target.attr == "jit"
+
+    return {
+        node.name: node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and any(jitted(d) for d in node.decorator_list)
+    }
+
+
+def test_every_kernel_launched_dependent_waits_before_anything_else():
+    """Static check of the kernel modules: a launch that passes `launch_pdl` launches a kernel with a
+    PDL parameter, passes it the same value, and that kernel's first statement (after its docstring) is
+    `if PDL: gdc_wait()`; so no kernel added later can read or write before the kernel it follows ends."""
+    kernels_dir = Path(KERNELS.common.__file__).parent
+    launched = 0
+    for path in sorted(kernels_dir.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        functions = _kernel_functions(tree)
+        for name, function in functions.items():
+            if "PDL" not in [a.arg for a in function.args.args]:
+                continue
+            body = function.body[1:] if isinstance(function.body[0].value, ast.Constant) else function.body
+            first = body[0]
+            assert isinstance(first, ast.If) and ast.unparse(first.test) == "PDL", f"{path.name}:{name}"
+            assert ast.unparse(first.body[0]).strip() == "gdc_wait()", f"{path.name}:{name}"
+        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+            keywords = {k.arg: ast.unparse(k.value) for k in call.keywords}
+            if "launch_pdl" not in keywords:
+                continue
+            launched += 1
+            kernel = call.func.value.id if isinstance(call.func, ast.Subscript) else None
+            assert kernel in functions, f"{path.name}: launch_pdl on {ast.unparse(call.func)}"
+            assert keywords.get("PDL") == keywords["launch_pdl"], f"{path.name}:{kernel}"
+    assert launched >= 6  # norm, gemv, rotary + store, attention and its combine, activation
