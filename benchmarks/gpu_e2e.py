@@ -161,27 +161,38 @@ def part_step(args: argparse.Namespace, checkpoint: Path, report: dict) -> None:
     torch.cuda.empty_cache()
 
 
-# --kernel-paths: the rows up to which a projection takes the skinny-product kernel (ops.FEW_ROWS),
-# whether SwiGLU's activation runs in the gate/up kernel's epilogue (ops.SILU_IN_GATE_UP) and whether
-# the per-layer kernels are launched dependent on the one before (common.DEPENDENT_LAUNCH).
-KERNEL_PATHS = {
-    "gemv": (ops.FEW_ROWS, True, True),  # the default
-    "gemv-apart": (ops.FEW_ROWS, False, True),  # the activation as a kernel of its own
-    "no-pdl": (ops.FEW_ROWS, True, False),  # every kernel launched after the one before has ended
-    "cublas": (0, False, False),  # F.linear for every projection, no dependent launches
+# --kernel-paths: switches set away from their defaults, by (module, name): the rows up to which a
+# projection takes the skinny-product kernel (ops.FEW_ROWS), SwiGLU's activation in the gate/up kernel's
+# epilogue (ops.SILU_IN_GATE_UP), dependent launches (common.DEPENDENT_LAUNCH) and each kernel letting
+# the next launch once it has waited (common.LAUNCH_NEXT_EARLY).
+KERNEL_PATHS: dict[str, dict[tuple[str, str], object]] = {
+    "gemv": {},  # the defaults
+    "no-early": {("common", "LAUNCH_NEXT_EARLY"): False},  # the next kernel launches as this one ends
+    "gemv-apart": {("ops", "SILU_IN_GATE_UP"): False},  # the activation as a kernel of its own
+    "no-pdl": {("common", "DEPENDENT_LAUNCH"): False},  # each kernel launched after the one before ended
+    # F.linear for every projection, no dependent launches
+    "cublas": {
+        ("ops", "FEW_ROWS"): 0,
+        ("ops", "SILU_IN_GATE_UP"): False,
+        ("common", "DEPENDENT_LAUNCH"): False,
+    },
 }
 
 
 @contextlib.contextmanager
 def kernel_path(name: str) -> Iterator[None]:
-    """Run the block with the kernel switches set as KERNEL_PATHS[name] says, then restore them."""
-    common = load_kernels().common  # kernel modules are imported through the runtime only
-    saved = ops.FEW_ROWS, ops.SILU_IN_GATE_UP, common.DEPENDENT_LAUNCH
-    ops.FEW_ROWS, ops.SILU_IN_GATE_UP, common.DEPENDENT_LAUNCH = KERNEL_PATHS[name]
+    """Run the block with the switches of KERNEL_PATHS[name] set, then restore them."""
+    kernels = load_kernels()  # kernel modules are imported through the runtime only
+    modules = {"ops": ops, "common": kernels.common}
+    changes = KERNEL_PATHS[name]
+    saved = {key: getattr(modules[key[0]], key[1]) for key in changes}
+    for (module, switch), value in changes.items():
+        setattr(modules[module], switch, value)
     try:
         yield
     finally:
-        ops.FEW_ROWS, ops.SILU_IN_GATE_UP, common.DEPENDENT_LAUNCH = saved
+        for (module, switch), value in saved.items():
+            setattr(modules[module], switch, value)
 
 
 def part_profile(
@@ -405,10 +416,11 @@ def markdown(report: dict) -> str:
         lines += [
             f"## One target step, {shape} shape, bf16, {report['args']['context']} cached tokens a request",
             "",
-            "Kernels: `gemv` the skinny-product kernel at a few rows with SwiGLU's activation in the gate/up "
-            "kernel and dependent launches (the default), `gemv-apart` the activation as a kernel of its "
-            "own, `no-pdl` no dependent launches, `cublas` F.linear for every projection and no dependent "
-            "launches.",
+            "Kernels: `gemv` the defaults (the skinny-product kernel at a few rows with SwiGLU's activation "
+            "in the gate/up kernel, dependent launches, each kernel letting the next launch once it has "
+            "waited); `no-early` the next kernel launched only as one ends (session 27's default), "
+            "`gemv-apart` the activation as a kernel of its own, `no-pdl` no dependent launches, `cublas` "
+            "F.linear for every projection and no dependent launches.",
             "",
             "| batch | window | tokens | kernels | floor ms | graph ms | eager ms | graph / floor |",
             "|---:|---:|---:|---|---:|---:|---:|---:|",

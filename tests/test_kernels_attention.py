@@ -68,6 +68,10 @@ def test_head_dim_that_is_not_a_power_of_two(gen):
     parity.check_attention(KERNELS, case([3, 8], [20, 5], heads=(4, 2), head_dim=24, gen=gen), num_splits=1)
 
 
+def test_many_splits_most_of_them_empty_for_short_prefixes(gen):
+    parity.check_attention(KERNELS, case([1, 4, 1, 2], [3, 200, 0, 41], heads=(6, 2), gen=gen), num_splits=16)
+
+
 def test_ops_sends_cpu_tensors_to_the_reference(gen):
     c = case([2, 1], [3, 4], gen=gen)
     c = parity.AttentionCase(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in c.__dict__.values()))

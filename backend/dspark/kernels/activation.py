@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.common import dependent_launch, gdc_wait, round_cast
+from dspark.kernels.common import dependent_launch, round_cast, wait_for_previous
 
 
 @triton.jit
@@ -24,8 +24,7 @@ def _silu_mul_kernel(
     out [rows, width].
 
     Rounds where the reference does: silu(gate) to the input dtype, then the product to out's dtype."""
-    if PDL:  # launched dependent on the kernel before: wait for it before touching memory
-        gdc_wait()
+    wait_for_previous(PDL)  # launched dependent on the kernel before: wait for it before touching memory
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -62,6 +61,6 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
         BLOCK=block,
         PDL=pdl,
         num_warps=4,
-        launch_pdl=pdl,
+        launch_pdl=pdl > 0,
     )
     return out

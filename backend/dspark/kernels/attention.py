@@ -8,7 +8,8 @@ that share it (GQA). Softmax is online in fp32 (exp2 with the scale folded in).
 
 Few query tokens over long contexts leave most multiprocessors idle with one program per (block,
 kv head); then the key range is split over NUM_SPLITS programs that write partial results (output
-and log-sum-exp), and a second kernel combines them.
+and log-sum-exp), and a second kernel combines them (the last split program to finish combining them
+in place of that kernel was slower on an H200: RESULTS.md, session 28).
 
 The q-block grid needs no host sync: request r owns the program ids [cu[r] // BLOCK_Q + r,
 cu[r+1] // BLOCK_Q + r + 1), at least cdiv(q_len, BLOCK_Q) of them, so cdiv-free T // BLOCK_Q + R
@@ -28,10 +29,10 @@ from dspark.kernels.common import (
     dependent_launch,
     dot_in_fp32,
     find_window,
-    gdc_wait,
     next_pow2,
     num_sms,
     round_cast,
+    wait_for_previous,
 )
 
 LOG2E = 1.4426950408889634
@@ -186,20 +187,21 @@ def _paged_attention_kernel(
     """Grid (T // BLOCK_Q + R, num_kv_heads, num_splits); q/out [T, Hq, D]; k/v cache [slots, Hkv, D]
     (flat slots); page_table [R, max_pages]; part_out [splits, T, Hq, D] and part_lse [splits, T, Hq]
     fp32 when SPLIT."""
-    if PDL:  # launched dependent on the kernel before: wait for it before touching memory
-        gdc_wait()
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     qblock = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    # The windows' layout (cu_seqlens, kv_lens) is written before the layer's rotary + store kernel, the
+    # one this kernel follows: read it while that one ends (see paged_attention).
     req = find_window(cu_seqlens_ptr, num_requests, qblock, search_steps, BLOCK_Q)
     q_start = tl.load(cu_seqlens_ptr + req)
     q_len = tl.load(cu_seqlens_ptr + req + 1) - q_start
     local = qblock - (q_start // BLOCK_Q + req)
+    kv_len = tl.load(kv_lens_ptr + req)
+    wait_for_previous(PDL)  # launched dependent on the kernel before: wait for it before q, k and v
     if local * BLOCK_Q >= q_len:
         return
-    kv_len = tl.load(kv_lens_ptr + req)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -321,8 +323,7 @@ def _combine_splits_kernel(
     """Grid (T, Hq): out[t, h] = sum_s 2^(lse_s - lse_max) o_s / sum_s 2^(lse_s - lse_max).
 
     part_out [splits, T, Hq, D], part_lse [splits, T, Hq] fp32; rows past cu[R] are left alone."""
-    if PDL:  # launched dependent on the kernel before: wait for it before touching memory
-        gdc_wait()
+    wait_for_previous(PDL)  # launched dependent on the kernel before: wait for it before touching memory
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(cu_seqlens_ptr + num_requests):
@@ -390,7 +391,9 @@ def paged_attention(
     head_dim]; page_table: [R, max_pages] int32; cu_seqlens_q: [R + 1] int32; kv_lens: [R] int32 (each
     >= its window). Returns [num_tokens, num_q_heads, head_dim] in q's dtype; rows past cu_seqlens_q[R]
     are not written. num_splits: key-range splits (None: chosen from the shapes, no host sync); out:
-    optional preallocated result.
+    optional preallocated result. Launched dependent (common.dependent_launch), the kernel reads
+    cu_seqlens_q and kv_lens before it waits for the kernel before it: they must not be written by that
+    kernel (in the model the one before is the layer's rotary + store).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
@@ -456,7 +459,7 @@ def paged_attention(
         WINDOW_CLASS=window_class,
         DOT_FP32=dot_in_fp32(q.dtype),
         PDL=pdl,
-        launch_pdl=pdl,
+        launch_pdl=pdl > 0,
     )
     if split:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
@@ -474,6 +477,6 @@ def paged_attention(
             BLOCK_D=max(16, next_pow2(head_dim)),  # tl.dot needs K >= 16
             BLOCK_S=next_pow2(num_splits),
             PDL=pdl,
-            launch_pdl=pdl,
+            launch_pdl=pdl > 0,
         )
     return out

@@ -7,7 +7,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait  # noqa: F401 - the kernels' wait (see dependent_launch)
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Fixed when the kernel modules are imported (runtime.load_kernels sets TRITON_INTERPRET around that).
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)
@@ -31,10 +31,16 @@ def _sm_count(index: int) -> int:
 
 # Programmatic dependent launch: the per-layer kernels of a step (norm, products, rotary + store,
 # attention) are launched so that each one's launch overlaps the end of the kernel before it, and each
-# waits for that kernel (`gdc_wait`, its first statement when PDL is set) before it touches memory. A
+# waits for that kernel (`wait_for_previous`) before it loads or stores what that kernel may write. A
 # kernel boundary inside a CUDA graph on an H200 cost 1.19 us as launched plainly and 0.79 us so
 # (RESULTS.md, session 27). Off only for a benchmark's side-by-side.
 DEPENDENT_LAUNCH = True
+# Once it has waited, a kernel also lets the kernel after it launch (`gdc_launch_dependents`): that one's
+# programs start while this one runs and wait there, so its launch is hidden. It changes no result: the
+# kernel after still waits for this one to end. On an H200 the Qwen3-8B-shaped decode step at batch 8
+# took 1-4% less time with it, at batch 1 from 2% less to 3% more (RESULTS.md, session 28). Off only
+# for a benchmark's side-by-side.
+LAUNCH_NEXT_EARLY = True
 
 
 @functools.lru_cache(maxsize=16)
@@ -42,12 +48,26 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def dependent_launch(device: torch.device) -> bool:
-    """Whether a kernel on `device` is launched dependent on the one before it (Hopper and later, not in
-    the interpreter; see DEPENDENT_LAUNCH). Such a kernel must run `gdc_wait()` before any load or store."""
+def dependent_launch(device: torch.device) -> int:
+    """How a kernel on `device` is launched (Hopper and later, not in the interpreter; see DEPENDENT_LAUNCH
+    and LAUNCH_NEXT_EARLY): 0 plainly; 1 dependent on the kernel before it; 2 dependent, and it lets the
+    kernel after it launch once it has waited. Pass it as the kernel's PDL and `launch_pdl=pdl > 0`; the
+    kernel must run `wait_for_previous(PDL)` before any load or store."""
     if not DEPENDENT_LAUNCH or INTERPRET or device.type != "cuda":
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+        return 0
+    if _capability(device.index if device.index is not None else torch.cuda.current_device())[0] < 9:
+        return 0
+    return 2 if LAUNCH_NEXT_EARLY else 1
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """A dependent kernel's wait for the kernel before it to end (its writes then visible), then its
+    signal that the kernel after it may launch (PDL == 2; see dependent_launch)."""
+    if PDL >= 1:
+        gdc_wait()
+    if PDL >= 2:
+        gdc_launch_dependents()
 
 
 @functools.lru_cache(maxsize=16)

@@ -19,7 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.common import dependent_launch, dot_in_fp32, gdc_wait, round_cast, shared_memory_bytes
+from dspark.kernels.common import (
+    dependent_launch,
+    dot_in_fp32,
+    round_cast,
+    shared_memory_bytes,
+    wait_for_previous,
+)
 
 # Rows up to which `gemv` is meant to be used; more rows are a GEMM's job.
 MAX_ROWS = 16
@@ -70,8 +76,7 @@ def _gemv_kernel(
 
     SILU_MUL: w is [2n, k], gate rows then up rows; y = silu(x w_gate^T) * (x w_up^T), each product
     rounded to y's dtype first, then silu, then the product (as gemv then activation.silu_mul)."""
-    if PDL:  # launched dependent on the kernel before: wait for it before touching memory
-        gdc_wait()
+    wait_for_previous(PDL)  # launched dependent on the kernel before: wait for it before touching memory
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < n
@@ -156,7 +161,7 @@ def _launch(
             PDL=pdl,
             num_stages=num_stages,
             num_warps=config.num_warps,
-            launch_pdl=pdl,
+            launch_pdl=pdl > 0,
         )
     return out
 

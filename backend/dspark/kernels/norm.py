@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.common import dependent_launch, gdc_wait, next_pow2, round_cast
+from dspark.kernels.common import dependent_launch, next_pow2, round_cast, wait_for_previous
 
 
 @triton.jit
@@ -32,8 +32,7 @@ def _rms_norm_kernel(
 
     Rounds where the reference does: the sum to the residual dtype, the normalized x to x's dtype,
     then the product with w to out's dtype."""
-    if PDL:  # launched dependent on the kernel before: wait for it before touching memory
-        gdc_wait()
+    wait_for_previous(PDL)  # launched dependent on the kernel before: wait for it before touching memory
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
     row_ok = rows < num_rows
@@ -118,6 +117,6 @@ def rms_norm(
         ROWS=rows_per_program,
         PDL=pdl,
         num_warps=num_warps,
-        launch_pdl=pdl,
+        launch_pdl=pdl > 0,
     )
     return normed, summed

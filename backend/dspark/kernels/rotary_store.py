@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.kernels.common import dependent_launch, gdc_wait, next_pow2, round_cast
+from dspark.kernels.common import dependent_launch, next_pow2, round_cast, wait_for_previous
 
 
 @triton.jit
@@ -35,6 +35,32 @@ def _head_norm(x1, x2, w_ptr, eps, offs_c, c_ok, HEAD_DIM: tl.constexpr, HALF: t
 def _rotate(x1, x2, cos, sin):
     """Rotate-half: (x1 cos - x2 sin, x2 cos + x1 sin) for halves x1, x2 [H, D/2] (fp32)."""
     return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
+
+
+@triton.jit
+def _token_layout(
+    t,
+    positions_ptr,
+    cos_sin_ptr,
+    slots_ptr,
+    stride_cs,
+    offs_c,
+    c_ok,
+    HALF: tl.constexpr,
+    ROTATE: tl.constexpr,
+    STORE: tl.constexpr,
+):
+    """Token t's cos and sin halves [BLOCK_HALF] fp32 (ROTATE; else zeros) and cache slot (STORE; else -1)."""
+    cos = offs_c * 0.0
+    sin = offs_c * 0.0
+    slot = t * 0 - 1
+    if ROTATE:
+        pos = tl.load(positions_ptr + t).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    if STORE:
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+    return cos, sin, slot
 
 
 @triton.jit
@@ -80,22 +106,28 @@ def _rotary_store_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
+    EARLY_LAYOUT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (num_tokens,). q [T, Hq, D], k/v [T, Hkv, D] (token and head strides given); outputs q_out
     [T, Hq, D], k_out [T, Hkv, D]; caches [slots, Hkv, D] at flat slots [T] (negative: skipped);
-    positions [T]; cos_sin [max_pos, D] (cos halves then sin halves); q/k norm weights [D]."""
-    if PDL:  # launched dependent on the kernel before: wait for it before touching memory
-        gdc_wait()
+    positions [T]; cos_sin [max_pos, D] (cos halves then sin halves); q/k norm weights [D].
+    EARLY_LAYOUT: positions and slots are not written by the kernel before: read them (and the token's
+    cos and sin) before the wait for it."""
     t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_HQ)
-    offs_kh = tl.arange(0, BLOCK_HKV)
     offs_c = tl.arange(0, BLOCK_HALF)
     c_ok = offs_c < HALF
-    if ROTATE:
-        pos = tl.load(positions_ptr + t).to(tl.int64)
-        cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_c, mask=c_ok, other=0.0).to(tl.float32)
-        sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    if EARLY_LAYOUT:
+        cos, sin, slot = _token_layout(
+            t, positions_ptr, cos_sin_ptr, slots_ptr, stride_cs, offs_c, c_ok, HALF, ROTATE, STORE
+        )
+    wait_for_previous(PDL)  # launched dependent on the kernel before: wait for it before touching memory
+    if not EARLY_LAYOUT:
+        cos, sin, slot = _token_layout(
+            t, positions_ptr, cos_sin_ptr, slots_ptr, stride_cs, offs_c, c_ok, HALF, ROTATE, STORE
+        )
+    offs_h = tl.arange(0, BLOCK_HQ)
+    offs_kh = tl.arange(0, BLOCK_HKV)
 
     if HAS_Q:
         q_mask = (offs_h[:, None] < num_q_heads) & c_ok[None, :]
@@ -126,7 +158,6 @@ def _rotary_store_kernel(
         tl.store(k_out_row + offs_c[None, :], round_cast(k1, k_out_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(k_out_row + HALF + offs_c[None, :], round_cast(k2, k_out_ptr.dtype.element_ty), mask=kv_mask)
     if STORE:
-        slot = tl.load(slots_ptr + t).to(tl.int64)
         store_mask = kv_mask & ((offs_kh[:, None] * 0 + slot) >= 0)
         kc_row = k_cache_ptr + slot * stride_kcs + offs_kh[:, None] * stride_kch
         tl.store(kc_row + offs_c[None, :], round_cast(k1, k_cache_ptr.dtype.element_ty), mask=store_mask)
@@ -168,6 +199,7 @@ def _launch(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 0.0,
+    early_layout: bool = False,
 ) -> None:
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -232,9 +264,10 @@ def _launch(
         BLOCK_HALF=block_half,
         BLOCK_HQ=block_hq,
         BLOCK_HKV=block_hkv,
+        EARLY_LAYOUT=early_layout,
         PDL=pdl,
         num_warps=4 if elements <= 8192 else 8,
-        launch_pdl=pdl,
+        launch_pdl=pdl > 0,
     )
 
 
@@ -289,6 +322,9 @@ def rotary_store_kv(
     of q and k (Qwen3), rotary on both, k and v stored into the paged caches at slots.
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]; positions, slots: [T]. Returns the rotated q [T, Hq, D].
+    Launched dependent (common.dependent_launch), the kernel reads positions and slots before it waits
+    for the kernel before it: they must not be written by that kernel (in the model the one before is
+    the layer's qkv projection).
     """
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     if out is None:
@@ -303,7 +339,20 @@ def rotary_store_kv(
     if k_dtype != k_cache.dtype:
         raise ValueError(f"rotary_store_kv: k_cache dtype {k_cache.dtype} must equal k's {k_dtype}")
     _launch(
-        q, k, v, out, None, k_cache, v_cache, positions, cos_sin, slots, q_norm_weight, k_norm_weight, eps
+        q,
+        k,
+        v,
+        out,
+        None,
+        k_cache,
+        v_cache,
+        positions,
+        cos_sin,
+        slots,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
+        early_layout=True,
     )
     return out
 
