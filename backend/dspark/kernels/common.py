@@ -38,8 +38,8 @@ DEPENDENT_LAUNCH = True
 # Once it has waited, a kernel also lets the kernel after it launch (`gdc_launch_dependents`): that one's
 # programs start while this one runs and wait there, so its launch is hidden. It changes no result: the
 # kernel after still waits for this one to end. On an H200 the Qwen3-8B-shaped decode step at batch 8
-# took 1-4% less time with it, at batch 1 from 2% less to 3% more (RESULTS.md, session 28). Off only
-# for a benchmark's side-by-side.
+# took 0.8-2.4% less time with it, at batch 1 from 0.8% less to 3.5% more (RESULTS.md, session 28).
+# Off only for a benchmark's side-by-side.
 LAUNCH_NEXT_EARLY = True
 
 
