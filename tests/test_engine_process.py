@@ -263,3 +263,31 @@ def test_the_rendezvous_is_private_and_forgets_servers_that_are_gone(tmp_path, m
     directory.chmod(0o755)
     with pytest.raises(PermissionError):
         rendezvous("m", "1", os.getpid())
+
+
+def test_an_instance_that_dies_fails_the_other_instances_requests(
+    tiny_target_dir, tiny_drafter_dir, tmp_path
+):
+    """A backend process gone without a shutdown (killed) is a fault: the requests of the instances
+    still attached end with an error naming it, never with the abort of a normal stop."""
+    config = _config(tiny_target_dir, tiny_drafter_dir)
+    socket_path = tmp_path / "engine.sock"
+    first = open_engine(config, None, socket_path)
+    deaths = _Deaths()
+    second = open_engine(config, deaths, socket_path)
+    for engine in (first, second):
+        engine.start()
+    try:
+        streams = [_collect(engine, f"{n}-r", LONG, PROMPTS[n]) for n, engine in enumerate((first, second))]
+        for deltas in streams:
+            assert not deltas.get(timeout=60).finished
+        first._control.close()  # as a killed process's pipe closes: no shutdown was sent
+        last = _until_final(streams[1])[-1]
+        assert last.finish_reason == "error" and "InstanceGone" in last.error, last
+        assert deaths.event.wait(30) and not second.healthy
+        assert "InstanceGone" in str(deaths.causes[0])
+        first._process.join(30)
+        assert not first._process.is_alive()
+    finally:
+        second.shutdown()
+        first.shutdown()

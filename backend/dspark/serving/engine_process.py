@@ -647,9 +647,10 @@ class _ControlIntake:
     Adapters: the one that spawned the process, and those that attach later (`_Listener`, `join`). One
     that asks to shut down leaves: its requests are aborted and its events end after their final
     deltas; when the spawning one leaves (the model is being unloaded), the engine stops and every
-    adapter's events end. One whose control pipe closes without that went away (its process died): the
-    engine stops too, and so the whole server restarts (`dspark serve`), as it does when the only one
-    dies. `closed` once the engine was told to stop."""
+    adapter's events end. One whose control pipe closes without that went away (its process died): a
+    fault, so every other adapter's requests fail with an error (not the abort of a stop) and the engine
+    stops too, and so the whole server restarts (`dspark serve`), as it does when the only one dies.
+    `closed` once the engine was told to stop."""
 
     def __init__(self) -> None:
         self._poller = select.poll()
@@ -696,7 +697,7 @@ class _ControlIntake:
             except OSError:
                 chunk = b""
             if not chunk:  # the adapter's process went away
-                self._close()
+                self._went_away(client)
                 return
             client.buffer += chunk
             for message in _messages(client.buffer):
@@ -811,6 +812,17 @@ class _ControlIntake:
             self._poller.unregister(fd)
         client.end()
         self._ended.append(client)
+
+    def _went_away(self, gone: _Client) -> None:
+        """An adapter's process died (its control pipe closed without a shutdown): a fault, so the
+        others' requests fail with an error before the engine stops (its aborts would read as a normal
+        end), and the server restarts."""
+        who = "the spawning instance" if gone.owner else "another instance"
+        cause = f"InstanceGone: the backend process of {who} of this model died; the engine stops"
+        for client in self._all():
+            if client is not gone:
+                client.outbox.put_now(("dead", cause))
+        self._close()
 
     def _close(self) -> None:
         self.closed = True
