@@ -1,5 +1,5 @@
-"""`layers.linear`: the CPU's few-row and one-row paths give F.linear's result on random inputs; the one-row
-path is measured and chosen."""
+"""`layers.linear`: every CPU path of every few-row count gives F.linear's result on random inputs; the
+paths are measured per row count and taken."""
 
 from __future__ import annotations
 
@@ -10,70 +10,87 @@ import torch
 import torch.nn.functional as F
 
 from dspark.runner.models import layers
-from dspark.runner.models.layers import CPU_FEW_ROWS, CPU_LINEAR_PATHS, linear, measure_one_row_path
+from dspark.runner.models.layers import (
+    AS_TWO_ROWS,
+    BY_LINEAR,
+    CPU_FEW_ROWS,
+    CPU_LINEAR_PATHS,
+    WEIGHT_FIRST,
+    candidates,
+    linear,
+    measure_cpu_linear_paths,
+)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, CPU_FEW_ROWS, CPU_FEW_ROWS + 1, 40])
+def _every_row_count(path_of: dict[int, str]) -> tuple[str, ...]:
+    return tuple(path_of.get(rows, BY_LINEAR) for rows in range(1, CPU_FEW_ROWS + 1))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, CPU_FEW_ROWS, CPU_FEW_ROWS + 1, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_f_linear(rows: int, bias: bool) -> None:
-    """Every row count around the thresholds, with and without bias, 2-D and 3-D inputs."""
+def test_linear_matches_f_linear(rows: int, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every path of every row count around the thresholds, with and without bias, 2-D and 3-D inputs:
+    F.linear's values, shape, contiguous."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     in_features, out_features = 64, 96
     weight = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
-    x = torch.randn(rows, in_features, generator=gen)
-    torch.testing.assert_close(linear(x, weight, b), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
-    x3 = torch.randn(1, rows, in_features, generator=gen)
-    out3 = linear(x3, weight, b)
-    assert out3.shape == (1, rows, out_features)
-    torch.testing.assert_close(out3, F.linear(x3, weight, b), rtol=1e-5, atol=1e-5)
+    for path in candidates(rows) if rows <= CPU_FEW_ROWS else (BY_LINEAR,):
+        monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", _every_row_count({rows: path}))
+        for x in (
+            torch.randn(rows, in_features, generator=gen),
+            torch.randn(1, rows, in_features, generator=gen),
+        ):
+            got = linear(x, weight, b)
+            assert got.shape == (*x.shape[:-1], out_features) and got.is_contiguous(), path
+            torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("as_two", [False, True])
-def test_one_row_either_path(as_two: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One row gives F.linear's result by either path, contiguous, 2-D and 3-D."""
-    monkeypatch.setattr(CPU_LINEAR_PATHS, "one_row_as_two", as_two)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    weight = torch.randn(300, 128, generator=gen)
-    b = torch.randn(300, generator=gen)
-    for x in (torch.randn(1, 128, generator=gen), torch.randn(1, 1, 128, generator=gen)):
-        got = linear(x, weight, b)
-        assert got.shape == (*x.shape[:-1], 300) and got.is_contiguous()
-        torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-4, atol=1e-4)
-
-
-def test_the_one_row_path_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
-    """measure_one_row_path keeps whichever path timed faster over the module's weights: made slower
-    by a patched F.linear, the GEMV loses; made slower mm, two rows lose."""
+def test_the_paths_are_measured_per_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure_cpu_linear_paths keeps whichever path timed faster over the module's weights, for each
+    row count: made slower F.linear loses everywhere, made slower mm wins nowhere; the choice is what
+    `linear` takes; a module of the same shapes takes the earlier choice without timing again."""
     module = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
     real_mm, real_linear = torch.mm, F.linear
+    calls = {"mm": 0}
 
-    def slow(fn):  # noqa: ANN001, ANN202
+    def slow(fn, count: str | None = None):  # noqa: ANN001, ANN202
         def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            time.sleep(0.002)
+            if count:
+                calls[count] += 1
+            time.sleep(0.01)
             return fn(*args, **kwargs)
 
         return wrapped
 
-    monkeypatch.setattr(CPU_LINEAR_PATHS, "one_row_as_two", False)
+    monkeypatch.setattr(layers, "_MEASURED", {})
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", CPU_LINEAR_PATHS.by_rows)
     monkeypatch.setattr(layers.F, "linear", slow(real_linear))
-    assert measure_one_row_path(module) is True and CPU_LINEAR_PATHS.one_row_as_two
+    chosen = measure_cpu_linear_paths(module)
+    assert chosen == CPU_LINEAR_PATHS.by_rows == (AS_TWO_ROWS,) + (WEIGHT_FIRST,) * (CPU_FEW_ROWS - 1)
+
+    monkeypatch.setattr(layers, "_MEASURED", {})
     monkeypatch.setattr(layers.F, "linear", real_linear)
-    monkeypatch.setattr(layers.torch, "mm", slow(real_mm))
-    assert measure_one_row_path(module) is False and not CPU_LINEAR_PATHS.one_row_as_two
+    monkeypatch.setattr(layers.torch, "mm", slow(real_mm, "mm"))
+    assert measure_cpu_linear_paths(module) == (BY_LINEAR,) * CPU_FEW_ROWS == CPU_LINEAR_PATHS.by_rows
+    timed = calls["mm"]
+    assert timed > 0
+    same_shapes = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    assert measure_cpu_linear_paths(same_shapes) == (BY_LINEAR,) * CPU_FEW_ROWS
+    assert calls["mm"] == timed, "a model of the same shapes was timed again"
 
 
 def test_the_paths_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A few rows on the CPU go through torch.mm; many rows through F.linear."""
+    """Each row count goes the way its entry says; many rows through F.linear."""
     calls: list[str] = []
     real_mm, real_linear = torch.mm, F.linear
     monkeypatch.setattr(layers.torch, "mm", lambda *a: calls.append("mm") or real_mm(*a))
     monkeypatch.setattr(layers.F, "linear", lambda *a: calls.append("linear") or real_linear(*a))
     weight = torch.randn(8, 4)
-    linear(torch.randn(3, 4), weight)
-    linear(torch.randn(CPU_FEW_ROWS + 1, 4), weight)
-    monkeypatch.setattr(CPU_LINEAR_PATHS, "one_row_as_two", False)
+    paths = _every_row_count({1: AS_TWO_ROWS, 3: WEIGHT_FIRST, 4: BY_LINEAR})
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", paths)
+    for rows in (1, 3, 4, CPU_FEW_ROWS + 1):
+        linear(torch.randn(rows, 4), weight)
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", _every_row_count({}))
     linear(torch.randn(1, 4), weight)
-    monkeypatch.setattr(CPU_LINEAR_PATHS, "one_row_as_two", True)
-    linear(torch.randn(1, 4), weight)
-    assert calls == ["mm", "linear", "linear", "mm"]
+    assert calls == ["mm", "mm", "linear", "linear", "linear"]

@@ -33,7 +33,7 @@ from dspark.runner.deferred_inputs import DeferredInputs
 from dspark.runner.host_to_device import to_device
 from dspark.runner.kv_cache import PagedKVCache
 from dspark.runner.models.hf_config import ModelConfig
-from dspark.runner.models.layers import measure_one_row_path
+from dspark.runner.models.layers import measure_cpu_linear_paths
 from dspark.runner.models.llama import CausalLM
 from dspark.runner.models.loader import load_target_model
 from dspark.runner.verify_tokens import VerifyDrafts
@@ -151,9 +151,10 @@ class ModelRunner:
         """Load this rank's shard of the target (the whole target for SINGLE) and its KV cache shard."""
         model = load_target_model(config.model_path, dtype=dtype, device=device, tp=tp)
         if device.type == "cpu":
-            # One row as a GEMV or as two rows: the host's BLAS decides which is faster (CpuLinearPaths).
-            as_two = measure_one_row_path(model)
-            logger.info("CPU linears: one row %s", "as two rows (W x^T)" if as_two else "by F.linear")
+            # Each few-row count by F.linear or with the weight first: the host's BLAS decides which is
+            # faster (CpuLinearPaths).
+            paths = measure_cpu_linear_paths(model)
+            logger.info("CPU linears, 1..%d rows: %s", len(paths), " ".join(paths))
         cfg = model.config
         cache = PagedKVCache(
             cfg.num_layers,

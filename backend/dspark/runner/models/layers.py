@@ -20,84 +20,115 @@ from dspark.parallel.distributed import SINGLE, TensorParallel
 Loader = Callable[[torch.Tensor, torch.Tensor, str | None], None]
 
 
-# Rows up to which a CPU linear multiplies the weight by the transposed input (see `linear`).
+# Rows up to which a CPU linear takes the path measured for its row count (see `linear`).
 CPU_FEW_ROWS = 16
+# A path this much slower than the best in a round is not timed again (measure_cpu_linear_paths).
+CLEAR_LOSS = 1.3
+
+# The ways `linear` may compute a few rows on a CPU (`CpuLinearPaths`).
+BY_LINEAR = "linear"  # F.linear (x W^T; one row: a GEMV)
+WEIGHT_FIRST = "weight_first"  # (W x^T)^T: the weight as the long operand
+AS_TWO_ROWS = "as_two_rows"  # one row only: W x^T of the row taken twice
+CANDIDATES = {1: (BY_LINEAR, AS_TWO_ROWS)}  # by row count; the rest: (BY_LINEAR, WEIGHT_FIRST)
+
+
+def candidates(rows: int) -> tuple[str, ...]:
+    """The paths measured for this many rows."""
+    return CANDIDATES.get(rows, (BY_LINEAR, WEIGHT_FIRST))
 
 
 @dataclass
 class CpuLinearPaths:
-    """How `linear` computes one row on a CPU: as two equal rows (W x^T) or by F.linear (a GEMV).
+    """How `linear` computes 1..CPU_FEW_ROWS rows on a CPU: a path per row count (`by_rows[rows - 1]`).
 
-    Which is faster depends on the host's BLAS, not on the model: on one 2-core AMD EPYC the GEMV read
-    the SmolLM2 target's weights from memory at a third of the speed of W x^T of two columns (a whole
-    one-row decode step 1.6x faster as two rows), while a weight that sits in cache runs faster as a
-    GEMV; so `measure_one_row_path` times both over a model's own weights when it is loaded.
+    Which is faster depends on the host's BLAS and cache, not on the model, and differs by row count:
+    on a 2-core AMD EPYC, F.linear read the SmolLM2 target's weights at a third of the speed of W x^T
+    for one row and for 2-16 rows; on a 2-core Intel Xeon with MKL 2024, W x^T ran a whole pass of 2-3
+    rows at 2.3x the time of F.linear, and F.linear itself costs 1.1x one row for 2-3 rows and 1.9x
+    for 4 (a verify window of a block of 3); so `measure_cpu_linear_paths` times them over a model's
+    own weights when it is loaded. Until then: the EPYC's choice.
     """
 
-    one_row_as_two: bool = True
+    by_rows: tuple[str, ...] = (AS_TWO_ROWS,) + (WEIGHT_FIRST,) * (CPU_FEW_ROWS - 1)
+
+    def path(self, rows: int) -> str:
+        """The path for this many rows (1..CPU_FEW_ROWS)."""
+        return self.by_rows[rows - 1]
 
 
 CPU_LINEAR_PATHS = CpuLinearPaths()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, computed as (W x^T)^T for a few rows on a CPU and by the skinny-product kernel for a
-    few rows on a GPU (`ops.few_rows_linear`).
-
-    The CPU BLAS reads a weight at GEMV speed for one row but runs a GEMM of 2-16 rows (a verify
-    window, a draft block's vocabulary projection) at about a third of that; W x^T keeps the weight
-    as the long operand and costs little more than one row. One row goes as two equal rows where
-    `CPU_LINEAR_PATHS` measured that faster. Other shapes and devices: F.linear.
-    """
+    """F.linear, computed on a CPU by the path measured fastest for its row count (`CPU_LINEAR_PATHS`)
+    and by the skinny-product kernel for a few rows on a GPU (`ops.few_rows_linear`). Other shapes:
+    F.linear."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu":
         # ops decides which products the kernel takes (rows, dtype, width); the rest go to F.linear.
         return F.linear(x, weight, bias) if bias is not None else ops.few_rows_linear(x, weight)
     if not 0 < rows <= CPU_FEW_ROWS:
         return F.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1])
-    if rows == 1:
-        if not CPU_LINEAR_PATHS.one_row_as_two:
-            return F.linear(x, weight, bias)
-        y = _one_row_as_two(flat, weight)
-    else:
-        y = torch.mm(weight, flat.t()).t().contiguous()
+    path = CPU_LINEAR_PATHS.path(rows)
+    if path == BY_LINEAR:
+        return F.linear(x, weight, bias)
+    y = _product(x.reshape(rows, x.shape[-1]), weight, path)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _one_row_as_two(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """row [1, in] @ weight^T, computed as W x^T of the row taken twice: [1, out], contiguous."""
-    return torch.mm(weight, row.repeat(2, 1).t())[:, :1].t().contiguous()
+def _product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> torch.Tensor:
+    """flat [rows, in] @ weight^T by `path`: [rows, out], contiguous."""
+    if path == BY_LINEAR:
+        return F.linear(flat, weight)
+    if path == AS_TWO_ROWS:
+        return torch.mm(weight, flat.repeat(2, 1).t())[:, :1].t().contiguous()
+    return torch.mm(weight, flat.t()).t().contiguous()
 
 
-def measure_one_row_path(module: nn.Module, repeats: int = 3) -> bool:
-    """Time one row through every 2-D weight of `module` (a whole pass, in order, so weights come from
-    memory as in a decode step) by F.linear and as two rows; keep the faster in `CPU_LINEAR_PATHS` and
-    return whether two rows won. A no-op returning the current choice off the CPU."""
+def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> tuple[str, ...]:
+    """Time each row count's candidate paths over every 2-D weight of `module` (a whole pass, in
+    order, so that weights come from memory as in a step), keep the fastest per row count in
+    `CPU_LINEAR_PATHS` and return the choice. Only candidates within CLEAR_LOSS of the best are timed
+    again; a model of the same weight shapes measured before in this process takes that choice. A
+    no-op returning the current choice off the CPU."""
     weights = [p for p in module.parameters() if p.dim() == 2 and p.device.type == "cpu"]
     if not weights:
-        return CPU_LINEAR_PATHS.one_row_as_two
-    rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}
+        return CPU_LINEAR_PATHS.by_rows
+    key = tuple((tuple(w.shape), w.dtype) for w in weights)
+    known = _MEASURED.get(key)
+    if known is None:
+        with torch.inference_mode():
+            known = _MEASURED[key] = tuple(
+                _fastest(weights, rows, rounds) for rows in range(1, CPU_FEW_ROWS + 1)
+            )
+    CPU_LINEAR_PATHS.by_rows = known
+    return known
 
-    def one_pass(as_two: bool) -> float:
+
+_MEASURED: dict[tuple, tuple[str, ...]] = {}  # measure_cpu_linear_paths' choices, by weight shapes
+
+
+def _fastest(weights: list[torch.Tensor], rows: int, rounds: int) -> str:
+    """The candidate path of `rows` rows that takes least time over `weights`."""
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+
+    def one_pass(path: str) -> float:
         start = time.perf_counter()
         for w in weights:
-            x = rows[w.shape[1]]
-            if as_two:
-                _one_row_as_two(x, w)
-            else:
-                F.linear(x, w)
+            _product(inputs[w.shape[1]], w, path)
         return time.perf_counter() - start
 
-    best = {False: math.inf, True: math.inf}
-    with torch.inference_mode():
-        for _ in range(repeats):
-            for as_two in (False, True):  # alternated: a slow spell of the host falls on both
-                best[as_two] = min(best[as_two], one_pass(as_two))
-    CPU_LINEAR_PATHS.one_row_as_two = best[True] < best[False]
-    return CPU_LINEAR_PATHS.one_row_as_two
+    best = dict.fromkeys(candidates(rows), math.inf)
+    for _ in range(rounds):
+        for path in best:  # alternated: a slow spell of the host falls on all of them
+            best[path] = min(best[path], one_pass(path))
+        fastest = min(best.values())
+        best = {path: t for path, t in best.items() if t <= CLEAR_LOSS * fastest}
+        if len(best) == 1:
+            break
+    return min(best, key=best.__getitem__)
 
 
 def _attach(param: nn.Parameter, load: Loader) -> nn.Parameter:
