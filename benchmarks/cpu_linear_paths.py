@@ -1,0 +1,78 @@
+"""A CPU linear's paths side by side, per row count: ms for a whole pass over a model's weights.
+
+    python benchmarks/cpu_linear_paths.py [--model DIR] [--rounds 3]
+
+For each row count 1..CPU_FEW_ROWS, every path `layers.linear` may take (F.linear, the weight first,
+one row as two) is timed over every 2-D weight of the target, in order (so the weights come from
+memory as in a decode step), rounds alternated, best of the rounds; then the choice
+`measure_cpu_linear_paths` makes when a model loads, and how long it took. What this is for: which
+path wins differs by row count and by host (its BLAS and caches); a verify window of a block of b
+drafts is b + 1 rows per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.config import EngineConfig
+from dspark.runner.models import layers
+from dspark.runner.models.loader import load_target_model
+
+
+def pass_ms(weights: list[torch.Tensor], rows: int, path: str) -> float:
+    """One pass of `rows` rows through every weight by `path`, in ms."""
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+    start = time.perf_counter()
+    for w in weights:
+        layers._product(inputs[w.shape[1]], w, path)
+    return (time.perf_counter() - start) * 1e3
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(EngineConfig().model_path), help="%(default)s")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    model = load_target_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"{args.model}: {len(weights)} weights, {megabytes:.0f} MB fp32; ms a pass, best of {args.rounds}")
+    paths = (layers.BY_LINEAR, layers.WEIGHT_FIRST, layers.AS_TWO_ROWS)
+    print(f"{'rows':>4} " + " ".join(f"{p:>13}" for p in paths) + "  fastest / F.linear")
+    with torch.inference_mode():
+        for rows in range(1, layers.CPU_FEW_ROWS + 1):
+            best = {p: math.inf for p in layers.candidates(rows)}
+            for _ in range(args.rounds):
+                for path in best:
+                    best[path] = min(best[path], pass_ms(weights, rows, path))
+            cells = " ".join(f"{best[p]:13.1f}" if p in best else f"{'':>13}" for p in paths)
+            print(f"{rows:4d} {cells}  {min(best.values()) / best[layers.BY_LINEAR]:.2f}")
+        layers._MEASURED.clear()
+        started = time.perf_counter()
+        chosen = layers.measure_cpu_linear_paths(model)
+        took = time.perf_counter() - started
+    print(f"measured at load ({took:.1f} s): " + " ".join(f"{rows}:{p}" for rows, p in enumerate(chosen, 1)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
