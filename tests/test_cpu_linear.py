@@ -94,3 +94,23 @@ def test_the_paths_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", _every_row_count({}))
     linear(torch.randn(1, 4), weight)
     assert calls == ["mm", "mm", "linear", "linear", "linear"]
+
+
+@pytest.mark.parametrize(("weight_first_share", "chosen"), [(0.95, BY_LINEAR), (0.85, WEIGHT_FIRST)])
+def test_another_path_is_taken_only_when_it_clearly_wins(
+    weight_first_share: float, chosen: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With pass times set by a fake clock: a path a little faster than F.linear (within CLEAR_WIN) is
+    not taken, one clearly faster is."""
+    clock = [0.0]
+    cost = {BY_LINEAR: 1.0, WEIGHT_FIRST: weight_first_share, AS_TWO_ROWS: 2.0}
+
+    def product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> None:
+        clock[0] += cost[path]
+
+    monkeypatch.setattr(layers, "_product", product)
+    monkeypatch.setattr(layers.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(layers, "_MEASURED", {})
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", CPU_LINEAR_PATHS.by_rows)
+    paths = measure_cpu_linear_paths(torch.nn.Linear(8, 16))
+    assert paths == (BY_LINEAR,) + (chosen,) * (CPU_FEW_ROWS - 1)

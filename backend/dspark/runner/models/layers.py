@@ -24,6 +24,8 @@ Loader = Callable[[torch.Tensor, torch.Tensor, str | None], None]
 CPU_FEW_ROWS = 16
 # A path this much slower than the best in a round is not timed again (measure_cpu_linear_paths).
 CLEAR_LOSS = 1.3
+# Another path is taken over F.linear only if it takes at most this share of F.linear's time.
+CLEAR_WIN = 0.9
 
 # The ways `linear` may compute a few rows on a CPU (`CpuLinearPaths`).
 BY_LINEAR = "linear"  # F.linear (x W^T; one row: a GEMV)
@@ -90,9 +92,10 @@ def _product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> torch.Tenso
 def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> tuple[str, ...]:
     """Time each row count's candidate paths over every 2-D weight of `module` (a whole pass, in
     order, so that weights come from memory as in a step), keep the fastest per row count in
-    `CPU_LINEAR_PATHS` and return the choice. Only candidates within CLEAR_LOSS of the best are timed
-    again; a model of the same weight shapes measured before in this process takes that choice. A
-    no-op returning the current choice off the CPU."""
+    `CPU_LINEAR_PATHS` and return the choice (F.linear unless another path clearly wins: CLEAR_WIN).
+    Only candidates within CLEAR_LOSS of the best are timed again; a model of the same weight shapes
+    measured before in this process takes that choice. A no-op returning the current choice off the
+    CPU."""
     weights = [p for p in module.parameters() if p.dim() == 2 and p.device.type == "cpu"]
     if not weights:
         return CPU_LINEAR_PATHS.by_rows
@@ -128,7 +131,12 @@ def _fastest(weights: list[torch.Tensor], rows: int, rounds: int) -> str:
         best = {path: t for path, t in best.items() if t <= CLEAR_LOSS * fastest}
         if len(best) == 1:
             break
-    return min(best, key=best.__getitem__)
+    fastest = min(best, key=best.__getitem__)
+    # F.linear unless another path clearly wins: near a tie the choice would move between runs with
+    # the host's noise, and each path rounds its sums its own way.
+    if BY_LINEAR in best and best[fastest] > CLEAR_WIN * best[BY_LINEAR]:
+        return BY_LINEAR
+    return fastest
 
 
 def _attach(param: nn.Parameter, load: Loader) -> nn.Parameter:
