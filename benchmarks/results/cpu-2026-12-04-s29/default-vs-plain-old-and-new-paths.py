@@ -6,17 +6,8 @@ import time
 
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.runner.models import layers
+from dspark_client.bench import PROMPTS  # dspark-client bench's prompts
 
-PROMPTS = [
-    "Explain how a bicycle stays upright.",
-    "Write a short poem about the sea.",
-    "What are the three primary colors?",
-    "Describe the water cycle in simple terms.",
-    "Give three tips for learning a new language.",
-    "Why is the sky blue?",
-    "Summarize the plot of Romeo and Juliet.",
-    "How does a refrigerator keep food cold?",
-]
 OLD = layers.CpuLinearPaths().by_rows
 
 

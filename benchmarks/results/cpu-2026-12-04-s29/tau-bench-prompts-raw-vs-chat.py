@@ -1,17 +1,8 @@
 """tau on `dspark-client bench`'s 8 prompts, raw text vs the chat template (static, blocks of 3, CPU)."""
 
 from dspark import LLM, EngineConfig, SamplingParams
+from dspark_client.bench import PROMPTS  # dspark-client bench's prompts
 
-PROMPTS = [
-    "Explain how a bicycle stays upright.",
-    "Write a short poem about the sea.",
-    "What are the three primary colors?",
-    "Describe the water cycle in simple terms.",
-    "Give three tips for learning a new language.",
-    "Why is the sky blue?",
-    "Summarize the plot of Romeo and Juliet.",
-    "How does a refrigerator keep food cold?",
-]
 llm = LLM(EngineConfig(adaptive_speculation=False, max_num_seqs=8))
 tok = llm.tokenizer
 params = SamplingParams(max_tokens=48, ignore_eos=True)
