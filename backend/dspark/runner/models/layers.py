@@ -89,6 +89,9 @@ def _product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> torch.Tenso
     return torch.mm(weight, flat.t()).t().contiguous()
 
 
+_MEASURED: dict[tuple, tuple[str, ...]] = {}  # measure_cpu_linear_paths' choices, by weight shapes
+
+
 def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> tuple[str, ...]:
     """Time each row count's candidate paths over every 2-D weight of `module` (a whole pass, in
     order, so that weights come from memory as in a step), keep the fastest per row count in
@@ -108,9 +111,6 @@ def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> tuple[str, .
             )
     CPU_LINEAR_PATHS.by_rows = known
     return known
-
-
-_MEASURED: dict[tuple, tuple[str, ...]] = {}  # measure_cpu_linear_paths' choices, by weight shapes
 
 
 def _fastest(weights: list[torch.Tensor], rows: int, rounds: int) -> str:
