@@ -25,15 +25,6 @@ from dspark.runner.models import layers
 from dspark.runner.models.loader import load_target_model
 
 
-def pass_ms(weights: list[torch.Tensor], rows: int, path: str) -> float:
-    """One pass of `rows` rows through every weight by `path`, in ms."""
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-    start = time.perf_counter()
-    for w in weights:
-        layers._product(inputs[w.shape[1]], w, path)
-    return (time.perf_counter() - start) * 1e3
-
-
 def cpu_name() -> str:
     """The CPU's model name (Linux), else the machine type."""
     try:
@@ -61,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for rows in range(1, layers.CPU_FEW_ROWS + 1):
             best = {p: math.inf for p in layers.candidates(rows)}
+            inputs = layers.pass_inputs(weights, rows)
             for _ in range(args.rounds):
                 for path in best:
-                    best[path] = min(best[path], pass_ms(weights, rows, path))
+                    best[path] = min(best[path], layers.pass_seconds(weights, inputs, path) * 1e3)
             cells = " ".join(f"{best[p]:13.1f}" if p in best else f"{'':>13}" for p in paths)
             print(f"{rows:4d} {cells}  {min(best.values()) / best[layers.BY_LINEAR]:.2f}")
         layers._MEASURED.clear()

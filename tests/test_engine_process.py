@@ -8,9 +8,9 @@ import os
 import queue
 import signal
 import threading
-import time
 
 import pytest
+from server_fixtures import wait_for
 
 from dspark import EngineConfig, InvalidParameterError, SamplingParams
 from dspark.engine.async_engine import AsyncEngine, EngineDeadError
@@ -288,10 +288,7 @@ def test_an_instance_that_dies_fails_the_other_instances_requests(
         assert deaths.event.wait(30) and not second.healthy
         assert "InstanceGone" in str(deaths.causes[0])
         # Polled: the adapter's reader thread reaps the process too, and a join racing it can miss the exit.
-        deadline = time.monotonic() + 30
-        while first._process.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not first._process.is_alive()
+        assert wait_for(lambda: not first._process.is_alive(), 30, interval=0.05)
     finally:
         second.shutdown()
         first.shutdown()

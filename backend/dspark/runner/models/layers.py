@@ -113,20 +113,26 @@ def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> tuple[str, .
     return known
 
 
+def pass_inputs(weights: list[torch.Tensor], rows: int) -> dict[int, torch.Tensor]:
+    """Random inputs of `rows` rows for every input width among `weights` (`pass_seconds`)."""
+    return {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+
+
+def pass_seconds(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor], path: str) -> float:
+    """Seconds for one pass of `inputs` (`pass_inputs`) through every weight, in order, by `path`."""
+    start = time.perf_counter()
+    for w in weights:
+        _product(inputs[w.shape[1]], w, path)
+    return time.perf_counter() - start
+
+
 def _fastest(weights: list[torch.Tensor], rows: int, rounds: int) -> str:
     """The candidate path of `rows` rows that takes least time over `weights`."""
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-
-    def one_pass(path: str) -> float:
-        start = time.perf_counter()
-        for w in weights:
-            _product(inputs[w.shape[1]], w, path)
-        return time.perf_counter() - start
-
+    inputs = pass_inputs(weights, rows)
     best = dict.fromkeys(candidates(rows), math.inf)
     for _ in range(rounds):
         for path in best:  # alternated: a slow spell of the host falls on all of them
-            best[path] = min(best[path], one_pass(path))
+            best[path] = min(best[path], pass_seconds(weights, inputs, path))
         fastest = min(best.values())
         best = {path: t for path, t in best.items() if t <= CLEAR_LOSS * fastest}
         if len(best) == 1:
