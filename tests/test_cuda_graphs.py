@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import RandomLengthGate, emulated_graphs_config
+from tiny_models import RandomLengthGate, decaying_sps_table, emulated_graphs_config
 
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.runner.attention_batch import AttentionBatch
@@ -126,15 +126,20 @@ def test_padded_layout_marks_padding_tokens_and_windows() -> None:
     assert batch.page_table.shape == (4, 2)
 
 
-@pytest.mark.parametrize("spec_mode", ["off", "static", "compact"])
+@pytest.mark.parametrize(
+    ("spec_mode", "planned"), [("off", False), ("static", False), ("compact", False), ("compact", True)]
+)
 def test_engine_through_emulated_graphs_gives_the_eager_tokens(
-    tiny_target_dir, tiny_drafter_dir, spec_mode
+    tiny_target_dir, tiny_drafter_dir, spec_mode, planned, tmp_path
 ) -> None:
     # Emulated graphs run the forward eagerly from the static buffers: the copying, padding and tier
     # logic of a replay is exercised on any machine, with every kind of step (prefill chunks, mixed).
+    # `compact` with the flat table (the default) drafts inside the target step as `static` does; with a
+    # table under which verifying costs (`planned`) it drafts apart and plans from the confidences.
     rng = random.Random(3)
     prompts = [[rng.randrange(1, 8) for _ in range(rng.randrange(2, 30))] for _ in range(7)]
-    config = emulated_graphs_config(tiny_target_dir, tiny_drafter_dir, spec_mode=spec_mode)
+    table = decaying_sps_table(tmp_path) if planned else ""
+    config = emulated_graphs_config(tiny_target_dir, tiny_drafter_dir, spec_mode=spec_mode, sps_table=table)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     eager = LLM(config).generate(params=params, prompt_token_ids=prompts)
     for draft_graphs in (False, True):
@@ -156,8 +161,8 @@ def test_engine_through_emulated_graphs_gives_the_eager_tokens(
         assert llm.engine.allocator.num_used == 0
         if draft_graphs and spec_mode != "off":
             graphs = llm.engine.proposer.graphs
-            assert bool(graphs.captured_in_step) == (spec_mode == "static"), graphs.captured_in_step
-            assert bool(graphs.captured) == (spec_mode == "compact"), graphs.captured
+            assert bool(graphs.captured_in_step) == (not planned), graphs.captured_in_step
+            assert bool(graphs.captured) == planned, graphs.captured
 
 
 def test_graphs_captured_at_start_up_serve_every_step(tiny_target_dir, tiny_drafter_dir) -> None:
@@ -246,14 +251,20 @@ def test_graphs_dropped_while_a_step_output_is_held_capture_again(tiny_target_di
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("spec_mode", ["off", "static", "compact"])
-def test_graphs_give_the_eager_engines_tokens(smollm2_dir, smollm2_drafter_dir, spec_mode) -> None:
+@pytest.mark.parametrize(
+    ("spec_mode", "planned"), [("off", False), ("static", False), ("compact", False), ("compact", True)]
+)
+def test_graphs_give_the_eager_engines_tokens(
+    smollm2_dir, smollm2_drafter_dir, spec_mode, planned, tmp_path
+) -> None:
+    # `planned`: a table under which verifying costs, so `compact` drafts apart and plans its windows.
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
     base = EngineConfig(
         model=str(smollm2_dir),
         draft_model=str(smollm2_drafter_dir),
         spec_mode=spec_mode,
+        sps_table=decaying_sps_table(tmp_path) if planned else "",
         device="cuda",
         adaptive_speculation=False,
         num_kv_pages=512,  # a set cache: the xdist workers share the GPU

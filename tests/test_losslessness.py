@@ -10,7 +10,7 @@ import pytest
 import torch
 from penalty_reference import penalized_row
 from proposers import OracleProposer, TrapProposer
-from tiny_models import drafter_with_vocab, tiny_engine_config
+from tiny_models import decaying_sps_table, drafter_with_vocab, tiny_engine_config
 
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.runner.models.dense import dense_logits
@@ -22,18 +22,10 @@ SPEC_SETTINGS = [("static", "sync"), ("compact", "sync"), ("compact", "lagged"),
 BLOCK = 4
 
 
-def _decaying_sps(tmp_path) -> str:
-    """An SPS table under which verifying long windows does not always pay: plans get ragged."""
-    path = tmp_path / "sps.json"
-    points = [{"tokens": t, "steps_per_second": 100.0 / (1 + 0.08 * t)} for t in (1, 2, 4, 8, 16, 32, 64)]
-    path.write_text(json.dumps({"version": 1, "points": points}))
-    return str(path)
-
-
 def _planned_config(target_dir, draft_dir, mode: str, policy: str, tmp_path) -> EngineConfig:
-    """The tiny engine in a speculation mode and planner policy, planning with `_decaying_sps`."""
+    """The tiny engine in a speculation mode and planner policy, planning with `decaying_sps_table`."""
     return tiny_engine_config(
-        target_dir, draft_dir, spec_mode=mode, planner_policy=policy, sps_table=_decaying_sps(tmp_path)
+        target_dir, draft_dir, spec_mode=mode, planner_policy=policy, sps_table=decaying_sps_table(tmp_path)
     )
 
 
@@ -334,6 +326,9 @@ def test_sampling_with_the_real_drafter_and_filters_follows_target(
             num_kv_pages=1024,
             max_num_batched_tokens=4096,
             draft_stop_survival=stop,
+            # compact stops drafting early only under a table where verifying costs (a flat one
+            # verifies whole blocks).
+            sps_table=decaying_sps_table(tmp_path) if mode == "compact" else "",
         )
     )
     assert _tv(_empirical_joint(llm, params), _exact_joint(tiny_target_dir, params)) < TV_BOUND
@@ -393,7 +388,7 @@ def test_penalized_sampling_follows_the_penalized_target_distribution(
 
 
 def test_early_stopped_drafting_keeps_greedy_output_and_verifies_only_drafts(
-    tiny_target_dir, tiny_drafter_dir
+    tiny_target_dir, tiny_drafter_dir, tmp_path
 ) -> None:
     prompts = [[1, 2, 3], [4, 5, 6, 7], [2, 2], [7, 1, 3, 3, 5]]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -401,7 +396,13 @@ def test_early_stopped_drafting_keeps_greedy_output_and_verifies_only_drafts(
         params=params, prompt_token_ids=prompts
     )
     llm = LLM(
-        tiny_engine_config(tiny_target_dir, tiny_drafter_dir, spec_mode="compact", draft_stop_survival=0.4)
+        tiny_engine_config(
+            tiny_target_dir,
+            tiny_drafter_dir,
+            spec_mode="compact",
+            draft_stop_survival=0.4,
+            sps_table=decaying_sps_table(tmp_path),
+        )
     )
     outs = llm.generate(params=params, prompt_token_ids=prompts)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from tiny_models import write_tiny_drafter
+from tiny_models import decaying_sps_table, write_tiny_drafter
 
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.runner.cuda_graphs import CudaGraphs
@@ -20,12 +20,13 @@ from dspark.training.data import distill
 from dspark.training.shards import write_shard
 
 
-def _config(target_dir, draft_dir, spec_mode: str) -> EngineConfig:
+def _config(target_dir, draft_dir, spec_mode: str, sps_table: str = "") -> EngineConfig:
     """The tiny engine sized for emulated graphs of 32 tokens and 4 requests, drafting every step."""
     return EngineConfig(
         model=str(target_dir),
         draft_model=str(draft_dir),
         spec_mode=spec_mode,
+        sps_table=sps_table,
         num_kv_pages=256,
         kv_page_size=4,
         max_num_seqs=4,
@@ -37,14 +38,16 @@ def _config(target_dir, draft_dir, spec_mode: str) -> EngineConfig:
 @pytest.mark.parametrize("spec_mode", ["static", "compact"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
 def test_two_layer_drafter_keeps_the_greedy_output_of_plain_decoding(
-    tiny_target_dir, two_layer_drafter_dir, spec_mode, graphs
+    tiny_target_dir, two_layer_drafter_dir, spec_mode, graphs, tmp_path
 ) -> None:
     assert len(load_drafter(two_layer_drafter_dir, torch.float32, "cpu").layers) == 2
     rng = random.Random(4)
     prompts = [[rng.randrange(1, 8) for _ in range(rng.randrange(2, 20))] for _ in range(6)]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     plain = LLM(_config(tiny_target_dir, "", "off")).generate(params=params, prompt_token_ids=prompts)
-    config = _config(tiny_target_dir, two_layer_drafter_dir, spec_mode)
+    # `compact` under a table where verifying costs: it plans from the confidences, drafting apart.
+    table = decaying_sps_table(tmp_path) if spec_mode == "compact" else ""
+    config = _config(tiny_target_dir, two_layer_drafter_dir, spec_mode, table)
     llm = LLM(config)
     if graphs:
         runner = llm.engine.runner

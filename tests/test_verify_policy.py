@@ -12,6 +12,7 @@ from dspark.config import SPEC_MODES, EngineConfig
 from dspark.spec.drafts import Drafts
 from dspark.spec.planner import VerifyPlanner
 from dspark.spec.sps_table import SpsTable
+from dspark.spec.step_draft import InStepDrafts
 from dspark.spec.verify_policy import (
     CapAcceptPolicy,
     CompactPolicy,
@@ -57,6 +58,25 @@ def test_only_compact_stops_drafting_early_and_only_static_drafts_inside_the_tar
     }
     assert [m for m, p in policies.items() if p.drafts_in_step] == ["static"]
     assert [m for m, p in policies.items() if p.uses_planner] == ["compact", "cap-accept"]
+
+
+def test_compact_under_a_flat_table_drafts_whole_blocks_inside_the_target_step() -> None:
+    # A flat table never charges a verified token, so the plan is the caps whatever the confidences:
+    # compact drafts as static does (in the step, whole blocks) and reads neither planner nor table.
+    config = EngineConfig(spec_mode="compact", draft_stop_survival=0.2)
+    flat = verify_policy(config, BLOCK, flat_table=True)
+    planned = verify_policy(config, BLOCK, flat_table=False)
+    assert (flat.drafts_in_step, flat.uses_planner, flat.draft_stop_survival) == (True, False, 0.0)
+    assert (planned.drafts_in_step, planned.uses_planner, planned.draft_stop_survival) == (False, True, 0.2)
+    in_step = InStepDrafts(proposer=None, seqs=[])  # never drafted: the plan does not read it
+    assert flat.plan(in_step, [4, 2], VerifyPlanner("sync", SpsTable.flat())) == VerifyPlan(
+        (4, 2), (4, 2), in_step
+    )
+    with pytest.raises(AssertionError):
+        planned.plan(in_step, [4, 2], VerifyPlanner("sync", STEEP_SPS))
+    # Drafted apart (sampling requests, a step without graphs), it verifies what was drafted.
+    drafts = _drafts([[0.01] * BLOCK, [0.99] * BLOCK], lengths=[1, 4])
+    assert flat.plan(drafts, [4, 2], VerifyPlanner("sync", SpsTable.flat())).verify_lens == (1, 2)
 
 
 def test_static_verifies_and_commits_every_cap_whatever_the_confidences() -> None:

@@ -116,6 +116,15 @@ def tiny_engine_config(target_dir: Path, draft_dir: Path | None = None, **change
     return base.replace(**changes)
 
 
+def decaying_sps_table(directory: Path) -> str:
+    """An SPS table file (in `directory`) under which verifying long windows does not always pay: the
+    planner reads the confidences, plans get ragged and `compact` drafts apart, stopping early."""
+    path = directory / "decaying-sps.json"
+    points = [{"tokens": t, "steps_per_second": 100.0 / (1 + 0.08 * t)} for t in (1, 2, 4, 8, 16, 32, 64)]
+    path.write_text(json.dumps({"version": 1, "points": points}))
+    return str(path)
+
+
 def emulated_graphs_config(
     target_dir: Path, draft_dir: Path | None = None, **changes: object
 ) -> EngineConfig:

@@ -110,8 +110,12 @@ class LLMEngine:
             if config.block_size > most:
                 raise ValueError(f"block_size: the drafter drafts at most {most}")
             block_size = config.block_size or most
+        # The planner's table, unless it is measured at start-up (`profile`, below): a flat one lets
+        # `compact` draft inside the target step.
+        given_table = None if config.sps_table == SPS_PROFILE else _given_sps_table(config.sps_table)
         # How steps verify (one policy per spec_mode, chosen once; the engine asks it, never the mode).
-        self.policy = verify_policy(config, block_size)
+        flat_table = given_table is not None and given_table.is_flat
+        self.policy = verify_policy(config, block_size, flat_table)
         if drafter is not None:
             proposer = self._dspark_proposer(config, drafter, block_size, device)
         self.proposer = proposer
@@ -155,7 +159,7 @@ class LLMEngine:
             self.limits.max_model_len,
         )
         self._capture_graphs()
-        sps = self._sps_table(config, block_size)
+        sps = given_table if given_table is not None else self._profiled_sps_table(config, block_size)
         self.planner = VerifyPlanner(config.planner_policy, sps, config.planner_lag)
         self.total_spec_stats = SpecStats()
         self._spec_snapshot: SpecStats | None = None  # a copy of the totals for `load`, made on change
@@ -211,10 +215,8 @@ class LLMEngine:
             and proposer.follow_target_layout(runner.graphs.layout)
         )
 
-    def _sps_table(self, config: EngineConfig, block_size: int) -> SpsTable:
-        """The planner's steps/s table: flat, loaded from a file, or measured now on this runner."""
-        if config.sps_table != SPS_PROFILE:
-            return SpsTable.load(config.sps_table) if config.sps_table else SpsTable.flat()
+    def _profiled_sps_table(self, config: EngineConfig, block_size: int) -> SpsTable:
+        """The planner's steps/s table measured now on this runner (`sps_table` profile)."""
         if not self.policy.uses_planner:
             return SpsTable.flat()  # no planner reads it
         from dspark.spec.profile import profile_runner, startup_max_tokens
@@ -670,6 +672,11 @@ class LLMEngine:
             done.append(PendingDelta(processor, (), "abort", text=""))
         self._aborts.clear()
         return done
+
+
+def _given_sps_table(path: str) -> SpsTable:
+    """The `sps_table` given before start-up: loaded from its file, flat when empty."""
+    return SpsTable.load(path) if path else SpsTable.flat()
 
 
 def _decides_on_the_device(seq: Sequence) -> bool:

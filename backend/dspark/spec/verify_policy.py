@@ -9,6 +9,9 @@ committed. Every mode is lossless; they differ in what they verify:
   lengths do not depend on the drafts, so they can be drafted inside the target step.
 - `compact`: the planner (`spec.planner`) chooses ragged verify lengths from the drafts'
   confidences, and requests stop drafting once their survival falls below `draft_stop_survival`.
+  With a flat SPS table (`sps_table` empty, the default) more verified tokens never cost more, so the
+  planner's lengths are the caps whatever the confidences and stopping early saves nothing: `compact`
+  then drafts whole blocks, inside the target step where it can, as `static` does.
 - `cap-accept` (a diagnostic): verify every draft, commit only up to the planned lengths.
 
 Mode names are read here and nowhere else: the rest of the engine asks its policy.
@@ -95,15 +98,32 @@ class StaticPolicy:
 
 @dataclass(frozen=True)
 class CompactPolicy:
-    """`compact`: verify and commit the planned lengths of what each request drafted."""
+    """`compact`: verify and commit the planned lengths of what each request drafted (up to its early
+    stop at `stop_survival`). `flat_table`: the SPS table is flat, so every plan is the caps whatever the
+    confidences: whole blocks are drafted, inside the target step where it can (as `static`)."""
 
     block_size: int
-    draft_stop_survival: float
-    drafts_in_step: bool = False
-    uses_planner: bool = True
+    stop_survival: float
+    flat_table: bool = False
+
+    @property
+    def draft_stop_survival(self) -> float:
+        # Stopping saves verify rows only where they cost something; with a flat table it would only
+        # keep its drafts out of the target step.
+        return 0.0 if self.flat_table else self.stop_survival
+
+    @property
+    def drafts_in_step(self) -> bool:
+        return self.flat_table
+
+    @property
+    def uses_planner(self) -> bool:
+        return not self.flat_table
 
     def plan(self, drafts: Drafts | InStepDrafts, caps: list[int], planner: VerifyPlanner) -> VerifyPlan:
-        assert isinstance(drafts, Drafts), "compact plans from drafts made before the step"
+        if isinstance(drafts, InStepDrafts):
+            assert self.flat_table, "compact plans from drafts made before the step"
+            return VerifyPlan(tuple(caps), tuple(caps), drafts)
         lens = planned_lens(drafts, drafted_caps(drafts, caps), planner, self.block_size)
         return VerifyPlan(lens, lens, drafts)
 
@@ -142,15 +162,16 @@ def planned_lens(
     return tuple(planner.plan(survivals, torch.tensor(caps, dtype=torch.long)).tolist())
 
 
-def verify_policy(config: EngineConfig, block_size: int) -> VerifyPolicy:
-    """The policy of `config.spec_mode` (block_size: the engine's resolved block size)."""
+def verify_policy(config: EngineConfig, block_size: int, flat_table: bool = False) -> VerifyPolicy:
+    """The policy of `config.spec_mode` (block_size: the engine's resolved block size; flat_table: the
+    planner's SPS table is flat, known before the engine starts: `sps_table` empty or a flat file)."""
     mode = config.spec_mode
     if mode == "off":
         return OffPolicy()
     if mode == "static":
         return StaticPolicy()
     if mode == "compact":
-        return CompactPolicy(block_size, config.draft_stop_survival)
+        return CompactPolicy(block_size, config.draft_stop_survival, flat_table)
     if mode == "cap-accept":
         return CapAcceptPolicy(block_size)
     raise ValueError(f"spec_mode: no verify policy for {mode!r}")
