@@ -47,9 +47,11 @@ def main() -> None:
         else:
             pair = [per_step_ms(fresh, small, 64), per_step_ms(burst, small, 64)]
         rows.append(pair)
-        print(f"round {round_}: fresh {pair[0]:.3f} ms, after the burst {pair[1]:.3f} ms ({pair[1] / pair[0]:.2f}x)")
+        ratio = pair[1] / pair[0]
+        print(f"round {round_}: fresh {pair[0]:.3f} ms, after the burst {pair[1]:.3f} ms ({ratio:.2f}x)")
     ratios = [b / f for f, b in rows]
-    print(f"median after-burst / fresh: {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})")
+    spread = f"{min(ratios):.3f}-{max(ratios):.3f}"
+    print(f"median after-burst / fresh: {statistics.median(ratios):.3f} (range {spread})")
 
 
 if __name__ == "__main__":
