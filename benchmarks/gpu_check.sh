@@ -27,6 +27,9 @@
 #      (EPC_S, default 0: skipped; EPC_ARGS, e.g. "--levels 1,8,64 --mode static"; $OUT/epc.{json,log});
 #   (between 4 and 5) benchmarks/overlap.py: overlap scheduling on and off, tokens/s per mode and batch
 #      size and the GPU's busy share of steady decode (OVERLAP_S, default 0: skipped; OVERLAP_ARGS).
+#   (after 6) benchmarks/served_drift.py: one server kept up through quiet, burst, after and rested
+#      windows, each beside the offline engine (DRIFT_S, default 0: skipped; DRIFT_ARGS; ~20 s a window
+#      of SmolLM2 at 8 streams on the H200; $OUT/drift.{md,json,log}).
 # Limits (seconds): TESTS_S (default 420; 0 skips them), PROFILE_S and E2E_S (default 0: skipped, the
 # tests need the call's time; e.g. TESTS_S=0 PROFILE_S=100 E2E_S=330 refreshes the tables in a call of its
 # own; E2E_ARGS are added to gpu_e2e.py's, e.g. "--kernel-paths gemv,no-pdl,cublas"). PROFILE_ARGS go
@@ -218,6 +221,20 @@ else
   tail -30 "$OUT"/overhead/*/server.log > "$OUT/overhead-server-logs.txt" 2>/dev/null
   # One file for the rest (py-spy samples and tops, server logs): a call brings back 8 files at most.
   tar -czf "$OUT/overhead-raw.tgz" -C "$OUT" --exclude model_repository overhead && rm -rf "$OUT/overhead"
+fi
+
+echo "=== benchmarks/served_drift.py (one server through quiet, burst, after and rested windows)"
+if [[ "${DRIFT_S:-0}" == 0 ]]; then
+  echo "skipped (DRIFT_S=0)"
+elif ! serving_wheels_installed; then
+  echo "skipped: no nvidia-pytriton / tritonclient here (carry the wheels)"
+else
+  # shellcheck disable=SC2086  # DRIFT_ARGS is a list of arguments
+  timeout "$DRIFT_S" python3 benchmarks/served_drift.py --out "$OUT/drift" ${DRIFT_ARGS:-} > "$OUT/drift.log" 2>&1
+  echo "served_drift exit $?"
+  cat "$OUT/drift/drift.md" 2>/dev/null
+  cp "$OUT"/drift/drift.{md,json} "$OUT"/ 2>/dev/null
+  rm -rf "$OUT/drift"
 fi
 
 echo "=== benchmarks/stress.py (CUDA-graph stress and regression run through tritonserver)"
