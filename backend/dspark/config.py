@@ -37,10 +37,12 @@ class EngineConfig:
     dtype: str = "auto"
     # Where the engine runs: auto (cuda when available), cpu, cuda.
     device: str = "auto"
-    # Speculation: off (plain decoding), static (verify all drafts), compact (planned ragged windows),
-    # cap-accept (verify all, commit only up to the plan; a diagnostic). static is the default: on a GPU
-    # its drafts go into the verify windows without a host round trip, and it measured fastest with the
-    # shipped drafter on an H200; compact pays where a verify window's cost grows with its length.
+    # Speculation: off (plain decoding), static (verify all drafts), compact (ragged windows planned
+    # from the drafts' confidences against sps_table; under the flat table, the default, it verifies
+    # every draft, drafted inside the target step as static's are), cap-accept (verify all, commit only
+    # up to the plan; a diagnostic). static is the default: on a GPU its drafts go into the verify
+    # windows without a host round trip, and it measured fastest with the shipped drafter on an H200;
+    # compact pays where a verify window's cost grows with its length.
     spec_mode: str = "static"
     # Verify-length planner: sync (early stop on this step's confidences) or lagged (top-K, K from an
     # earlier step's confidences).
@@ -56,8 +58,9 @@ class EngineConfig:
     # choice (the size its file names; every token without one); -1: every token. Lossless whatever K
     # (the target verifies every draft); a smaller K drafts rare tokens less often.
     draft_vocab_size: int = 0
-    # compact only: a request stops drafting once the survival of its next draft (the product of the
-    # confidences so far) falls below this, and verifies only what it drafted; 0 drafts whole blocks.
+    # compact with a non-flat sps_table only: a request stops drafting once the survival of its next
+    # draft (the product of the confidences so far) falls below this, and verifies only what it
+    # drafted; 0 drafts whole blocks.
     # The stop depends on the request's own earlier drafts only, so output stays lossless.
     draft_stop_survival: float = 0.05
     # Draft only as far as speculation pays: per batch size, the engine estimates the committed tokens/s
@@ -67,7 +70,8 @@ class EngineConfig:
     # blocks on every step (spec_mode alone decides).
     adaptive_speculation: bool = True
     # JSON file of measured target steps/s by batch tokens; "profile": measure it when the engine starts
-    # (a few seconds; compact and cap-accept only); empty means flat (verify everything).
+    # (a few seconds; compact and cap-accept only); empty means flat (verify everything: compact then
+    # runs as static).
     sps_table: str = ""
     # Tokens per KV-cache page.
     kv_page_size: int = 16
