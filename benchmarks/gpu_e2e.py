@@ -263,7 +263,9 @@ class ForcedAcceptance:
     The engine's own (random) drafter drafts and the target verifies as usual; `ops.greedy_accept` is
     wrapped so the target's choices at the first `accept` window positions read as the drafts, and the
     bonus is the target's real choice after them. Confidences are set high for those positions and low
-    after, so compact plans verify about `accept` + 1 drafts. The output is NOT the target's greedy
+    after, so compact under a non-flat SPS table plans to verify about `accept` + 1 drafts (under the
+    flat one, which e2e8b runs, it verifies every draft, drafted apart: this wrapper is not a
+    `DSparkProposer`, so nothing drafts inside the step). The output is NOT the target's greedy
     output (a random model has no meaningful continuation); only the speed means something. The serving
     path never does this."""
 
