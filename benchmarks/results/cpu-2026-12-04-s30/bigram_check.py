@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from first_draft_misses import PROMPTS, ROOT, token_class  # noqa: E402
+from first_draft_misses import PROMPTS, ROOT, drafted_blocks, token_class  # noqa: E402
 
 from dspark import LLM, EngineConfig, SamplingParams  # noqa: E402
 from dspark.training.acceptance import RecordingProposer  # noqa: E402
@@ -52,16 +52,8 @@ def main() -> None:
         "16 held-out chat prompts": conversations(ROOT / "training" / "prompts_eval.jsonl", "chat", 16),
     }
     for name, prompts in sets.items():
-        recorder = llm.engine.proposer
-        recorder.blocks.clear()
-        ids = [encode_prompt(llm.tokenizer, p) for p in prompts]
-        outputs = llm.generate(params=SamplingParams(max_tokens=160), prompt_token_ids=ids)
-        committed = {o.request_id: list(ids[i]) + list(o.token_ids) for i, o in enumerate(outputs)}
         tally: collections.Counter = collections.Counter()
-        for block in recorder.blocks:
-            tokens = committed[block.request_id]
-            if block.num_tokens >= len(tokens):
-                continue
+        for block, tokens in drafted_blocks(llm, prompts, 160):
             anchor, target = tokens[block.num_tokens - 1], tokens[block.num_tokens]
             kind = token_class(llm.tokenizer.decode([target]))
             seen = follows.get(anchor)

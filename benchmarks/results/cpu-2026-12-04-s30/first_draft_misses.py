@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -43,18 +44,24 @@ def token_class(text: str) -> str:
     return "word start" if text[0] == " " else "word continuation"
 
 
-def measure(llm: LLM, prompts: list[list[dict[str, str]]], max_tokens: int) -> collections.Counter:
-    """(class, matched) counts of draft 1 over every block of the prompts' greedy answers."""
+def drafted_blocks(llm: LLM, prompts: list[list[dict[str, str]]], max_tokens: int) -> Iterator[tuple]:
+    """(block, its request's prompt and answer tokens) for every block drafted while answering the
+    prompts greedily, whose first draft's position the answer reaches."""
     recorder = llm.engine.proposer
     recorder.blocks.clear()
     ids = [encode_prompt(llm.tokenizer, p) for p in prompts]
     outputs = llm.generate(params=SamplingParams(max_tokens=max_tokens), prompt_token_ids=ids)
     committed = {o.request_id: list(ids[i]) + list(o.token_ids) for i, o in enumerate(outputs)}
-    counts: collections.Counter = collections.Counter()
     for block in recorder.blocks:
         tokens = committed[block.request_id]
-        if block.num_tokens >= len(tokens):
-            continue
+        if block.num_tokens < len(tokens):
+            yield block, tokens
+
+
+def measure(llm: LLM, prompts: list[list[dict[str, str]]], max_tokens: int) -> collections.Counter:
+    """(class, matched) counts of draft 1 over every block of the prompts' greedy answers."""
+    counts: collections.Counter = collections.Counter()
+    for block, tokens in drafted_blocks(llm, prompts, max_tokens):
         target = tokens[block.num_tokens]
         kind = token_class(llm.tokenizer.decode([target]))
         counts[(kind, block.tokens[0] == target)] += 1
