@@ -15,11 +15,17 @@ from dspark.runner.models.layers import (
     BY_LINEAR,
     CPU_FEW_ROWS,
     CPU_LINEAR_PATHS,
+    PACKED,
     WEIGHT_FIRST,
     candidates,
     linear,
     measure_cpu_linear_paths,
+    pack_cpu_weights,
+    packs_on_this_cpu,
 )
+
+# MKL's packed GEMM is in every x86 CPU build of torch (this project's machines and CI): its tests run.
+needs_mkl = pytest.mark.skipif(not packs_on_this_cpu(), reason="this torch has no MKL packed GEMM")
 
 
 def _every_row_count(path_of: dict[int, str]) -> tuple[str, ...]:
@@ -35,7 +41,8 @@ def test_linear_matches_f_linear(rows: int, bias: bool, monkeypatch: pytest.Monk
     in_features, out_features = 64, 96
     weight = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
-    for path in candidates(rows) if rows <= CPU_FEW_ROWS else (BY_LINEAR,):
+    packed = pack_cpu_weights([weight])
+    for path in candidates(rows, packed) if rows <= CPU_FEW_ROWS else (BY_LINEAR,):
         monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", _every_row_count({rows: path}))
         for x in (
             torch.randn(rows, in_features, generator=gen),
@@ -65,6 +72,7 @@ def test_the_paths_are_measured_per_row_count(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(layers, "_MEASURED", {})
     monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", CPU_LINEAR_PATHS.by_rows)
+    monkeypatch.setattr(layers, "packs_on_this_cpu", lambda: False)  # the packed path: its own tests
     monkeypatch.setattr(layers.F, "linear", slow(real_linear))
     chosen = measure_cpu_linear_paths(module)
     assert chosen == CPU_LINEAR_PATHS.by_rows == (AS_TWO_ROWS,) + (WEIGHT_FIRST,) * (CPU_FEW_ROWS - 1)
@@ -103,7 +111,7 @@ def test_another_path_is_taken_only_when_it_clearly_wins(
     """With pass times set by a fake clock: a path a little faster than F.linear (within CLEAR_WIN) is
     not taken, one clearly faster is."""
     clock = [0.0]
-    cost = {BY_LINEAR: 1.0, WEIGHT_FIRST: weight_first_share, AS_TWO_ROWS: 2.0}
+    cost = {BY_LINEAR: 1.0, WEIGHT_FIRST: weight_first_share, AS_TWO_ROWS: 2.0, PACKED: 2.0}
 
     def product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> None:
         clock[0] += cost[path]
@@ -114,3 +122,56 @@ def test_another_path_is_taken_only_when_it_clearly_wins(
     monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", CPU_LINEAR_PATHS.by_rows)
     paths = measure_cpu_linear_paths(torch.nn.Linear(8, 16))
     assert paths == (BY_LINEAR,) + (chosen,) * (CPU_FEW_ROWS - 1)
+
+
+@needs_mkl
+@pytest.mark.parametrize(("packed_share", "chosen"), [(1.0, PACKED), (1.05, BY_LINEAR), (0.5, PACKED)])
+def test_the_packed_path_is_taken_where_it_is_no_slower(
+    packed_share: float, chosen: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fake clock: the packed path wins a tie with F.linear (its rows do not depend on each other), not
+    a loss; a module whose packed path loses everywhere keeps no packed copies."""
+    clock = [0.0]
+    cost = {BY_LINEAR: 1.0, WEIGHT_FIRST: 2.0, AS_TWO_ROWS: 2.0, PACKED: packed_share}
+
+    def product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> None:
+        clock[0] += cost[path]
+
+    monkeypatch.setattr(layers, "_product", product)
+    monkeypatch.setattr(layers.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(layers, "_MEASURED", {})
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", CPU_LINEAR_PATHS.by_rows)
+    module = torch.nn.Linear(8, 16)
+    assert measure_cpu_linear_paths(module) == (chosen,) * CPU_FEW_ROWS
+    assert hasattr(module.weight, "mkl_packed") == (chosen == PACKED)
+
+
+@needs_mkl
+def test_a_packed_row_does_not_depend_on_the_rows_beside_it() -> None:
+    """Each row of a packed product equals that row computed alone (what makes a verify window's rows
+    round as single decode rows do), at every few-row count, close to F.linear."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    weight = torch.randn(384, 256, generator=gen)
+    assert pack_cpu_weights([weight])
+    for rows in range(1, CPU_FEW_ROWS + 1):
+        x = torch.randn(rows, 256, generator=gen)
+        together = layers._product(x, weight, PACKED)
+        for r in range(rows):
+            assert torch.equal(together[r], layers._product(x[r : r + 1], weight, PACKED)[0]), (rows, r)
+        torch.testing.assert_close(together, F.linear(x, weight), rtol=1e-4, atol=1e-4)
+
+
+@needs_mkl
+def test_weights_are_packed_only_where_the_copies_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No packed copies when they would take more than PACKED_MEMORY_SHARE of the available memory, for
+    half-precision weights, or without MKL; the packed path of an unpacked weight is F.linear."""
+    weight = torch.randn(64, 32)
+    monkeypatch.setattr(layers, "available_memory_bytes", lambda: 4 * weight.numel() * 4)
+    assert not pack_cpu_weights([weight]) and not hasattr(weight, "mkl_packed")
+    monkeypatch.setattr(layers, "available_memory_bytes", lambda: 1 << 40)
+    assert not pack_cpu_weights([weight.to(torch.bfloat16)])
+    assert pack_cpu_weights([weight]) and hasattr(weight, "mkl_packed")
+    x, other = torch.randn(3, 32), torch.randn(64, 32)
+    torch.testing.assert_close(layers._product(x, other, PACKED), F.linear(x, other))
+    monkeypatch.setattr(layers, "packs_on_this_cpu", lambda: False)
+    assert not pack_cpu_weights([torch.randn(64, 32)])

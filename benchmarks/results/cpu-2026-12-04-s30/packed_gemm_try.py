@@ -4,7 +4,9 @@ plain, the serve default and `static` (blocks of 3), each with the measured path
 weights, two interleaved rounds in one process (4 bench prompts x 32 tokens). A quick try, not wired
 into the engine; log beside it.
 
-    .venv/bin/python benchmarks/results/cpu-2026-12-04-s30/packed_gemm_try.py
+    .venv/bin/python benchmarks/results/cpu-2026-12-04-s30/packed_gemm_try.py [BATCH]
+
+BATCH (default 1): the prompts run BATCH at a time (4 prompts at batch 1, 8 at batch 4 or 8).
 """
 
 from __future__ import annotations
@@ -41,16 +43,18 @@ def pack(llm: LLM) -> None:
             weight._packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 4)
 
 
-def tokens_per_s(llm: LLM, prompts: list[str]) -> float:
-    """Batch 1: each prompt alone, 32 greedy tokens."""
+def tokens_per_s(llm: LLM, prompts: list[str], batch: int = 1) -> float:
+    """The prompts `batch` at a time, 32 greedy tokens each."""
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     start, tokens = time.perf_counter(), 0
-    for prompt in prompts:
-        tokens += len(llm.generate([prompt], params)[0].token_ids)
+    for first in range(0, len(prompts), batch):
+        tokens += sum(len(o.token_ids) for o in llm.generate(prompts[first : first + batch], params))
     return tokens / (time.perf_counter() - start)
 
 
 def main() -> None:
+    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    prompts = PROMPTS[:4] if batch == 1 else PROMPTS[:8]
     engines = {
         "off": LLM(EngineConfig(spec_mode="off", device="cpu")),
         "default": LLM(EngineConfig(device="cpu")),
@@ -67,10 +71,10 @@ def main() -> None:
             for module in users:
                 module.linear = linear
             for name, llm in engines.items():
-                result[f"{name}/{label}"] = round(tokens_per_s(llm, PROMPTS[:4]), 1)
+                result[f"{name}/{label}"] = round(tokens_per_s(llm, prompts, batch), 1)
         for module in users:
             module.linear = MEASURED
-        print(f"round {round_}: {result}", flush=True)
+        print(f"batch {batch}, round {round_}: {result}", flush=True)
 
 
 if __name__ == "__main__":
