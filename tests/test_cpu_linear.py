@@ -104,14 +104,9 @@ def test_the_paths_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == ["mm", "mm", "linear", "linear", "linear"]
 
 
-@pytest.mark.parametrize(("weight_first_share", "chosen"), [(0.95, BY_LINEAR), (0.85, WEIGHT_FIRST)])
-def test_another_path_is_taken_only_when_it_clearly_wins(
-    weight_first_share: float, chosen: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With pass times set by a fake clock: a path a little faster than F.linear (within CLEAR_WIN) is
-    not taken, one clearly faster is."""
+def _fake_pass_times(cost: dict[str, float], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each product by a path advances a fake clock by `cost[path]`; nothing measured before."""
     clock = [0.0]
-    cost = {BY_LINEAR: 1.0, WEIGHT_FIRST: weight_first_share, AS_TWO_ROWS: 2.0, PACKED: 2.0}
 
     def product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> None:
         clock[0] += cost[path]
@@ -120,6 +115,17 @@ def test_another_path_is_taken_only_when_it_clearly_wins(
     monkeypatch.setattr(layers.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(layers, "_MEASURED", {})
     monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", CPU_LINEAR_PATHS.by_rows)
+
+
+@pytest.mark.parametrize(("weight_first_share", "chosen"), [(0.95, BY_LINEAR), (0.85, WEIGHT_FIRST)])
+def test_another_path_is_taken_only_when_it_clearly_wins(
+    weight_first_share: float, chosen: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With pass times set by a fake clock: a path a little faster than F.linear (within CLEAR_WIN) is
+    not taken, one clearly faster is."""
+    _fake_pass_times(
+        {BY_LINEAR: 1.0, WEIGHT_FIRST: weight_first_share, AS_TWO_ROWS: 2.0, PACKED: 2.0}, monkeypatch
+    )
     paths = measure_cpu_linear_paths(torch.nn.Linear(8, 16))
     assert paths == (BY_LINEAR,) + (chosen,) * (CPU_FEW_ROWS - 1)
 
@@ -131,16 +137,7 @@ def test_the_packed_path_is_taken_where_it_clearly_wins(
 ) -> None:
     """Fake clock: the packed path is taken only where it clearly beats F.linear (CLEAR_WIN), as any
     other path; a module whose packed path is taken nowhere keeps no packed copies."""
-    clock = [0.0]
-    cost = {BY_LINEAR: 1.0, WEIGHT_FIRST: 2.0, AS_TWO_ROWS: 2.0, PACKED: packed_share}
-
-    def product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> None:
-        clock[0] += cost[path]
-
-    monkeypatch.setattr(layers, "_product", product)
-    monkeypatch.setattr(layers.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(layers, "_MEASURED", {})
-    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", CPU_LINEAR_PATHS.by_rows)
+    _fake_pass_times({BY_LINEAR: 1.0, WEIGHT_FIRST: 2.0, AS_TWO_ROWS: 2.0, PACKED: packed_share}, monkeypatch)
     module = torch.nn.Linear(8, 16)
     assert measure_cpu_linear_paths(module) == (chosen,) * CPU_FEW_ROWS
     assert hasattr(module.weight, "mkl_packed") == (chosen == PACKED)
