@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -31,17 +30,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from agreement import loop_shares  # noqa: E402
 from load_generator import run_load  # noqa: E402
 from serving_ceiling import start_server  # noqa: E402
-from serving_overhead import MODES, Offline, engine_config, metrics_text, served_loop_totals  # noqa: E402
+from serving_overhead import MODES, Offline, engine_config, model_repository, served_load  # noqa: E402
 
 from dspark.outputs import STEP_PHASES  # noqa: E402
-from dspark.serving.triton_config import (  # noqa: E402
-    DEFAULT_INSTANCES,
-    DEFAULT_MODEL_REPOSITORY,
-    render_config_pbtxt,
-)
+from dspark.serving.triton_config import DEFAULT_INSTANCES  # noqa: E402
 
 PHASES = tuple(f"host_{phase}_ms" for phase in STEP_PHASES)
 
@@ -58,14 +52,7 @@ def schedule(windows: int, streams: int, burst: int) -> list[tuple[str, int]]:
 
 def served_window(url: str, metrics_port: int, streams: int, requests: int, max_tokens: int) -> dict:
     """One load at `streams` streams: the load generator's figures and the served loop's shares."""
-    time.sleep(0.3)  # the last window's counters published
-    before = metrics_text(metrics_port)
-    result = run_load(url, streams, requests, max_tokens)
-    time.sleep(0.3)
-    after = metrics_text(metrics_port)
-    loop = loop_shares(
-        served_loop_totals(before), served_loop_totals(after), result.seconds, result.output_tokens
-    )
+    result, loop, _, _ = served_load(url, metrics_port, streams, requests, max_tokens)
     return asdict(result) | {"loop": loop}
 
 
@@ -105,12 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     # What `dspark serve` runs by default on both sides (max_num_seqs 256, the KV cache sized at start).
     config = engine_config(args.mode, max(args.streams, args.burst), user_defaults=True)
     offline = Offline(config, args.max_tokens, args.requests_per_stream)
-    repo = args.out / "model_repository"
-    shutil.rmtree(repo, ignore_errors=True)
-    shutil.copytree(
-        DEFAULT_MODEL_REPOSITORY / "dspark", repo / "dspark", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    (repo / "dspark" / "config.pbtxt").write_text(render_config_pbtxt(config, instances=args.instances))
+    repo = model_repository(args.out, config, args.instances)
     server = start_server(repo, *ports, args.out / "server.log")
     url = f"localhost:{ports[1]}"
     rows: list[dict] = []

@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from agreement import OfflineEngine, loop_shares  # noqa: E402
-from load_generator import run_load  # noqa: E402
+from load_generator import LoadResult, run_load  # noqa: E402
 from serving_ceiling import _process_table, start_server  # noqa: E402
 
 from dspark.config import EngineConfig  # noqa: E402
@@ -192,6 +192,33 @@ def pin_server(server_pid: int, engine_cpus: set[int]) -> str:
     return f"engine process {engines} on CPUs {sorted(engine_cpus)}, the rest on {len(others)} others"
 
 
+def model_repository(root: Path, config: EngineConfig, instances: int) -> Path:
+    """A model repository under `root` holding the `dspark` model with `config` and `instances` stubs."""
+    repo = root / "model_repository"
+    shutil.rmtree(repo, ignore_errors=True)
+    shutil.copytree(
+        DEFAULT_MODEL_REPOSITORY / "dspark", repo / "dspark", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (repo / "dspark" / "config.pbtxt").write_text(render_config_pbtxt(config, instances=instances))
+    return repo
+
+
+def served_load(
+    url: str, metrics_port: int, streams: int, requests: int, max_tokens: int
+) -> tuple[LoadResult, dict, str, str]:
+    """One load of `requests` over `streams` streams: the load generator's result, the served loop's
+    shares over it (`loop_shares`), and the server's metrics text before and after it."""
+    time.sleep(0.3)  # the last load's counters published
+    before = metrics_text(metrics_port)
+    result = run_load(url, streams, requests, max_tokens)
+    time.sleep(0.3)
+    after = metrics_text(metrics_port)
+    loop = loop_shares(
+        served_loop_totals(before), served_loop_totals(after), result.seconds, result.output_tokens
+    )
+    return result, loop, before, after
+
+
 def served(
     config: EngineConfig,
     levels: list[int],
@@ -210,11 +237,7 @@ def served(
     the served loop and intake figures (and, in the last round at `profile_levels`, py-spy's samples of
     the server's Python processes while the load runs). `offline`: measured at each level right before
     each served load (`offline_tokens_per_s`, `offline_loop` in the round's figures)."""
-    repo = root / "model_repository"
-    shutil.copytree(
-        DEFAULT_MODEL_REPOSITORY / "dspark", repo / "dspark", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    (repo / "dspark" / "config.pbtxt").write_text(render_config_pbtxt(config, instances=instances))
+    repo = model_repository(root, config, instances)
     started = time.monotonic()
     server = start_server(repo, *ports, root / "server.log")
     print(f"server ready in {time.monotonic() - started:.0f} s", flush=True)
@@ -222,25 +245,21 @@ def served(
     if engine_cpus:
         print(pin_server(server.pid, engine_cpus), flush=True)
     results: dict[int, list[dict]] = {level: [] for level in levels}
+    url = f"localhost:{ports[1]}"
     try:
-        run_load(f"localhost:{ports[1]}", 8, 8, 16)  # warm-up
+        run_load(url, 8, 8, 16)  # warm-up
         for r, level in ((r, level) for r in range(rounds) for level in levels):
             offline_figures = {}
             if offline is not None:
                 rate, _, offline_loop = offline.measure(level)
                 offline_figures = {"offline_tokens_per_s": rate, "offline_loop": offline_loop}
-            time.sleep(0.3)  # the warm-up's or the last level's counters published
-            before = metrics_text(ports[2])
-            result = run_load(f"localhost:{ports[1]}", level, requests_per_stream * level, max_tokens)
-            time.sleep(0.3)
-            after = metrics_text(ports[2])
-            loop = loop_shares(
-                served_loop_totals(before), served_loop_totals(after), result.seconds, result.output_tokens
+            result, loop, before, after = served_load(
+                url, ports[2], level, requests_per_stream * level, max_tokens
             )
             intake = intake_split(intake_counters(before), intake_counters(after))
             if level in profile_levels and r == rounds - 1:  # a longer run, sampled, not timed
                 profiler = start_profile(server.pid, root / f"py-spy-{level}.txt", profile_s)
-                run_load(f"localhost:{ports[1]}", level, max(10 * level, 1280), max_tokens)
+                run_load(url, level, max(10 * level, 1280), max_tokens)
                 if profiler is not None:
                     profiler.wait(profile_s + 30)
             results[level].append(asdict(result) | {"loop": loop, "intake": intake} | offline_figures)
