@@ -151,8 +151,8 @@ class ModelRunner:
         """Load this rank's shard of the target (the whole target for SINGLE) and its KV cache shard."""
         model = load_target_model(config.model_path, dtype=dtype, device=device, tp=tp)
         if device.type == "cpu":
-            # Each few-row count by F.linear or with the weight first: the host's BLAS decides which is
-            # faster (CpuLinearPaths).
+            # Each few-row count by F.linear, with the weight first or by MKL's packed GEMM: the host's
+            # BLAS decides which is faster (CpuLinearPaths).
             paths = measure_cpu_linear_paths(model)
             logger.info("CPU linears, 1..%d rows: %s", len(paths), " ".join(paths))
         cfg = model.config
