@@ -78,7 +78,16 @@ _RUNTIME_CALL = re.compile(r"^cu(da)?[A-Z]")
 _DEVICE_WAIT = re.compile(r"^(Event|Stream|Context|Device) (Sync|Wait)")
 _GEMM_MARKS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "wgmma", "dot_kernel", "matmul")
 _SAMPLING_MARKS = ("argmax", "argmin", "softmax", "topk", "sampl", "accept", "_race_", "multinomial")
-_CPU_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
+# CPU ops: ATen's products, and MKL's packed GEMM (`layers.PACKED`, a linear's path on an x86 CPU).
+_CPU_GEMM_OPS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::matmul",
+    "aten::linear",
+    "aten::baddbmm",
+    "mkl::_mkl_linear",
+)
 _CPU_COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::fill_", "aten::zero_")
 
 

@@ -68,6 +68,7 @@ KERNEL_NAMES = {
     "3ul> >(int, at::native::CUDAFunctor_add<long>, std::array<char*, 3ul>)": "other",
     "aten::mm": "gemm",
     "aten::addmm": "gemm",
+    "mkl::_mkl_linear": "gemm",
     "aten::argmax": "sampling",
     "aten::copy_": "copies",
     "aten::mul": "other",
