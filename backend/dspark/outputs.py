@@ -36,15 +36,16 @@ class SpecStats:
         self.accepted_tokens += accepted
         self.steps += 1
         self.drafting_steps += drafted > 0
-        grow = max(verified - len(self.verified_per_position), 0)
-        self.verified_per_position.extend([0] * grow)
-        self.accepted_per_position.extend(
-            [0] * (len(self.verified_per_position) - len(self.accepted_per_position))
-        )
+        if not verified:  # a plain step (per request per step: kept cheap)
+            return
+        verified_at, accepted_at = self.verified_per_position, self.accepted_per_position
+        if verified > len(verified_at):
+            verified_at.extend([0] * (verified - len(verified_at)))
+            accepted_at.extend([0] * (len(verified_at) - len(accepted_at)))
         for k in range(verified):
-            self.verified_per_position[k] += 1
+            verified_at[k] += 1
         for k in range(accepted):
-            self.accepted_per_position[k] += 1
+            accepted_at[k] += 1
 
     def merge(self, other: SpecStats) -> None:
         """Add another request's counters into this one."""

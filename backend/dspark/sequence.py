@@ -39,30 +39,29 @@ class Sequence:
     finish_reason: str | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
     num_preemptions: int = 0
+    num_prompt_tokens: int = field(init=False, repr=False)  # len(prompt_token_ids), set once
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        """Tokens of the prompt."""
-        return len(self.prompt_token_ids)
+        # The prompt never changes: its length is read per request on every step (host time at batch 64).
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
         """Tokens generated so far."""
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
         """The generated tokens."""
-        return self.token_ids[len(self.prompt_token_ids) :]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def prefill_target(self) -> int:
         """Positions the cache must hold before decoding: the prompt, or all but the anchor on resume."""
-        return len(self.token_ids) - (1 if self.num_output_tokens else 0)
+        length = len(self.token_ids)
+        return length - 1 if length > self.num_prompt_tokens else length
 
     @property
     def in_prefill(self) -> bool:
@@ -77,7 +76,7 @@ class Sequence:
     @property
     def remaining_tokens(self) -> int:
         """How many more tokens `max_tokens` allows."""
-        return self.params.max_tokens - self.num_output_tokens
+        return self.params.max_tokens - len(self.token_ids) + self.num_prompt_tokens
 
     @property
     def finished(self) -> bool:

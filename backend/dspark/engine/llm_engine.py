@@ -167,6 +167,9 @@ class LLMEngine:
         self._outputs: dict[str, OutputProcessor] = {}
         # History counts of the requests with penalties (on the device), by request id.
         self._penalty_states: dict[str, PenaltyState] = {}
+        # The unfinished requests whose tokens the host decides (`_decides_on_the_device`): a step goes
+        # ahead of the one before only while none of them runs.
+        self._host_decides: set[Sequence] = set()
         self._logprobs_formatter = LogprobsFormatter(self.tokenizer)
         self._pending: list[RequestDelta] = []  # failed before they ran
         self._aborts: list[str] = []
@@ -275,6 +278,8 @@ class LLMEngine:
             self._penalty_states[request_id] = PenaltyState(
                 seq.prompt_token_ids, [], self.model_config.vocab_size, self.limits.device
             )
+        if not _decides_on_the_device(seq):
+            self._host_decides.add(seq)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -369,7 +374,7 @@ class LLMEngine:
         if schedule is None or schedule.empty:
             return None
         timer.lap("schedule")
-        caps = [min(self._max_verify(seq, in_flight), schedule.window - 1) for seq in schedule.decode]
+        caps = self._max_verifies(schedule.decode, in_flight, schedule.window - 1)
         length = min(self._draft_length(schedule.decode, caps), schedule.window - 1)
         caps = [min(cap, length) for cap in caps]
         drafts = self._draft(schedule.decode, caps)
@@ -417,7 +422,7 @@ class LLMEngine:
             return None
         if self.proposer is not None and not self._drafts_in_step():
             return None
-        if not all(_decides_on_the_device(seq) for seq in self.scheduler.running):
+        if self._host_decides and not self._host_decides.isdisjoint(self.scheduler.running):
             return None
         schedule, plan = earlier.schedule, earlier.plan
         advance: dict[Sequence, int] = {}
@@ -425,12 +430,11 @@ class LLMEngine:
         follows: dict[Sequence, int] = {}
         sit_out: set[Sequence] = set()
         room = self.limits.max_model_len - self.scheduler.window_positions
-        for r, seq in enumerate(schedule.decode):
-            most = plan.verify_lens[r] + 1
-            if seq.remaining_tokens <= most or len(seq.token_ids) + most > room:
+        for r, (seq, verify_len) in enumerate(zip(schedule.decode, plan.verify_lens, strict=True)):
+            if seq.remaining_tokens <= verify_len + 1 or len(seq.token_ids) + verify_len + 1 > room:
                 sit_out.add(seq)  # it may end there, or its window may not fit: wait for the acceptance
                 continue
-            advance[seq], reach[seq], follows[seq] = 1, plan.verify_lens[r], r
+            advance[seq], reach[seq], follows[seq] = 1, verify_len, r
         # A chunk that ends its prompt samples the first token from its logit row, one of the rows
         # after every verify window's (the acceptance's `rest`, as `accept` reads it): the next anchor.
         offsets = earlier.packed.logit_offsets[len(schedule.decode) :]
@@ -498,18 +502,24 @@ class LLMEngine:
             return InStepDrafts(self.proposer, decode)
         return self.proposer.propose(decode, max(caps))
 
-    def _max_verify(self, seq: Sequence, in_flight: InFlight | None = None) -> int:
-        """Most drafts this request may verify: block size, its own cap, tokens and context left (once
-        the step in flight, if any, has committed the least it can)."""
-        own = seq.params.num_draft_tokens
-        ahead = 1 if in_flight is not None and seq in in_flight.follows else 0
-        cap = min(
-            self.limits.block_size,
-            self.limits.block_size if own is None else own,
-            seq.remaining_tokens - ahead - 1,
-            self.limits.max_model_len - len(seq.token_ids) - ahead,
-        )
-        return max(cap, 0)
+    def _max_verifies(
+        self, decode: Seq[Sequence], in_flight: InFlight | None, window_drafts: int
+    ) -> list[int]:
+        """Most drafts each request may verify: the block size and the step's window, its own cap,
+        tokens and context left (once the step in flight, if any, has committed the least it can).
+        One loop with the limits held in locals: it runs per request on every step."""
+        block = min(self.limits.block_size, window_drafts)
+        max_model_len = self.limits.max_model_len
+        follows = in_flight.follows if in_flight is not None else {}
+        caps = []
+        for seq in decode:
+            own = seq.params.num_draft_tokens
+            ahead = 1 if seq in follows else 0
+            cap = min(block, seq.remaining_tokens - ahead - 1, max_model_len - len(seq.token_ids) - ahead)
+            if own is not None and own < cap:
+                cap = own
+            caps.append(cap if cap > 0 else 0)
+        return caps
 
     def _adjust_logits(
         self,
@@ -660,6 +670,7 @@ class LLMEngine:
         del self._seqs[seq.request_id]
         del self._outputs[seq.request_id]
         self._penalty_states.pop(seq.request_id, None)
+        self._host_decides.discard(seq)
 
     def _apply_aborts(self) -> list[PendingDelta]:
         done = []

@@ -71,12 +71,17 @@ class OutputProcessor:
         tokens until one finishes it; returns (tokens appended, finish reason or None). Their text is
         `text_of`, taken before the next commit."""
         assert self.stops is None, "stop strings decide the finish from the text: use commit"
-        token_ids = self.seq.token_ids
+        # `_finish_reason` inlined: this runs per request on every step.
+        seq = self.seq
+        token_ids, stop_ids, limit = seq.token_ids, self.stop_ids, self.length_limit
+        min_length = seq.num_prompt_tokens + self.min_tokens
         for i, token in enumerate(new_token_ids):
             token_ids.append(token)
-            reason = self._finish_reason(token)
-            if reason is not None:
-                return new_token_ids[: i + 1], reason
+            length = len(token_ids)
+            if token in stop_ids and length >= min_length:
+                return new_token_ids[: i + 1], "stop"
+            if length >= limit:
+                return new_token_ids[: i + 1], "length"
         return new_token_ids, None
 
     def text_of(self, appended: list[int], reason: str | None) -> str:

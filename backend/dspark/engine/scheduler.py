@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from dspark.engine.page_allocator import PageAllocator
 from dspark.sequence import Sequence, SequenceStatus
@@ -117,11 +118,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self.allocator.release(seq)
 
-    @staticmethod
-    def decode_tokens(seq: Sequence, window: int) -> int:
-        """Target tokens a decode step of `seq` may take: the step's window, less past its max_tokens."""
-        return min(window, max(seq.remaining_tokens, 1))
-
     def _decode_window(self, decoding: int, budget: int, prefill_waits: bool) -> tuple[int, int]:
         """The longest window `decoding` requests can all take within the budget, leaving
         PREFILL_SHARE of it to prompts when some wait; and the budget the windows may use."""
@@ -141,33 +137,40 @@ class Scheduler:
         plan = _Building()
         budget = self.max_num_batched_tokens
         cached = in_flight.cached if in_flight is not None else _cached
-        by_arrival = self._by_arrival(in_flight)
-        decoding = [
-            s for s in by_arrival if cached(s) >= s.prefill_target and s.status is SequenceStatus.RUNNING
-        ]
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []  # oldest first, as the decoding ones
+        for seq in self._by_arrival(in_flight):
+            if cached(seq) >= seq.prefill_target and seq.status is SequenceStatus.RUNNING:
+                decoding.append(seq)
+            else:
+                prefilling.append(seq)
         admits = bool(self.waiting) and len(self.running) < self.max_num_seqs
-        window, decode_budget = self._decode_window(
-            len(decoding), budget, admits or len(decoding) < len(by_arrival)
-        )
+        window, decode_budget = self._decode_window(len(decoding), budget, admits or bool(prefilling))
+        # Per request on every step: the limits in locals, and a request whose pages already hold its
+        # window skips the allocator (host time at batch 64).
+        reach = in_flight.reach if in_flight is not None else {}
+        window_positions, page_size = self.window_positions, self.allocator.page_size
         for seq in decoding:
             if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier one's reservation
                 continue
-            need = self.decode_tokens(seq, window)
+            need = min(window, max(seq.remaining_tokens, 1))  # less past its max_tokens
             if need > decode_budget:
                 continue
             if in_flight is not None:
                 # The window may start as late as everything in flight reaches, and reserves from there.
-                positions = cached(seq) + in_flight.reach.get(seq, 0) + self.window_positions
-                if not self.allocator.try_reserve(seq, positions):
+                positions = cached(seq) + reach.get(seq, 0) + window_positions
+                if positions > len(seq.pages) * page_size and not self.allocator.try_reserve(seq, positions):
                     return None
             elif not self._reserve_or_preempt(seq, plan):
                 continue
             plan.decode.append(seq)
             budget -= need
             decode_budget -= need
-        # Afresh: the decode windows' reservations may have preempted some of the requests.
-        for seq in self._by_arrival(in_flight):
-            if cached(seq) < seq.prefill_target and budget > 0:
+        # The decode windows' reservations may have preempted some of the prefilling requests.
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            if seq.status is SequenceStatus.RUNNING and cached(seq) < seq.prefill_target:
                 budget -= self._schedule_prefill(seq, budget, plan, cached(seq))
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -182,7 +185,7 @@ class Scheduler:
 
     def _by_arrival(self, in_flight: InFlight | None) -> list[Sequence]:
         """The running requests, oldest first (less those sitting the step out)."""
-        running = sorted(self.running, key=lambda s: s.arrival)
+        running = sorted(self.running, key=_arrival)
         if in_flight is None:
             return running
         return [seq for seq in running if seq not in in_flight.sit_out]
@@ -219,3 +222,6 @@ class Scheduler:
 
 def _cached(seq: Sequence) -> int:
     return seq.num_cached
+
+
+_arrival = attrgetter("arrival")

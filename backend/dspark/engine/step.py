@@ -63,14 +63,13 @@ def pack_step(
     the device (`DeferredInputs`)."""
     windows = _Windows()
     following: list[tuple[int, int, int]] = []  # (window, anchor row, output of the earlier step)
+    advance = in_flight.advance if in_flight is not None else {}
+    follows = in_flight.follows if in_flight is not None else {}
     for r, (seq, num_drafts) in enumerate(zip(schedule.decode, plan.verify_lens, strict=True)):
-        start = seq.num_cached
-        if in_flight is not None:
-            start = in_flight.cached(seq)
-            earlier_output = in_flight.follows.get(seq)
-            if earlier_output is not None:
-                following.append((r, len(windows.tokens), earlier_output))
-        windows.add(seq, [seq.anchor] + [0] * num_drafts, start, logits="all")
+        earlier_output = follows.get(seq)
+        if earlier_output is not None:
+            following.append((r, len(windows.tokens), earlier_output))
+        windows.add_verify(seq, num_drafts, seq.num_cached + advance.get(seq, 0))
     for chunk in schedule.prefill:
         seq = chunk.seq
         tokens = seq.token_ids[chunk.start : chunk.start + chunk.length]
@@ -220,6 +219,19 @@ class _Windows:
         # the rows listed (kept as a count, not a list, since most steps have nothing else).
         self.num_leading_rows = 0
         self.logit_rows: list[int] = []
+
+    def add_verify(self, seq: Sequence, num_drafts: int, start: int) -> None:
+        """Append a verify window [anchor, num_drafts placeholders] at positions start.. of `seq`, before
+        any other window (`add` with logits "all", in fewer steps: it runs per request on every step)."""
+        assert len(self.tokens) == self.num_leading_rows, "verify windows lead the step"
+        self.logit_offsets.append(self.num_leading_rows)
+        self.tokens.append(seq.token_ids[-1])
+        if num_drafts:
+            self.tokens.extend([0] * num_drafts)
+        self.pages.append(seq.pages)
+        self.starts.append(start)
+        self.lens.append(num_drafts + 1)
+        self.num_leading_rows += num_drafts + 1
 
     def add(self, seq: Sequence, tokens: list[int], start: int, logits: str) -> None:
         """Append a window of `tokens` at positions start.. of `seq`; `logits` says which rows' logits
