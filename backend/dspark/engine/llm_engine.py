@@ -537,6 +537,8 @@ class LLMEngine:
 
         logits: [rows, vocab] fp32 and argmax [rows], the target step's, on the runner's device."""
         assert logits is not None and argmax is not None
+        if not self._host_decides:  # penalties and min_tokens are among what the host decides
+            return logits
         decode = schedule.decode
         adjusted: list[PenaltyWindow] = []
         for r, seq in enumerate(decode):
@@ -604,6 +606,8 @@ class LLMEngine:
         """Per request that asks for logprobs: each committed token's entry and chosen log probability,
         from the target's raw logits [rows, vocab] (`dspark.sampling.logprobs`); one copy to the host a
         step."""
+        if not self._host_decides:  # logprobs are among what the host decides
+            return {}
         wanted = [
             (c.seq, c.tokens, c.logit_row)
             for c in committed

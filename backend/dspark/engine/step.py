@@ -151,9 +151,11 @@ def accept(
     greedy = (queued or queue_greedy(plan, drafts, result)).result()
     sampled = _sampled_accept(decode, plan, drafts, greedy, logits, logit_offsets, block_size)
     windows = []
-    for r, seq in enumerate(decode):
-        accepted, next_token = (greedy.accepted[r], greedy.bonus[r]) if seq.params.greedy else sampled[r]
-        windows.append(WindowAcceptance(accepted, (*greedy.drafts[r][:accepted], next_token)))
+    outcomes = zip(greedy.accepted, greedy.bonus, greedy.drafts, strict=True)  # one per decode window
+    for r, (accepted, next_token, verified) in enumerate(outcomes):
+        if r in sampled:  # a sampling request: rejection sampling's outcome
+            accepted, next_token = sampled[r]
+        windows.append(WindowAcceptance(accepted, (*verified[:accepted], next_token)))
     first_prefill_row = logit_offsets[len(decode)] if schedule.prefill else 0
     first_tokens: list[int | None] = []
     for i, chunk in enumerate(schedule.prefill):

@@ -88,7 +88,7 @@ def build_page_table(pages: Sequence[Sequence[int]], num_rows: int) -> torch.Ten
 
 def page_table_width(pages: Sequence[Sequence[int]]) -> int:
     """Columns of a page table of these rows: the longest row's pages, at least one."""
-    return max(max((len(p) for p in pages), default=1), 1)
+    return max(max(map(len, pages), default=1), 1)
 
 
 def write_page_rows(table: np.ndarray, pages: Sequence[Sequence[int]]) -> None:

@@ -200,7 +200,7 @@ class StaticLayout:
 
     def holds(self, pages: list[list[int]]) -> bool:
         """Whether every window's page list fits the static page table."""
-        return max((len(p) for p in pages), default=0) <= self.max_pages
+        return max(map(len, pages), default=0) <= self.max_pages
 
     def fill(
         self,
