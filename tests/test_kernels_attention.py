@@ -102,3 +102,30 @@ def test_ops_sends_cuda_tensors_to_the_kernel(gen):
     c = case([8, 3], [100, 7], heads=(32, 8), head_dim=128, dtype=torch.bfloat16, gen=gen)
     err = parity.rel_err(ops.paged_attention(*c.args()), reference.paged_attention(*c.args()))
     assert err < parity.tolerance(torch.bfloat16)
+
+
+@gpu_only
+@pytest.mark.gpu
+def test_every_kind_of_call_is_tuned_on_windows_with_keys_before_the_first_call():
+    # A head layout no other test uses (group 5, head_dim 32): its tiles are chosen here. The first call
+    # is all padding, as a CUDA graph capture's warm-up is: timed on it, the tile would be noise.
+    attention = KERNELS.attention
+    heads, kv_heads, head_dim = 10, 2, 32
+    q = torch.zeros(8, heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    cache = torch.zeros(4, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    table = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
+    attention.paged_attention(
+        q,
+        cache,
+        cache,
+        table,
+        torch.zeros(3, dtype=torch.int32, device=DEVICE),
+        torch.zeros(2, dtype=torch.int32, device=DEVICE),
+        head_dim**-0.5,
+        True,
+    )
+    tuned = {
+        (key[2], bool(key[3])) for key in attention._paged_attention_kernel.cache if key[:2] == (5, head_dim)
+    }
+    # Decode, verify windows / draft blocks (each with and without split key ranges), prefill chunks.
+    assert tuned >= {(0, False), (0, True), (1, False), (1, True), (2, False)}

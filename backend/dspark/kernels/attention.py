@@ -19,6 +19,7 @@ programs cover every window; a program finds its request by binary search and ex
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import triton
@@ -36,6 +37,7 @@ from dspark.kernels.common import (
 )
 
 LOG2E = 1.4426950408889634
+logger = logging.getLogger(__name__)
 
 
 def _configs() -> list[triton.Config]:
@@ -373,6 +375,67 @@ def _is_flat_cache(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return stride[-1] == 1 and stride[0] == shape[1] * stride[1]
 
 
+# The windows the autotuner times its tiles on (`tune`): (requests, tokens a window, keys a request),
+# None requests meaning enough that the kernel does not split. One case for each kind of call the
+# engine makes (window class x split or not), so each kind's tile is chosen on work like its own.
+_TUNING_CASES: tuple[tuple[int | None, int, int], ...] = (
+    (None, 1, 512),  # plain decode of a full batch
+    (4, 1, 1024),  # plain decode of a few requests: key ranges split
+    (None, 4, 512),  # verify windows and draft blocks of a full batch
+    (4, 4, 1024),  # verify windows and draft blocks of a few requests: split
+    (1, 512, 512),  # a prefill chunk
+)
+_tuned: set[tuple] = set()
+
+
+def tune(
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Let the autotuner choose the tile of every kind of call (`_TUNING_CASES`) on scratch windows
+    with keys to read, once per head layout, page size and dtype in a process.
+
+    The autotuner chooses a kind's tile at its first call and keeps it for the process. In the engine
+    that first call is a CUDA graph capture's warm-up over an all-padding layout, whose programs exit
+    at once: the choice was the timing noise of empty launches, a different tile in each process."""
+    signature = (num_q_heads, num_kv_heads, head_dim, page_size, dtype, device)
+    if signature in _tuned:
+        return
+    _tuned.add(signature)
+    full_batch = max(64, -(-2 * num_sms(device) // num_kv_heads))
+    generator = torch.Generator(device).manual_seed(0)  # the process's random streams stay untouched
+    for requests, window, keys in _TUNING_CASES:
+        requests = requests or full_batch
+        pages_each = -(-keys // page_size)
+        num_pages = requests * pages_each
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        q = torch.randn(requests * window, num_q_heads, head_dim, generator=generator, device=device).to(
+            dtype
+        )
+        k = torch.randn(shape, generator=generator, device=device).to(dtype)
+        v = torch.randn(shape, generator=generator, device=device).to(dtype)
+        page_table = torch.arange(num_pages, dtype=torch.int32, device=device).view(requests, pages_each)
+        cu_seqlens = torch.arange(0, requests * window + 1, window, dtype=torch.int32, device=device)
+        kv_lens = torch.full((requests,), keys, dtype=torch.int32, device=device)
+        paged_attention(q, k, v, page_table, cu_seqlens, kv_lens, head_dim**-0.5, True, tuning=True)
+    del q, k, v
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # the scratch windows' memory back to the device (the KV cache budget)
+    group = num_q_heads // num_kv_heads
+    chosen = {
+        key[2:4]: config
+        for key, config in _paged_attention_kernel.cache.items()
+        if key[:2] == (group, head_dim)
+    }
+    logger.info(
+        "paged attention tiles for group %d, head_dim %d (window class, split): %s", group, head_dim, chosen
+    )
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -384,6 +447,7 @@ def paged_attention(
     causal: bool,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    tuning: bool = False,
 ) -> torch.Tensor:
     """Attention of packed ragged query windows over paged keys (the reference's paged_attention).
 
@@ -393,10 +457,14 @@ def paged_attention(
     are not written. num_splits: key-range splits (None: chosen from the shapes, no host sync); out:
     optional preallocated result. Launched dependent (common.dependent_launch), the kernel reads
     cu_seqlens_q and kv_lens before it waits for the kernel before it: they must not be written by that
-    kernel (in the model the one before is the layer's rotary + store).
+    kernel (in the model the one before is the layer's rotary + store). The first call of a head
+    layout on a GPU, outside a graph capture, first tunes the kernel's tiles (`tune`; `tuning`: this
+    call is one of its own).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    if not (tuning or INTERPRET) and q.is_cuda and not torch.cuda.is_current_stream_capturing():
+        tune(num_q_heads, num_kv_heads, head_dim, page_size, q.dtype, q.device)
     num_requests = kv_lens.shape[0]
     group = num_q_heads // num_kv_heads
     if q.stride(-1) != 1:
