@@ -174,3 +174,22 @@ def test_realistic_shapes(gen):
     parity.check_exponential_race(KERNELS, 1, vocab, DEVICE, gen)
     parity.check_exponential_race(KERNELS, 256, vocab, DEVICE, gen)
     parity.check_plan_verify_lens(KERNELS, 256, 7, FALLING, DEVICE, gen, ties=True)
+
+
+@pytest.mark.parametrize("with_drafts", [False, True])
+def test_plain_windows_commit_their_argmax_without_judging(with_drafts, gen):
+    # Windows of one row each (no drafts verified) skip the accept kernel: each commits its row's
+    # argmax, as the kernel over those windows does; the rows after them (prefill chunks) come back too.
+    from dspark.spec.accept import greedy_accept_all
+
+    windows, rest = 5, 3
+    argmax = torch.randint(0, 1000, (windows + rest,), generator=gen, device=DEVICE)
+    drafts = torch.randint(0, 1000, (windows, 4), generator=gen, device=DEVICE) if with_drafts else None
+    result = greedy_accept_all([0] * windows, [0] * windows, drafts, argmax)
+    cu = torch.arange(windows + 1, dtype=torch.long, device=DEVICE)
+    zeros = torch.zeros(windows, dtype=torch.long, device=DEVICE)
+    accepted, bonus = reference.greedy_accept(zeros[:, None], argmax[:windows], cu, zeros)
+    assert result.accepted == accepted.tolist() == [0] * windows
+    assert result.bonus == bonus.tolist() == argmax[:windows].tolist()
+    assert result.drafts == [[]] * windows
+    assert result.rest == argmax[windows:].tolist()
