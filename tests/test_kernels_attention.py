@@ -106,26 +106,25 @@ def test_ops_sends_cuda_tensors_to_the_kernel(gen):
 
 @gpu_only
 @pytest.mark.gpu
-def test_every_kind_of_call_is_tuned_on_windows_with_keys_before_the_first_call():
-    # A head layout no other test uses (group 5, head_dim 32): its tiles are chosen here. The first call
+def test_a_kind_is_tuned_on_windows_with_keys_when_its_first_call_is_all_padding(monkeypatch):
+    # A head layout no other test uses (group 5, head_dim 32): its tile is chosen here. The first call
     # is all padding, as a CUDA graph capture's warm-up is: timed on it, the tile would be noise.
     attention = KERNELS.attention
+    tuner = attention._paged_attention_kernel
+    timed_keys = []
+    bench = tuner._bench
+
+    def spy(*args, config, **meta):  # noqa: ANN202 - the autotuner's timing of one tile
+        timed_keys.append(int(args[8].max()))  # kv_lens of the call being timed
+        return bench(*args, config=config, **meta)
+
+    monkeypatch.setattr(tuner, "_bench", spy)
     heads, kv_heads, head_dim = 10, 2, 32
     q = torch.zeros(8, heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
     cache = torch.zeros(4, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    no_keys = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     table = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
-    attention.paged_attention(
-        q,
-        cache,
-        cache,
-        table,
-        torch.zeros(3, dtype=torch.int32, device=DEVICE),
-        torch.zeros(2, dtype=torch.int32, device=DEVICE),
-        head_dim**-0.5,
-        True,
-    )
-    tuned = {
-        (key[2], bool(key[3])) for key in attention._paged_attention_kernel.cache if key[:2] == (5, head_dim)
-    }
-    # Decode, verify windows / draft blocks (each with and without split key ranges), prefill chunks.
-    assert tuned >= {(0, False), (0, True), (1, False), (1, True), (2, False)}
+    cu = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    attention.paged_attention(q, cache, cache, table, cu, no_keys, head_dim**-0.5, True)
+    assert timed_keys, "the kind was not tuned"
+    assert min(timed_keys) > 0  # every tile timed on windows with keys

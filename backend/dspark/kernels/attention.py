@@ -375,16 +375,10 @@ def _is_flat_cache(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return stride[-1] == 1 and stride[0] == shape[1] * stride[1]
 
 
-# The windows the autotuner times its tiles on (`tune`): (requests, tokens a window, keys a request),
-# None requests meaning enough that the kernel does not split. One case for each kind of call the
-# engine makes (window class x split or not), so each kind's tile is chosen on work like its own.
-_TUNING_CASES: tuple[tuple[int | None, int, int], ...] = (
-    (None, 1, 512),  # plain decode of a full batch
-    (4, 1, 1024),  # plain decode of a few requests: key ranges split
-    (None, 4, 512),  # verify windows and draft blocks of a full batch
-    (4, 4, 1024),  # verify windows and draft blocks of a few requests: split
-    (1, 512, 512),  # a prefill chunk
-)
+# The windows the autotuner times a kind's tiles on (`tune`), per window class: tokens a window, keys a
+# request; a kind that splits its key ranges is timed over 4 requests (1 for a prefill chunk), one
+# that does not over enough requests to fill the device.
+_TUNING_WINDOWS = {0: (1, 1024), 1: (4, 1024), 2: (512, 512)}
 _tuned: set[tuple] = set()
 
 
@@ -395,44 +389,53 @@ def tune(
     page_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    window_class: int,
+    split: bool,
 ) -> None:
-    """Let the autotuner choose the tile of every kind of call (`_TUNING_CASES`) on scratch windows
-    with keys to read, once per head layout, page size and dtype in a process.
+    """Let the autotuner choose the tile of one kind of call (window class, split key ranges or not)
+    on scratch windows with keys to read (`_TUNING_WINDOWS`), once per kind, head layout, page size and
+    dtype in a process.
 
     The autotuner chooses a kind's tile at its first call and keeps it for the process. In the engine
     that first call is a CUDA graph capture's warm-up over an all-padding layout, whose programs exit
     at once: the choice was the timing noise of empty launches, a different tile in each process."""
-    signature = (num_q_heads, num_kv_heads, head_dim, page_size, dtype, device)
+    signature = (num_q_heads, num_kv_heads, head_dim, page_size, dtype, device, window_class, split)
     if signature in _tuned:
         return
     _tuned.add(signature)
-    full_batch = max(64, -(-2 * num_sms(device) // num_kv_heads))
+    if dot_in_fp32(dtype):
+        return  # one tile (see _prune): nothing to choose
+    window, keys = _TUNING_WINDOWS[window_class]
+    if split:
+        requests = 1 if window_class == 2 else 4
+    else:
+        requests = 1 if window_class == 2 else max(64, -(-2 * num_sms(device) // num_kv_heads))
+    tokens, pages_each = requests * window, -(-keys // page_size)
+    num_pages = requests * pages_each
+    num_splits = max(2, choose_num_splits(tokens, requests, num_kv_heads, device)) if split else 1
     generator = torch.Generator(device).manual_seed(0)  # the process's random streams stay untouched
-    for requests, window, keys in _TUNING_CASES:
-        requests = requests or full_batch
-        pages_each = -(-keys // page_size)
-        num_pages = requests * pages_each
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        q = torch.randn(requests * window, num_q_heads, head_dim, generator=generator, device=device).to(
-            dtype
-        )
-        k = torch.randn(shape, generator=generator, device=device).to(dtype)
-        v = torch.randn(shape, generator=generator, device=device).to(dtype)
-        page_table = torch.arange(num_pages, dtype=torch.int32, device=device).view(requests, pages_each)
-        cu_seqlens = torch.arange(0, requests * window + 1, window, dtype=torch.int32, device=device)
-        kv_lens = torch.full((requests,), keys, dtype=torch.int32, device=device)
-        paged_attention(q, k, v, page_table, cu_seqlens, kv_lens, head_dim**-0.5, True, tuning=True)
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    q = torch.randn(tokens, num_q_heads, head_dim, generator=generator, device=device).to(dtype)
+    k = torch.randn(shape, generator=generator, device=device).to(dtype)
+    v = torch.randn(shape, generator=generator, device=device).to(dtype)
+    page_table = torch.arange(num_pages, dtype=torch.int32, device=device).view(requests, pages_each)
+    cu_seqlens = torch.arange(0, tokens + 1, window, dtype=torch.int32, device=device)
+    kv_lens = torch.full((requests,), keys, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    paged_attention(q, k, v, page_table, cu_seqlens, kv_lens, scale, True, num_splits, tuning=True)
     del q, k, v
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the scratch windows' memory back to the device (the KV cache budget)
     group = num_q_heads // num_kv_heads
-    chosen = {
-        key[2:4]: config
-        for key, config in _paged_attention_kernel.cache.items()
-        if key[:2] == (group, head_dim)
-    }
+    kind = (group, head_dim, window_class, split)  # the autotuner's key starts with these (then dtypes)
+    chosen = next((c for key, c in _paged_attention_kernel.cache.items() if key[:4] == kind), None)
     logger.info(
-        "paged attention tiles for group %d, head_dim %d (window class, split): %s", group, head_dim, chosen
+        "paged attention tile for group %d, head_dim %d, window class %d, split %s: %s",
+        group,
+        head_dim,
+        window_class,
+        split,
+        chosen,
     )
 
 
@@ -457,14 +460,12 @@ def paged_attention(
     are not written. num_splits: key-range splits (None: chosen from the shapes, no host sync); out:
     optional preallocated result. Launched dependent (common.dependent_launch), the kernel reads
     cu_seqlens_q and kv_lens before it waits for the kernel before it: they must not be written by that
-    kernel (in the model the one before is the layer's rotary + store). The first call of a head
-    layout on a GPU, outside a graph capture, first tunes the kernel's tiles (`tune`; `tuning`: this
-    call is one of its own).
+    kernel (in the model the one before is the layer's rotary + store). On a GPU, outside a graph
+    capture, the first call of a kind (head layout, window class, split or not) first has the kernel's
+    tile for it chosen on scratch windows (`tune`; `tuning`: this call is one of its own).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
-    if not (tuning or INTERPRET) and q.is_cuda and not torch.cuda.is_current_stream_capturing():
-        tune(num_q_heads, num_kv_heads, head_dim, page_size, q.dtype, q.device)
     num_requests = kv_lens.shape[0]
     group = num_q_heads // num_kv_heads
     if q.stride(-1) != 1:
@@ -480,6 +481,8 @@ def paged_attention(
     if num_splits is None:
         num_splits = choose_num_splits(num_tokens, num_requests, num_kv_heads, q.device)
     split = num_splits > 1
+    if not (tuning or INTERPRET) and q.is_cuda and not torch.cuda.is_current_stream_capturing():
+        tune(num_q_heads, num_kv_heads, head_dim, page_size, q.dtype, q.device, window_class, split)
     if split:
         part_out = torch.empty(
             num_splits, num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device
