@@ -25,11 +25,11 @@ class DeferredInputs:
 
     index: [3, k] int64 on the host: this step's window, the packed row of its anchor, and the output
     of the earlier step it follows; accepted, last_tokens: per output of the earlier step, on the
-    device: the drafts it accepted and the token it committed last
-    (`QueuedGreedyAcceptance.per_output`)."""
+    device: the drafts it accepted (None: it verified none, so every start stands) and the token it
+    committed last (`QueuedGreedyAcceptance.per_output`)."""
 
     index: torch.Tensor
-    accepted: torch.Tensor
+    accepted: torch.Tensor | None
     last_tokens: torch.Tensor
 
     def apply(
@@ -42,7 +42,8 @@ class DeferredInputs:
             index = to_device(self.index, token_ids.device)
         windows, rows, earlier = index
         # index_select / index_add_ / index_copy_: four small device ops (advanced indexing made six,
-        # each a few microseconds of the host, every step launched ahead).
-        accepted = self.accepted.index_select(0, earlier).to(window_starts.dtype)
-        window_starts.index_add_(0, windows, accepted)
+        # each a few microseconds of the host, every step launched ahead); after a plain step, two.
+        if self.accepted is not None:
+            accepted = self.accepted.index_select(0, earlier).to(window_starts.dtype)
+            window_starts.index_add_(0, windows, accepted)
         token_ids.index_copy_(0, rows, self.last_tokens.index_select(0, earlier).to(token_ids.dtype))

@@ -129,12 +129,15 @@ class QueuedGreedyAcceptance:
     verify_lens: tuple[int, ...]
     width: int
 
-    def per_output(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def per_output(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Per output of the step, on the device: its verify windows, then the rows after them (a
         prefill chunk's last row, nothing accepted): (drafts accepted, the token committed last), what
-        a step launched before this one is read takes (`dspark.runner.deferred_inputs`)."""
-        accepted = torch.cat([self.accepted, torch.zeros_like(self.rest)])
-        return accepted, torch.cat([self.bonus, self.rest])
+        a step launched before this one is read takes (`dspark.runner.deferred_inputs`). Drafts
+        accepted is None when no window verified any (a plain step): none can have been accepted."""
+        last_tokens = torch.cat([self.bonus, self.rest])
+        if not any(self.verify_lens):
+            return None, last_tokens
+        return torch.cat([self.accepted, torch.zeros_like(self.rest)]), last_tokens
 
     def result(self) -> GreedyAcceptance:
         """The acceptance on the host (waits for the device to get there)."""
