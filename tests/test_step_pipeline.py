@@ -80,3 +80,49 @@ def test_the_runner_packs_drafts_made_in_the_step_and_hands_them_back(tiny_targe
     for result in (eager, replayed):
         assert result.drafts == "the drafts made"
         torch.testing.assert_close(result.logits, complete.logits)
+
+
+def test_logits_stay_in_the_model_dtype_while_every_request_decides_by_argmax(
+    tiny_target_dir, tiny_drafter_dir
+) -> None:
+    # bf16 on the CPU: a greedy-only step's logits are not converted (the argmax reads the same
+    # values); once a sampling request is in the engine, steps convert them to fp32 for it.
+    from dspark import LLM, SamplingParams
+
+    config = EngineConfig(
+        model=str(tiny_target_dir),
+        draft_model=str(tiny_drafter_dir),
+        spec_mode="static",
+        dtype="bfloat16",
+        device="cpu",
+        num_kv_pages=64,
+        kv_page_size=PAGE,
+        adaptive_speculation=False,
+    )
+    llm = LLM(config)
+    runner = llm.engine.runner
+    seen: list[tuple[bool, torch.dtype]] = []
+    run = runner.run
+
+    def recording_run(step: TargetStep) -> TargetResult:
+        result = run(step)
+        assert result.logits is not None
+        seen.append((step.fp32_logits, result.logits.dtype))
+        return result
+
+    runner.run = recording_run
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    outs = llm.generate(params=greedy, prompt_token_ids=prompts)
+    assert seen and set(seen) == {(False, torch.bfloat16)}
+    seen.clear()
+    sampled = SamplingParams(max_tokens=9, ignore_eos=True, temperature=1.0, seed=3)  # ends last
+    llm.generate(params=[greedy, sampled], prompt_token_ids=prompts)
+    assert seen and set(seen) == {(True, torch.float32)}
+    # The same greedy tokens as steps that convert: the argmax of bf16 logits and of their exact fp32
+    # copies agree.
+    logits = torch.randn(64, 1000).to(torch.bfloat16)
+    assert torch.equal(logits.argmax(dim=-1), logits.float().argmax(dim=-1))
+    runner.run = run
+    again = llm.generate(params=[greedy, sampled], prompt_token_ids=prompts)
+    assert again[0].token_ids == outs[0].token_ids

@@ -381,7 +381,9 @@ class LLMEngine:
         timer.lap("draft")
         plan = VerifyPlan.plain(len(caps)) if drafts is None else self.policy.plan(drafts, caps, self.planner)
         timer.lap("plan")
-        packed = pack_step(schedule, plan, self._capture_layers, in_flight, earlier)
+        # Sampling, penalties and logprobs read the logits themselves, in fp32; greedy argmax does not.
+        fp32_logits = bool(self._host_decides)
+        packed = pack_step(schedule, plan, self._capture_layers, in_flight, earlier, fp32_logits)
         timer.lap("layout")
         if in_flight is not None and plan.drafts is not None and not self.runner.replays(packed.step):
             # In-step drafts of a step that runs eagerly are drafted apart, from the host's state of

@@ -50,6 +50,7 @@ def pack_step(
     capture_layers: tuple[int, ...],
     in_flight: InFlight | None = None,
     earlier: QueuedGreedyAcceptance | None = None,
+    fp32_logits: bool = True,
 ) -> PackedStep:
     """Lay the schedule's windows out back to back as the runner (and every TP rank) takes them.
 
@@ -60,7 +61,8 @@ def pack_step(
     `in_flight`, `earlier`: the step before, launched and not yet accepted, and its greedy acceptance
     queued on the device. A request whose next anchor it commits (a verify window's last token, a
     prompt's first) starts here where it leaves it at least, and its start and anchor are completed on
-    the device (`DeferredInputs`)."""
+    the device (`DeferredInputs`). `fp32_logits`: False when every request decides its tokens by the
+    argmax alone (`TargetStep.fp32_logits`)."""
     windows = _Windows()
     following: list[tuple[int, int, int]] = []  # (window, anchor row, output of the earlier step)
     advance = in_flight.advance if in_flight is not None else {}
@@ -79,7 +81,7 @@ def pack_step(
         assert earlier is not None, "windows follow a step whose acceptance is not queued"
         index = torch.tensor(following, dtype=torch.long).T.contiguous()
         deferred = DeferredInputs(index, *earlier.per_output())
-    step = windows.to_step(capture_layers, plan.drafts, deferred)
+    step = windows.to_step(capture_layers, plan.drafts, deferred, fp32_logits)
     return PackedStep(step, tuple(windows.logit_offsets))
 
 
@@ -256,6 +258,7 @@ class _Windows:
         capture_layers: tuple[int, ...],
         drafts: Drafts | InStepDrafts | None,
         deferred: DeferredInputs | None = None,
+        fp32_logits: bool = True,
     ) -> TargetStep:
         """The packed batch as the runner (and every TP rank) takes it."""
         rows = torch.arange(self.num_leading_rows)
@@ -272,4 +275,5 @@ class _Windows:
             host_logits=False,
             drafts=drafts,
             deferred=deferred,
+            fp32_logits=fp32_logits,
         )

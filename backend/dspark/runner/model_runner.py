@@ -68,6 +68,10 @@ class TargetStep:
     # What the first windows take from the step before, not yet accepted when this one was packed
     # (their starts and anchors, on the device); None: the windows are complete.
     deferred: DeferredInputs | None = None
+    # False: the logits stay in the model's dtype. When every request decides its tokens by the argmax
+    # alone, fp32 logits would only feed the argmax, which the exact conversion cannot change: one
+    # kernel and a [rows, vocab] fp32 write and read fewer a step.
+    fp32_logits: bool = True
 
     def with_host_tokens(self) -> tuple[TargetStep, object]:
         """This step with every token id on the host (what other ranks are sent), the verify windows'
@@ -82,13 +86,12 @@ class TargetStep:
 
 @dataclass(frozen=True)
 class TargetResult:
-    """What the driver gets back: logits [num_logit_rows, vocab] fp32 (on the host after `run` when
-    the step asks for host logits, else on the device), their argmax [num_logit_rows] int64 (on the
-    device: acceptance runs there),
-    captured features [num_tokens, len(capture_layers) * hidden] on the device (or None), and each
-    token's cache slot (after a replay, features and slots are views that the next step overwrites);
-    and the drafts the step made while packing its verify windows (`VerifyDrafts.pack`; None if it
-    made none)."""
+    """What the driver gets back: logits [num_logit_rows, vocab] fp32, or in the model's dtype when the
+    step says so (on the host after `run` when the step asks for host logits, else on the device), their
+    argmax [num_logit_rows] int64 (on the device: acceptance runs there), captured features [num_tokens,
+    len(capture_layers) * hidden] on the device (or None), and each token's cache slot (after a replay,
+    features and slots are views that the next step overwrites); and the drafts the step made while
+    packing its verify windows (`VerifyDrafts.pack`; None if it made none)."""
 
     logits: torch.Tensor | None
     features: torch.Tensor | None
@@ -216,7 +219,7 @@ class ModelRunner:
                 if drafts is not None:  # into the filled layout, where an in-step draft block reads
                     made = drafts.pack(step.token_ids, step.window_lens, self.graphs.layout.token_ids, True)
                 replayed = self.graphs.replay(tiers, len(step.token_ids), step.capture_layers)
-                logits = self.model.compute_logits(replayed.hidden[logit_rows])
+                logits = self.model.compute_logits(replayed.hidden[logit_rows], step.fp32_logits)
                 return TargetResult(logits, replayed.features, replayed.slots, drafts=made)
         # A copy even on the host: deferred inputs write the anchors into it.
         token_ids = to_device(step.token_ids, self.device)
@@ -239,7 +242,7 @@ class ModelRunner:
         hidden, features = self.model(token_ids, positions, batch, self.cache, step.capture_layers)
         if features is not None and self.feature_sink is not None:
             self.feature_sink(features, positions, batch.slots)
-        logits = self.model.compute_logits(hidden[logit_rows])
+        logits = self.model.compute_logits(hidden[logit_rows], step.fp32_logits)
         return TargetResult(logits, features, batch.slots, drafts=made)
 
     def close(self) -> None:

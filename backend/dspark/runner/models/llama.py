@@ -171,9 +171,10 @@ class CausalLM(nn.Module):
         by_layer = dict(zip(sorted(wanted), captured, strict=True))
         return x, torch.cat([by_layer[i] for i in capture_layers], dim=-1)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_tokens, hidden] -> [num_tokens, vocab] fp32 logits."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """[num_tokens, hidden] -> [num_tokens, vocab] logits, fp32 (else in the model's dtype)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if fp32 else logits
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> [num_tokens, hidden] (the drafter shares these embeddings)."""
