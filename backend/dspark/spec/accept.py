@@ -134,6 +134,8 @@ class QueuedGreedyAcceptance:
         prefill chunk's last row, nothing accepted): (drafts accepted, the token committed last), what
         a step launched before this one is read takes (`dspark.runner.deferred_inputs`). Drafts
         accepted is None when no window verified any (a plain step): none can have been accepted."""
+        if not self.rest.numel():  # a decode-only step (most are): no copies to make
+            return (self.accepted if any(self.verify_lens) else None), self.bonus
         last_tokens = torch.cat([self.bonus, self.rest])
         if not any(self.verify_lens):
             return None, last_tokens
