@@ -67,9 +67,11 @@ def pack_step(
     following: list[tuple[int, int, int]] = []  # (window, anchor row, output of the earlier step)
     advance = in_flight.advance if in_flight is not None else {}
     follows = in_flight.follows if in_flight is not None else {}
+    in_order = True  # window j follows output j of the earlier step, for every j
     for r, (seq, num_drafts) in enumerate(zip(schedule.decode, plan.verify_lens, strict=True)):
         earlier_output = follows.get(seq)
         if earlier_output is not None:
+            in_order = in_order and r == earlier_output == len(following)
             following.append((r, len(windows.tokens), earlier_output))
         windows.add_verify(seq, num_drafts, seq.num_cached + advance.get(seq, 0))
     for chunk in schedule.prefill:
@@ -80,7 +82,7 @@ def pack_step(
     if following:
         assert earlier is not None, "windows follow a step whose acceptance is not queued"
         index = torch.tensor(following, dtype=torch.long).T.contiguous()
-        deferred = DeferredInputs(index, *earlier.per_output())
+        deferred = DeferredInputs(index, *earlier.per_output(), in_order=in_order)
     step = windows.to_step(capture_layers, plan.drafts, deferred, fp32_logits)
     return PackedStep(step, tuple(windows.logit_offsets))
 

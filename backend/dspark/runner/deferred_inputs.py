@@ -26,11 +26,13 @@ class DeferredInputs:
     index: [3, k] int64 on the host: this step's window, the packed row of its anchor, and the output
     of the earlier step it follows; accepted, last_tokens: per output of the earlier step, on the
     device: the drafts it accepted (None: it verified none, so every start stands) and the token it
-    committed last (`QueuedGreedyAcceptance.per_output`)."""
+    committed last (`QueuedGreedyAcceptance.per_output`); in_order: window j follows output j for
+    every j (a steady batch: the requests in the same order in both steps)."""
 
     index: torch.Tensor
     accepted: torch.Tensor | None
     last_tokens: torch.Tensor
+    in_order: bool = False
 
     def apply(
         self, token_ids: torch.Tensor, window_starts: torch.Tensor, index: torch.Tensor | None = None
@@ -41,6 +43,12 @@ class DeferredInputs:
         if index is None:
             index = to_device(self.index, token_ids.device)
         windows, rows, earlier = index
+        if self.in_order:  # the outputs are the windows' own, first to last: slices, not gathers
+            count = windows.shape[0]
+            if self.accepted is not None:
+                window_starts[:count].add_(self.accepted[:count])
+            token_ids.index_copy_(0, rows, self.last_tokens[:count].to(token_ids.dtype))
+            return
         # index_select / index_add_ / index_copy_: four small device ops (advanced indexing made six,
         # each a few microseconds of the host, every step launched ahead); after a plain step, two.
         if self.accepted is not None:
