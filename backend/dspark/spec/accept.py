@@ -186,7 +186,9 @@ def queue_greedy_accept(
         width = 0
     else:
         drafts = to_device(drafts, device)
-        width = max(verify_lens)
+        # Whole rows when they are contiguous (a view: no copy before the concatenation); the host
+        # reads each window's first verify_lens[r] of them.
+        width = drafts.shape[1] if drafts.is_contiguous() else max(verify_lens)
     accepted, bonus = ops.greedy_accept(drafts, argmax[:window_rows], cu_d, lens_d, caps_d)
     # The verified drafts come back in the same copy (the host emits the accepted ones).
     rest = argmax[window_rows:]
