@@ -76,7 +76,7 @@ class Sequence:
     @property
     def remaining_tokens(self) -> int:
         """How many more tokens `max_tokens` allows."""
-        return self.params.max_tokens - len(self.token_ids) + self.num_prompt_tokens
+        return self.params.max_tokens - self.num_output_tokens
 
     @property
     def finished(self) -> bool:

@@ -30,6 +30,7 @@ class OutputProcessor:
         # Stop ids and strings end the request only once it has min_tokens output tokens (vLLM's rule;
         # the engine masks EOS and stop ids before that, so only stop strings can come early).
         self.min_tokens = seq.params.min_tokens
+        self._min_length = seq.num_prompt_tokens + self.min_tokens  # the sequence's, once past min_tokens
         # Per output token, for requests that ask (append-only: deltas hold prefixes of it).
         self.logprobs = LogprobsLog() if seq.params.logprobs is not None else None
         self._logprobs_reported = 0  # entries the previous delta's prefix held
@@ -71,17 +72,12 @@ class OutputProcessor:
         tokens until one finishes it; returns (tokens appended, finish reason or None). Their text is
         `text_of`, taken before the next commit."""
         assert self.stops is None, "stop strings decide the finish from the text: use commit"
-        # `_finish_reason` inlined: this runs per request on every step.
-        seq = self.seq
-        token_ids, stop_ids, limit = seq.token_ids, self.stop_ids, self.length_limit
-        min_length = seq.num_prompt_tokens + self.min_tokens
+        token_ids = self.seq.token_ids
         for i, token in enumerate(new_token_ids):
             token_ids.append(token)
-            length = len(token_ids)
-            if token in stop_ids and length >= min_length:
-                return new_token_ids[: i + 1], "stop"
-            if length >= limit:
-                return new_token_ids[: i + 1], "length"
+            reason = self._finish_reason(token)
+            if reason is not None:
+                return new_token_ids[: i + 1], reason
         return new_token_ids, None
 
     def text_of(self, appended: list[int], reason: str | None) -> str:
@@ -124,7 +120,8 @@ class OutputProcessor:
 
     def _ends_on_stop_id(self, token: int) -> bool:
         """True when `token`, just appended, is a stop id (EOS included) that ends the request."""
-        return token in self.stop_ids and self.seq.num_output_tokens >= self.min_tokens
+        # Lengths, not counts through properties: this runs per token of every request on every step.
+        return token in self.stop_ids and len(self.seq.token_ids) >= self._min_length
 
     def _finish_reason(self, token: int) -> str | None:
         """Why the request ends at `token`, just appended (None: it goes on)."""

@@ -77,7 +77,7 @@ def pack_step(
     for chunk in schedule.prefill:
         seq = chunk.seq
         tokens = seq.token_ids[chunk.start : chunk.start + chunk.length]
-        windows.add(seq, tokens, chunk.start, logits="last" if chunk.samples_first_token else "none")
+        windows.add_chunk(seq, tokens, chunk.start, chunk.samples_first_token)
     deferred = None
     if following:
         assert earlier is not None, "windows follow a step whose acceptance is not queued"
@@ -228,7 +228,7 @@ class _Windows:
 
     def add_verify(self, seq: Sequence, num_drafts: int, start: int) -> None:
         """Append a verify window [anchor, num_drafts placeholders] at positions start.. of `seq`, before
-        any other window (`add` with logits "all", in fewer steps: it runs per request on every step)."""
+        any other window: every row of it wants logits."""
         assert len(self.tokens) == self.num_leading_rows, "verify windows lead the step"
         self.logit_offsets.append(self.num_leading_rows)
         self.tokens.append(seq.token_ids[-1])
@@ -239,20 +239,16 @@ class _Windows:
         self.lens.append(num_drafts + 1)
         self.num_leading_rows += num_drafts + 1
 
-    def add(self, seq: Sequence, tokens: list[int], start: int, logits: str) -> None:
-        """Append a window of `tokens` at positions start.. of `seq`; `logits` says which rows' logits
-        to compute: "all" (a verify window), "last" (a prefill chunk that ends the prompt), "none"."""
+    def add_chunk(self, seq: Sequence, tokens: list[int], start: int, last_row: bool) -> None:
+        """Append a prefill chunk of `tokens` at positions start.. of `seq`, after the verify windows;
+        `last_row`: the chunk ends its prompt and its last row's logits are wanted."""
         first = len(self.tokens)
         self.logit_offsets.append(self.num_leading_rows + len(self.logit_rows))
         self.tokens.extend(tokens)
         self.pages.append(seq.pages)
         self.starts.append(start)
         self.lens.append(len(tokens))
-        if logits == "all" and first == self.num_leading_rows:
-            self.num_leading_rows += len(tokens)
-        elif logits == "all":
-            self.logit_rows.extend(range(first, first + len(tokens)))
-        elif logits == "last":
+        if last_row:
             self.logit_rows.append(first + len(tokens) - 1)
 
     def to_step(

@@ -400,8 +400,8 @@ def tune(
     that first call is a CUDA graph capture's warm-up over an all-padding layout, whose programs exit
     at once: the choice was the timing noise of empty launches, a different tile in each process."""
     signature = (num_q_heads, num_kv_heads, head_dim, page_size, dtype, device, window_class, split)
-    if signature in _tuned:
-        return
+    if signature in _tuned or torch.cuda.is_current_stream_capturing():
+        return  # tuned, or inside a capture (whose warm-up, outside it, tunes)
     _tuned.add(signature)
     if dot_in_fp32(dtype):
         return  # one tile (see _prune): nothing to choose
@@ -481,7 +481,7 @@ def paged_attention(
     if num_splits is None:
         num_splits = choose_num_splits(num_tokens, num_requests, num_kv_heads, q.device)
     split = num_splits > 1
-    if not (tuning or INTERPRET) and q.is_cuda and not torch.cuda.is_current_stream_capturing():
+    if not (tuning or INTERPRET) and q.is_cuda:
         tune(num_q_heads, num_kv_heads, head_dim, page_size, q.dtype, q.device, window_class, split)
     if split:
         part_out = torch.empty(

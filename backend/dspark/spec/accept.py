@@ -134,12 +134,12 @@ class QueuedGreedyAcceptance:
         prefill chunk's last row, nothing accepted): (drafts accepted, the token committed last), what
         a step launched before this one is read takes (`dspark.runner.deferred_inputs`). Drafts
         accepted is None when no window verified any (a plain step): none can have been accepted."""
+        accepted = self.accepted if any(self.verify_lens) else None
         if not self.rest.numel():  # a decode-only step (most are): no copies to make
-            return (self.accepted if any(self.verify_lens) else None), self.bonus
-        last_tokens = torch.cat([self.bonus, self.rest])
-        if not any(self.verify_lens):
-            return None, last_tokens
-        return torch.cat([self.accepted, torch.zeros_like(self.rest)]), last_tokens
+            return accepted, self.bonus
+        if accepted is not None:
+            accepted = torch.cat([accepted, torch.zeros_like(self.rest)])
+        return accepted, torch.cat([self.bonus, self.rest])
 
     def result(self) -> GreedyAcceptance:
         """The acceptance on the host (waits for the device to get there)."""
