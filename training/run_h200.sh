@@ -42,6 +42,10 @@ RESPONSES=${RESPONSES:-1}
 DATA_MINUTES=${DATA_MINUTES:-2.5}
 SAMPLE_FRACTION=${SAMPLE_FRACTION:-0.5}
 DATA_SEED=${DATA_SEED:-0}
+# Requests the target writes itself (`dspark self-prompts`; 0: none) and the most minutes that takes:
+# answered with the training prompts, as their own domain (`self`), in the same data stage.
+SELF_PROMPTS=${SELF_PROMPTS:-0}
+SELF_PROMPT_MINUTES=${SELF_PROMPT_MINUTES:-1.5}
 # Folders of earlier calls' shards (space-separated, e.g. .carry/distill), trained on with the new data.
 DATA_IN=${DATA_IN:-}
 # A drafter checkpoint to train further (empty: a fresh drafter from the target's last layer), the peak
@@ -90,9 +94,19 @@ run() {
   local data
   collect_data_in
   data=("${DATA[@]}")
+  local prompts=training/prompts_train.jsonl
+  if [[ "$DATA_MINUTES" != 0 ]] && (( SELF_PROMPTS > 0 )); then
+    stage "self-generated requests (up to $SELF_PROMPTS in $SELF_PROMPT_MINUTES min, seed $DATA_SEED)"
+    local count=$SELF_PROMPTS minutes=$SELF_PROMPT_MINUTES
+    (( TINY )) && { count=4; minutes=0; }
+    dspark self-prompts --out "$WORK/reports/prompts_self.jsonl" --count "$count" --seed "$DATA_SEED" \
+      --max-minutes "$minutes" --batch-size "$GEN_BATCH"
+    cat training/prompts_train.jsonl "$WORK/reports/prompts_self.jsonl" > "$WORK/prompts.jsonl"
+    prompts=$WORK/prompts.jsonl
+  fi
   if [[ "$DATA_MINUTES" != 0 ]]; then
     stage "self-distillation data ($NUM_PROMPTS prompts, up to $MAX_NEW new tokens each, seed $DATA_SEED)"
-    local distill=(distill-data --prompts training/prompts_train.jsonl --out-dir "$WORK/data"
+    local distill=(distill-data --prompts "$prompts" --out-dir "$WORK/data"
       --num-prompts "$NUM_PROMPTS" --val-prompts "$VAL_PROMPTS" --max-new-tokens "$MAX_NEW"
       --responses-per-prompt "$RESPONSES" --sample-fraction "$SAMPLE_FRACTION" --batch-size "$GEN_BATCH"
       --max-minutes "$DATA_MINUTES" --seed "$DATA_SEED" --shard-name "distill-seed$DATA_SEED")
@@ -139,12 +153,22 @@ run() {
   fi
 
   stage "evaluate acceptance (static and compact, greedy and temperature 1)"
+  # The held-out set, and `dspark-client bench`'s everyday questions as a domain of their own (`bench`).
+  "$PY" - "$WORK/prompts_eval.jsonl" <<'PYEOF'
+import json, sys
+sys.path.insert(0, "client")
+from bench import PROMPTS
+with open(sys.argv[1], "w") as out:
+    out.write(open("training/prompts_eval.jsonl").read())
+    for n, text in enumerate(PROMPTS):
+        out.write(json.dumps({"id": f"bench-{n}", "domain": "bench", "prompt": text}) + "\n")
+PYEOF
   local limit
   limit=$(( $(left) - 5 ))
   (( limit > 30 )) || limit=30
   # Rows are written as they are measured, so a run stopped at the deadline keeps what it has.
   timeout "$limit" "$PY" "$ROOT/training/run_dspark.py" eval-acceptance --draft-model "$WORK/drafter" \
-    --prompts training/prompts_eval.jsonl --block-size 7 --modes static,compact --temperatures 0,1 \
+    --prompts "$WORK/prompts_eval.jsonl" --block-size 7 --modes static,compact --temperatures 0,1 \
     "${sps[@]}" --out "$WORK/reports/eval.json" --markdown "$WORK/reports/eval.md" "${EVAL_ARGS[@]}" \
     || echo "evaluation stopped (exit $?); rows measured so far are in eval.json"
   if [[ -f "$WORK/reports/eval.md" ]]; then cat "$WORK/reports/eval.md"; fi

@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile-sps": _profile_sps,
         "serve": _serve,
         # Training commands (dspark.training.cli), imported only when one of them runs.
+        "self-prompts": lambda a: __import__("dspark.training.cli", fromlist=["_"]).self_prompts(a),
         "distill-data": lambda a: __import__("dspark.training.cli", fromlist=["_"]).distill_data(a),
         "train-draft": lambda a: __import__("dspark.training.cli", fromlist=["_"]).train_draft(a),
         "calibrate-draft": lambda a: __import__("dspark.training.cli", fromlist=["_"]).calibrate_draft(a),

@@ -1,5 +1,5 @@
-"""The training subcommands of `dspark`: distill-data, train-draft, calibrate-draft, eval-acceptance,
-draft-cost, draft-vocab.
+"""The training subcommands of `dspark`: self-prompts, distill-data, train-draft, calibrate-draft,
+eval-acceptance, draft-cost, draft-vocab.
 
 `dspark.tools.cli` imports this module only when one of them runs; heavy imports happen inside each command.
 """
@@ -30,6 +30,55 @@ if TYPE_CHECKING:
 # Seconds a distill-data deadline keeps, besides the last shard's write, for closing the generator and
 # the process's exit.
 FINISH_RESERVE_S = 2.0
+
+
+def self_prompts(argv: list[str]) -> int:
+    """`dspark self-prompts`: user requests the target writes itself, as a prompt set."""
+    parser = argparse.ArgumentParser(
+        prog="dspark self-prompts",
+        description="Sample user requests from the target under its chat template.",
+    )
+    _target_args(parser)
+    parser.add_argument("--out", required=True, help="the prompt set to write (JSON lines)")
+    parser.add_argument("--count", type=int, default=10000, help="distinct requests to keep")
+    parser.add_argument("--max-tokens", type=int, default=128, help="longer requests are dropped")
+    parser.add_argument("--batch-size", type=int, default=256, help="sequences generated at once")
+    parser.add_argument(
+        "--max-minutes", type=float, default=0.0, help="stop sampling after this long (0: none)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.count < 1:
+        parser.error("--count: must be >= 1")
+
+    from dspark import LLM, EngineConfig
+    from dspark.training.self_prompts import generate_self_prompts, write_prompt_set
+
+    started = time.monotonic()
+    # The template's prefix is a few dozen tokens: pages for it and the longest request.
+    pages = -(-(64 + args.max_tokens + 1) // EngineConfig.kv_page_size)
+    config = EngineConfig(
+        model=args.target,
+        device=args.device,
+        dtype=args.dtype,
+        spec_mode="off",
+        max_num_seqs=args.batch_size,
+        num_kv_pages=args.batch_size * pages + 1,
+        seed=args.seed,
+    )
+    with LLM(config) as llm:
+        texts = generate_self_prompts(
+            llm,
+            args.count,
+            args.seed,
+            max_tokens=args.max_tokens,
+            batch=4 * args.batch_size,
+            seconds=60.0 * args.max_minutes,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    write_prompt_set(args.out, texts, args.seed)
+    print(f"self-prompts: wrote {len(texts)} requests to {args.out} in {time.monotonic() - started:.1f} s")
+    return 0
 
 
 def distill_data(argv: list[str]) -> int:
