@@ -32,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))  # dspark_client's prompts, not a dspark tree
-from bench import PROMPTS  # noqa: E402
+from prompts import PROMPTS  # noqa: E402
 
 
 def _is_dspark(name: str) -> bool:

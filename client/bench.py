@@ -9,18 +9,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from dspark_client.prompts import PROMPTS
 from dspark_client.streaming import Chunk, GrpcSession, stream_http
-
-PROMPTS = [
-    "Explain how a bicycle stays upright.",
-    "Write a short poem about the sea.",
-    "What are the three primary colors?",
-    "Describe the water cycle in simple terms.",
-    "Give three tips for learning a new language.",
-    "Why is the sky blue?",
-    "Summarize the plot of Romeo and Juliet.",
-    "How does a refrigerator keep food cold?",
-]
 
 
 @dataclass

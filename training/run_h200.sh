@@ -157,7 +157,7 @@ run() {
   "$PY" - "$WORK/prompts_eval.jsonl" <<'PYEOF'
 import json, sys
 sys.path.insert(0, "client")
-from bench import PROMPTS
+from prompts import PROMPTS
 with open(sys.argv[1], "w") as out:
     out.write(open("training/prompts_eval.jsonl").read())
     for n, text in enumerate(PROMPTS):
