@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tiny_models import write_tiny_target
 
-from dspark import LLM, EngineConfig
+from dspark import LLM, EngineConfig, SamplingParams
 from dspark.tokenizer import Tokenizer
 from dspark.training.data import encode_prompt, read_prompts
 from dspark.training.self_prompts import (
@@ -30,7 +30,8 @@ TINY_TEMPLATE = (
 @pytest.fixture(scope="module")
 def chat_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny target with a chat template, many words (so sampled requests differ)."""
-    path = write_tiny_target(tmp_path_factory.mktemp("chat-target"), vocab_size=64, logit_scale=0.5)
+    # Seed 2: a target whose greedy answers often end (EOS) within a few dozen tokens.
+    path = write_tiny_target(tmp_path_factory.mktemp("chat-target"), vocab_size=64, logit_scale=0.5, seed=2)
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TINY_TEMPLATE}))
     return path
@@ -72,25 +73,63 @@ def test_cleaning_keeps_whole_requests_only(text: str, kept: str | None) -> None
     assert clean_user_turn(text) == kept
 
 
+def _engine(target: Path) -> LLM:
+    config = EngineConfig(model=str(target), device="cpu", spec_mode="off", num_kv_pages=512, max_num_seqs=16)
+    return LLM(config)
+
+
 def test_sampled_requests_are_distinct_whole_turns_in_a_prompt_set(chat_target: Path, tmp_path: Path) -> None:
-    config = EngineConfig(
-        model=str(chat_target), device="cpu", spec_mode="off", num_kv_pages=256, max_num_seqs=16
-    )
-    with LLM(config) as llm:
-        texts = generate_self_prompts(llm, count=12, seed=5, max_tokens=24, batch=16, log=lambda _: None)
+    with _engine(chat_target) as llm:
+        conversations = generate_self_prompts(
+            llm, count=12, seed=5, max_tokens=24, batch=16, log=lambda _: None
+        )
         tokenizer = llm.tokenizer
-    assert 0 < len(texts) <= 12
+    assert 0 < len(conversations) <= 12
+    assert all(len(c) == 1 and c[0]["role"] == "user" for c in conversations)  # no follow-ups asked for
+    texts = [c[0]["content"] for c in conversations]
     assert len({" ".join(t.lower().split()) for t in texts}) == len(texts)
     for text in texts:
         assert clean_user_turn(text) == text
         assert "w0" not in text.split()  # EOS ended the turn, not part of it
     out = tmp_path / "self.jsonl"
-    write_prompt_set(out, texts, seed=5)
+    write_prompt_set(out, conversations, seed=5)
     prompts = read_prompts(out)
     assert [p.prompt for p in prompts] == texts
     assert {p.domain for p in prompts} == {DOMAIN}
     assert len({p.key for p in prompts}) == len(prompts)  # each its own key: held out alone
     # Answered as every prompt is: the request as the user turn under the chat template.
-    assert encode_prompt(tokenizer, prompts[0].conversation)[:1] == tokenizer.encode(
-        "w1", add_special_tokens=False
-    )
+    first = tokenizer.encode("w1", add_special_tokens=False)
+    assert encode_prompt(tokenizer, prompts[0].conversation)[:1] == first
+
+
+def test_follow_ups_continue_after_the_targets_own_answer(chat_target: Path, tmp_path: Path) -> None:
+    with _engine(chat_target) as llm:
+        conversations = generate_self_prompts(
+            llm,
+            count=48,
+            seed=0,
+            max_tokens=24,
+            batch=48,
+            follow_up_share=1.0,
+            answer_tokens=24,
+            log=lambda _: None,
+        )
+        followed = [c for c in conversations if len(c) > 1]
+        assert followed, "no follow-up in 48 tries"  # 7 with these seeds
+        # The assistant turn is the target's greedy answer to the first request, whole.
+        firsts = [[c[0]] for c in followed]
+        tokenizer = llm.tokenizer
+        again = llm.generate(
+            params=SamplingParams(max_tokens=24),
+            prompt_token_ids=[encode_prompt(tokenizer, f) for f in firsts],
+        )
+    for conversation, answer in zip(followed, again, strict=True):
+        assert [m["role"] for m in conversation] == ["user", "assistant", "user"]
+        assert answer.finish_reason == "stop"
+        assert conversation[1]["content"] == answer.text.strip()
+        assert clean_user_turn(conversation[2]["content"]) == conversation[2]["content"]
+    out = tmp_path / "self.jsonl"
+    write_prompt_set(out, conversations, seed=0)
+    prompts = read_prompts(out)
+    assert [p.conversation for p in prompts] == conversations  # the whole conversation is answered
+    assert [p.prompt for p in prompts] == [c[-1]["content"] for c in conversations]

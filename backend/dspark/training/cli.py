@@ -46,17 +46,25 @@ def self_prompts(argv: list[str]) -> int:
     parser.add_argument(
         "--max-minutes", type=float, default=0.0, help="stop sampling after this long (0: none)"
     )
+    parser.add_argument(
+        "--follow-up-share",
+        type=float,
+        default=0.25,
+        help="share of the requests continued into a second turn: the target's answer, then a follow-up",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.count < 1:
         parser.error("--count: must be >= 1")
+    if not 0.0 <= args.follow_up_share <= 1.0:
+        parser.error("--follow-up-share: must be in [0, 1]")
 
     from dspark import LLM, EngineConfig
-    from dspark.training.self_prompts import generate_self_prompts, write_prompt_set
+    from dspark.training.self_prompts import ANSWER_TOKENS, generate_self_prompts, write_prompt_set
 
     started = time.monotonic()
-    # The template's prefix is a few dozen tokens: pages for it and the longest request.
-    pages = -(-(64 + args.max_tokens + 1) // EngineConfig.kv_page_size)
+    # The template's prefix is a few dozen tokens; a follow-up also holds a request and an answer.
+    pages = -(-(64 + 2 * args.max_tokens + ANSWER_TOKENS + 1) // EngineConfig.kv_page_size)
     config = EngineConfig(
         model=args.target,
         device=args.device,
@@ -67,17 +75,22 @@ def self_prompts(argv: list[str]) -> int:
         seed=args.seed,
     )
     with LLM(config) as llm:
-        texts = generate_self_prompts(
+        conversations = generate_self_prompts(
             llm,
             args.count,
             args.seed,
             max_tokens=args.max_tokens,
             batch=4 * args.batch_size,
             seconds=60.0 * args.max_minutes,
+            follow_up_share=args.follow_up_share,
             log=lambda line: print(line, file=sys.stderr, flush=True),
         )
-    write_prompt_set(args.out, texts, args.seed)
-    print(f"self-prompts: wrote {len(texts)} requests to {args.out} in {time.monotonic() - started:.1f} s")
+    write_prompt_set(args.out, conversations, args.seed)
+    turns = sum(len(c) > 1 for c in conversations)
+    print(
+        f"self-prompts: wrote {len(conversations)} requests ({turns} after an answer) to {args.out} "
+        f"in {time.monotonic() - started:.1f} s"
+    )
     return 0
 
 
