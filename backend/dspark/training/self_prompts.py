@@ -8,9 +8,11 @@ instruction-tuned model has learned what users ask: given its chat template up t
 user turn, and nothing else, it writes a user request when sampled (the idea of Magpie, Xu et al.
 2024). Half the requests start from that prefix alone, the others from the prefix and an opening
 phrase (`OPENERS`: kinds of request across chat, writing, code and math), so the kinds do not collapse
-onto the few the model writes most. The turns are the target's own output (its licence applies, as it
-does to the answers), cleaned (`clean_user_turn`) and de-duplicated, and written as a prompt set
-(`write_prompt_set`): domain `self`, each prompt its own key.
+onto the few the model writes most. A share of them continue into a second turn: the target's own
+answer, then a follow-up request sampled after it the same way (multi-turn chat, as users have it).
+The turns are the target's own output (its licence applies, as it does to the answers), cleaned
+(`clean_user_turn`) and de-duplicated, and written as a prompt set (`write_prompt_set`): domain `self`,
+each prompt its own key.
 """
 
 from __future__ import annotations
