@@ -71,14 +71,16 @@ def build(tree: Tree, args: argparse.Namespace, mode: str, max_batch: int):  # n
     """The tree's offline engine for `mode`, the benchmarks' configuration."""
     tree.activate()
     dspark = tree.dspark
+    # "default": the serve default (EngineConfig's own mode, the adaptive gate on); other modes draft
+    # on every step.
+    speculation = {} if mode == "default" else {"spec_mode": mode, "adaptive_speculation": False}
     config = dspark.EngineConfig(
         model=args.model,
         draft_model=args.draft_model if mode != "off" else "",
         device=args.device,
         num_kv_pages=max(1024, 16 * max_batch),
         max_num_seqs=max(32, max_batch),
-        spec_mode=mode,
-        adaptive_speculation=False,
+        **speculation,
     )
     llm = dspark.LLM(config)
     tree.capture_new_modules()
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-model", default=str(ROOT / "drafters/SmolLM2-135M-Instruct-dspark"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch-sizes", default="8,64")
-    parser.add_argument("--modes", default="off,static")
+    parser.add_argument("--modes", default="off,static", help="of off, static, compact, default")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None)
