@@ -119,9 +119,10 @@ def greedy_accept_all(
 class QueuedGreedyAcceptance:
     """Greedy acceptance queued on the device, its copy to the host under way: per verify window the
     drafts accepted and the token after them on the device (`accepted`, `bonus`), the argmax of the
-    rows after the windows (`rest`), and `result()`, which waits for the copy."""
+    rows after the windows (`rest`), and `result()`, which waits for the copy. `accepted` is None when
+    no window verified a draft (a plain step): none was accepted, and the copy holds the argmax alone."""
 
-    accepted: torch.Tensor
+    accepted: torch.Tensor | None
     bonus: torch.Tensor
     rest: torch.Tensor  # the argmax of the logit rows after the windows (prefill chunks' last rows)
     _host: torch.Tensor  # accepted, bonus, the verified drafts, the rest: on the host once `_ready`
@@ -134,7 +135,7 @@ class QueuedGreedyAcceptance:
         prefill chunk's last row, nothing accepted): (drafts accepted, the token committed last), what
         a step launched before this one is read takes (`dspark.runner.deferred_inputs`). Drafts
         accepted is None when no window verified any (a plain step): none can have been accepted."""
-        accepted = self.accepted if any(self.verify_lens) else None
+        accepted = self.accepted
         if not self.rest.numel():  # a decode-only step (most are): no copies to make
             return accepted, self.bonus
         if accepted is not None:
@@ -147,6 +148,8 @@ class QueuedGreedyAcceptance:
             self._ready.synchronize()
         host = self._host.tolist()
         num, width = len(self.verify_lens), self.width
+        if self.accepted is None:  # a plain step: the argmax of every row, nothing judged
+            return GreedyAcceptance([0] * num, host[:num], [[] for _ in range(num)], host[num:])
         flat = host[2 * num : 2 * num + num * width]
         verified = [flat[r * width : r * width + n] if width else [] for r, n in enumerate(self.verify_lens)]
         return GreedyAcceptance(host[:num], host[num : 2 * num], verified, host[2 * num + num * width :])
@@ -166,15 +169,11 @@ def queue_greedy_accept(
     are judged too and their results ignored."""
     num = len(verify_lens)
     device = argmax.device
-    if num == 0:
-        empty = torch.zeros(0, dtype=torch.long, device=device)
-        return _queue_copy(empty, empty, argmax, argmax, (), 0)
     if not any(verify_lens):
-        # Plain windows, one row each: nothing to judge, each commits its row's argmax. No kernel and
-        # no copy of window bounds: a few microseconds of the host on every plain step.
-        accepted = torch.zeros(num, dtype=torch.long, device=device)
-        both = torch.cat([accepted, argmax])  # accepted, bonus (the windows' rows), rest
-        return _queue_copy(accepted, argmax[:num], argmax[num:], both, tuple(verify_lens), 0)
+        # Plain windows (or none), one row each: nothing to judge, each commits its row's argmax. No
+        # kernel, no copy of window bounds, no accepted counts: the copy back is the argmax alone (each
+        # small device op is microseconds of the host on every plain step).
+        return _queue_copy(None, argmax[:num], argmax[num:], argmax, tuple(verify_lens), 0)
     # The window boundaries, lengths and caps made in Python and copied to the device at once: each
     # small host torch op costs microseconds of the step's host time, which bounds a step at batch 64.
     cu = [0, *itertools.accumulate(n + 1 for n in verify_lens)]
@@ -197,7 +196,7 @@ def queue_greedy_accept(
 
 
 def _queue_copy(
-    accepted: torch.Tensor,
+    accepted: torch.Tensor | None,
     bonus: torch.Tensor,
     rest: torch.Tensor,
     both: torch.Tensor,
