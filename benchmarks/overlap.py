@@ -3,8 +3,9 @@ of wall time the GPU is busy during steady decode (issue 20's goals).
 
 Each mode (off, static, compact; drafting on every step) runs as one engine per setting: `ahead`
 (`launch_ahead`: step N+1 is launched before step N is accepted, the default), `emit`
-(`overlap_scheduling` alone: step N's text and deltas are made while N+1 runs) and `off` (every step
-waits); their timed runs are interleaved (e2e.py's `_time_engines`), so a slow spell of the machine
+(`overlap_scheduling` alone: step N's text and deltas are made while N+1 runs), `off` (every step
+waits) and `burst` (`ahead` with decode bursts of `--burst` steps, `decode_burst`: plain decoding only);
+their timed runs are interleaved (e2e.py's `_time_engines`), so a slow spell of the machine
 falls on all. Greedy tokens must be identical in every setting; the script stops if they are not, in
 fp32. `--shape qwen3-8b` runs plain decoding of a random-weight model of the Qwen3-8B shape instead.
 
@@ -15,6 +16,7 @@ wall time (the profiler's own cost falls on both engines alike).
     .venv/bin/python benchmarks/overlap.py --device cuda --batch-sizes 1,8,64,128 --repeats 3
     .venv/bin/python benchmarks/overlap.py --device cuda --shape qwen3-8b --batch-sizes 1,8,64
     .venv/bin/python benchmarks/overlap.py --device cpu --batch-sizes 1,4 --max-tokens 32 --modes off
+    .venv/bin/python benchmarks/overlap.py --device cuda --modes off --settings burst,ahead --batch-sizes 8,64
 """
 
 from __future__ import annotations
@@ -78,10 +80,11 @@ def busy_share(llm: LLM, ids: list[list[int]], steps: int, max_tokens: int) -> f
 
 
 SETTINGS = {
-    # name: (overlap_scheduling, launch_ahead)
-    "ahead": (True, True),  # step N+1 launched before step N is accepted (the default)
-    "emit": (True, False),  # step N's text and deltas made while step N+1 runs
-    "off": (False, False),  # every step waits for its device work
+    # name: (overlap_scheduling, launch_ahead, decode bursts of --burst steps)
+    "ahead": (True, True, False),  # step N+1 launched before step N is accepted (the default)
+    "emit": (True, False, False),  # step N's text and deltas made while step N+1 runs
+    "off": (False, False, False),  # every step waits for its device work
+    "burst": (True, True, True),  # `ahead` with decode bursts (plain decoding only: mode off)
 }
 
 
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", default="1,8,64,128")
     parser.add_argument("--modes", default="off,static,compact")
     parser.add_argument("--settings", default="ahead,emit,off", help=f"of {','.join(SETTINGS)}")
+    parser.add_argument("--burst", type=int, default=4, help="decode_burst of the `burst` setting")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (the median counts)")
     parser.add_argument("--busy-steps", type=int, default=50, help="steps in the GPU-busy window (0: skip)")
@@ -124,9 +128,13 @@ def main(argv: list[str] | None = None) -> None:
     engines = {}
     for mode in modes:
         for setting in settings:
-            overlap, ahead = SETTINGS[setting]
+            overlap, ahead, burst = SETTINGS[setting]
             config = base.replace(
-                spec_mode=mode, adaptive_speculation=False, overlap_scheduling=overlap, launch_ahead=ahead
+                spec_mode=mode,
+                adaptive_speculation=False,
+                overlap_scheduling=overlap,
+                launch_ahead=ahead,
+                decode_burst=args.burst if burst else 1,
             )
             engines[f"{mode}/{setting}"] = LLM(config)
     any_engine = next(iter(engines.values())).engine

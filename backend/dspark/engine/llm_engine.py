@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import SPS_PROFILE, EngineConfig
+from dspark.engine.burst import LaunchedBurst, launch_burst
 from dspark.engine.kv_budget import resolve_kv_pages
 from dspark.engine.output_processor import OutputProcessor, PendingDelta
 from dspark.engine.page_allocator import PageAllocator
@@ -173,7 +174,8 @@ class LLMEngine:
         self._logprobs_formatter = LogprobsFormatter(self.tokenizer)
         self._pending: list[RequestDelta] = []  # failed before they ran
         self._aborts: list[str] = []
-        self._in_flight: LaunchedStep | None = None  # overlap_scheduling: launched, not yet accepted
+        # overlap_scheduling: launched, not yet accepted (a step, or a burst of plain steps)
+        self._in_flight: LaunchedStep | LaunchedBurst | None = None
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
 
@@ -363,8 +365,9 @@ class LLMEngine:
 
     def _launch(
         self, in_flight: InFlight | None = None, earlier: QueuedGreedyAcceptance | None = None
-    ) -> LaunchedStep | None:
-        """Schedule a step, draft, plan and queue its target work on the device (None: nothing to run).
+    ) -> LaunchedStep | LaunchedBurst | None:
+        """Schedule a step, draft, plan and queue its target work on the device (None: nothing to run);
+        a burst of plain steps instead when the schedule allows one (`_burst_length`).
 
         in_flight, earlier: the step on the device, not yet accepted, and its queued greedy acceptance
         (`_launch_ahead`); None also when this step cannot go ahead of it after all."""
@@ -374,6 +377,9 @@ class LLMEngine:
         if schedule is None or schedule.empty:
             return None
         timer.lap("schedule")
+        burst = self._burst_length(schedule) if in_flight is None else 1
+        if burst > 1:
+            return self._launch_burst(schedule, burst)
         caps = self._max_verifies(schedule.decode, in_flight, schedule.window - 1)
         length = min(self._draft_length(schedule.decode, caps), schedule.window - 1)
         caps = [min(cap, length) for cap in caps]
@@ -402,12 +408,71 @@ class LLMEngine:
         timer.lap("target")
         return LaunchedStep(schedule, plan, packed, result)
 
+    def _bursts(self) -> bool:
+        """Whether the next step may be a burst of plain steps (`_burst_length` decides once it is
+        scheduled): bursts on, no drafter, one rank, no request waiting for its prompt, and every
+        running request decoding on the device (`_decides_on_the_device`)."""
+        return (
+            self.config.decode_burst > 1
+            and self.proposer is None
+            and isinstance(self.runner, ModelRunner)
+            and not self.scheduler.waiting
+            and (not self._host_decides or self._host_decides.isdisjoint(self.scheduler.running))
+        )
+
+    def _burst_length(self, schedule: StepSchedule) -> int:
+        """Steps a burst of `schedule` runs (`dspark.engine.burst`): `decode_burst`, fewer when a request
+        has fewer tokens or positions left, 1 (no burst) when the step carries a prefill chunk or the
+        pages for the burst cannot be reserved without preempting anyone."""
+        if schedule.prefill or not schedule.decode or not self._bursts():
+            return 1
+        length = self.config.decode_burst
+        max_model_len = self.limits.max_model_len
+        for seq in schedule.decode:
+            length = min(length, seq.remaining_tokens, max_model_len - len(seq.token_ids))
+        if length <= 1:
+            return 1
+        try_reserve = self.scheduler.allocator.try_reserve
+        for seq in schedule.decode:
+            if not try_reserve(seq, seq.num_cached + length):
+                return 1  # pages reserved so far stay with their requests, used by later steps
+        return length
+
+    def _launch_burst(self, schedule: StepSchedule, length: int) -> LaunchedBurst:
+        """Launch a burst of `length` plain steps of `schedule` (pages reserved), counted as steps."""
+        launched = launch_burst(self.runner, schedule, self._capture_layers, length)
+        for _ in range(length):
+            self.loop_counters.add_step(
+                len(schedule.decode), graph=launched.graph, ahead=False, prefill=False, verify_tokens=0
+            )
+        self.timer.lap("target")
+        return launched
+
+    def _complete_burst(self, launched: LaunchedBurst) -> list[PendingDelta]:
+        """Commit a burst: each request's tokens of its steps, up to its end (EOS, a stop id or string,
+        max_tokens), as one delta; a request that ended while the burst ran (aborted) commits nothing."""
+        columns = launched.tokens()
+        self.timer.lap("accept")
+        done = []
+        for seq, tokens in zip(launched.schedule.decode, columns, strict=True):
+            if seq.finished:
+                continue
+            record = seq.spec_stats.record_step
+            for _ in tokens:
+                record(0, 0, 0)
+            seq.num_cached += len(tokens)
+            done.append(self._commit_tokens(seq, tokens))
+        self.timer.lap("emit")
+        return done
+
     def _launch_ahead(
-        self, earlier: LaunchedStep
+        self, earlier: LaunchedStep | LaunchedBurst
     ) -> tuple[LaunchedStep | None, QueuedGreedyAcceptance | None]:
         """Queue the greedy acceptance of `earlier` (on the device, not yet accepted) and launch the next
         step behind it, when every request allows (`_in_flight_of`); the step launched, or None, and the
         queued acceptance (None when nothing went ahead)."""
+        if isinstance(earlier, LaunchedBurst) or self._bursts():
+            return None, None  # a burst is accepted before the next step, which may be one
         in_flight = self._in_flight_of(earlier)
         if in_flight is None:
             return None, None
@@ -452,12 +517,14 @@ class LLMEngine:
         return InFlight(advance, reach, frozenset(sit_out), follows)
 
     def _complete(
-        self, launched: LaunchedStep, queued: QueuedGreedyAcceptance | None = None
+        self, launched: LaunchedStep | LaunchedBurst, queued: QueuedGreedyAcceptance | None = None
     ) -> list[PendingDelta]:
         """Accept a launched step and commit it: every request's tokens go into its sequence (the next
         schedule sees them); their text and deltas are made by the caller (`PendingDelta.make`).
         `queued`: its greedy acceptance, queued already (`_launch_ahead`). A request that ended while
         the step was in flight (launched ahead of its end, or aborted) commits nothing of it."""
+        if isinstance(launched, LaunchedBurst):
+            return self._complete_burst(launched)
         schedule, plan, packed, result = launched.schedule, launched.plan, launched.packed, launched.result
         verified = verified_drafts(plan, result)
         raw_logits = self._adjust_logits(

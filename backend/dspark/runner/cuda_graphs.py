@@ -238,6 +238,13 @@ class StaticLayout:
             rows = self._table_rows[: count * width].view(count, width)
             self.page_table[:count, :width].copy_(rows)
 
+    def advance_decode(self, count: int, anchors: torch.Tensor) -> None:
+        """Make the filled step of `count` one-token windows the next one, on the device: each window one
+        position on, its token `anchors[i]` (the step's own output; pages for it reserved and in the
+        table already). Two device ops, nothing from the host (a decode burst's later steps)."""
+        self.window_starts[:count].add_(1)
+        self.token_ids[:count].copy_(anchors[:count])
+
     def compute(self, tokens: int, requests: int) -> None:
         """Lay out a (tokens, requests) tier from the filled windows, on the device."""
         ops.build_window_layout(

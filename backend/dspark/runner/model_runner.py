@@ -199,6 +199,25 @@ class ModelRunner:
         return replace(result, logits=logits.cpu() if step.host_logits else logits, argmax=argmax)
 
     @torch.inference_mode()
+    def run_following(self, step: TargetStep, anchors: torch.Tensor, argmax_out: torch.Tensor) -> bool:
+        """The decode step after `step`, a step of one-token windows that just replayed a graph: each
+        window one position on, its token from `anchors` [windows] on the device (that step's argmax),
+        replayed from the static layout as it stands, with nothing copied from the host; the argmax of
+        its logits written into `argmax_out` [windows]. False, with nothing run, when `step` runs
+        eagerly (pack the next one)."""
+        graphs = self.graphs
+        tiers = None if graphs is None else graphs.tiers_of(len(step.token_ids), step.pages)
+        if graphs is None or tiers is None:
+            return False
+        count = len(step.window_lens)
+        assert len(step.token_ids) == count, "a step of one-token windows"
+        graphs.layout.advance_decode(count, anchors)
+        replayed = graphs.replay(tiers, count, step.capture_layers)
+        logits = self.model.compute_logits(replayed.hidden[:count], step.fp32_logits)
+        torch.argmax(logits, dim=-1, out=argmax_out)
+        return True
+
+    @torch.inference_mode()
     def forward(self, step: TargetStep) -> TargetResult:
         """`run` with the logits left on the device: what every tensor-parallel rank executes."""
         rows = step.logit_rows
