@@ -4,7 +4,8 @@ of wall time the GPU is busy during steady decode (issue 20's goals).
 Each mode (off, static, compact; drafting on every step) runs as one engine per setting: `ahead`
 (`launch_ahead`: step N+1 is launched before step N is accepted, the default), `emit`
 (`overlap_scheduling` alone: step N's text and deltas are made while N+1 runs), `off` (every step
-waits) and `burst` (`ahead` with decode bursts of `--burst` steps, `decode_burst`: plain decoding only);
+waits) and `burst` (decode bursts of `--burst` steps, `decode_burst`; the engine launches nothing ahead
+while bursts may run);
 their timed runs are interleaved (e2e.py's `_time_engines`), so a slow spell of the machine
 falls on all. Greedy tokens must be identical in every setting; the script stops if they are not, in
 fp32. `--shape qwen3-8b` runs plain decoding of a random-weight model of the Qwen3-8B shape instead.
@@ -16,7 +17,7 @@ wall time (the profiler's own cost falls on both engines alike).
     .venv/bin/python benchmarks/overlap.py --device cuda --batch-sizes 1,8,64,128 --repeats 3
     .venv/bin/python benchmarks/overlap.py --device cuda --shape qwen3-8b --batch-sizes 1,8,64
     .venv/bin/python benchmarks/overlap.py --device cpu --batch-sizes 1,4 --max-tokens 32 --modes off
-    .venv/bin/python benchmarks/overlap.py --device cuda --modes off --settings burst,ahead --batch-sizes 8,64
+    .venv/bin/python benchmarks/overlap.py --device cuda --modes off,static --settings burst,ahead
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ SETTINGS = {
     "ahead": (True, True, False),  # step N+1 launched before step N is accepted (the default)
     "emit": (True, False, False),  # step N's text and deltas made while step N+1 runs
     "off": (False, False, False),  # every step waits for its device work
-    "burst": (True, True, True),  # `ahead` with decode bursts (plain decoding only: mode off)
+    "burst": (True, True, True),  # decode bursts of --burst steps (`decode_burst`)
 }
 
 

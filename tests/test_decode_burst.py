@@ -1,6 +1,7 @@
-"""Decode bursts (`decode_burst`): plain greedy steps launched back to back from one schedule, each
-taking its anchors from the step before on the device (`dspark.engine.burst`). The output must be that
-of the same steps one at a time, whatever ends a request inside a burst."""
+"""Decode bursts (`decode_burst`): greedy steps launched back to back from one schedule, each taking
+what the step before decided (anchors, accepted drafts) on the device (`dspark.engine.burst`), plain or
+speculative with drafts made inside the step. The output must be that of the same steps one at a time,
+whatever ends a request inside a burst."""
 
 from __future__ import annotations
 
@@ -19,22 +20,23 @@ def _count_bursts(engine: LLMEngine) -> list[int]:
     count = [0, 0]
     launch = engine._launch_burst
 
-    def counted(schedule, length):  # noqa: ANN001, ANN202 - the engine's own signature
+    def counted(schedule, plan, first, length):  # noqa: ANN001, ANN202 - the engine's own signature
         count[0] += 1
         count[1] += length
-        return launch(schedule, length)
+        return launch(schedule, plan, first, length)
 
     engine._launch_burst = counted  # type: ignore[method-assign]
     return count
 
 
-def _engine(target_dir, graphs: bool, **changes) -> LLMEngine:
-    """A plain-decoding engine, its steps eager or replayed from emulated graphs (the GPU path)."""
+def _engine(target_dir, graphs: bool, drafter_dir=None, **changes) -> LLMEngine:
+    """An engine (plain decoding without `drafter_dir`), its steps eager or replayed from emulated
+    graphs (the GPU path: a `static` step's drafts made inside it)."""
+    changes.setdefault("spec_mode", "off" if drafter_dir is None else "static")
     if graphs:
-        return use_emulated_graphs(
-            LLMEngine(emulated_graphs_config(target_dir, None, spec_mode="off", **changes))
-        )
-    config = tiny_engine_config(target_dir, None, spec_mode="off", num_kv_pages=96, max_num_batched_tokens=24)
+        config = emulated_graphs_config(target_dir, drafter_dir, **changes)
+        return use_emulated_graphs(LLMEngine(config))
+    config = tiny_engine_config(target_dir, drafter_dir, num_kv_pages=96, max_num_batched_tokens=24)
     return LLMEngine(config.replace(**changes))
 
 
@@ -55,6 +57,67 @@ def test_bursts_give_the_tokens_of_steps_one_at_a_time(tiny_target_dir, graphs, 
     assert bursts[0] > 0 and bursts[1] > bursts[0], bursts
     # Every step of a burst counts as a step; a burst is one call of the loop.
     assert engine.loop_counters.steps >= bursts[1]
+
+
+# `compact` under the flat SPS table (the default) drafts inside the step as `static` does.
+@pytest.mark.parametrize("spec_mode", ["static", "compact"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "waiting"])
+def test_speculative_bursts_give_the_tokens_of_steps_one_at_a_time(
+    tiny_target_dir, tiny_drafter_dir, spec_mode, overlap
+) -> None:
+    # The gate times each step apart: bursts run without it.
+    changes = {"spec_mode": spec_mode, "adaptive_speculation": False}
+    for _ in range(3):  # the tiny drafter's drafts are seldom accepted: three draws
+        seed = random.randrange(2**31)
+        print(f"seed={seed}")
+        rng = random.Random(seed)
+        prompts, params = _greedy_requests(rng, 9)
+        single_engine = _engine(tiny_target_dir, True, tiny_drafter_dir, overlap_scheduling=False, **changes)
+        single = _run(single_engine, prompts, params)
+        burst = rng.choice([3, 4, 6])  # 3+: a step after two others adds both steps' accepted drafts
+        engine = _engine(
+            tiny_target_dir, True, tiny_drafter_dir, overlap_scheduling=overlap, decode_burst=burst, **changes
+        )
+        bursts = _count_bursts(engine)
+        assert _run(engine, prompts, params) == single, f"decode_burst={burst}"
+        assert engine.allocator.num_used == 0
+        assert bursts[0] > 0 and bursts[1] > bursts[0], bursts
+        # Every step of a burst verified its drafts: the speculation statistics count them as steps, and
+        # drafts made from a layout completed right are accepted about as often as one step at a time.
+        stats = engine.total_spec_stats
+        assert stats.steps >= bursts[1]
+        assert stats.accepted_tokens >= single_engine.total_spec_stats.accepted_tokens // 2, stats
+
+
+def test_bursts_under_the_gate_give_the_tokens_of_steps_one_at_a_time(
+    tiny_target_dir, tiny_drafter_dir
+) -> None:
+    # The serve default: `static` with the gate choosing each step's draft length (0: plain) by the
+    # speed it measured; a burst runs at the length chosen, timed as its steps' share of its wall time.
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    prompts, params = _greedy_requests(rng, 9)
+    gate = {"adaptive_speculation": True}
+    single = _run(
+        _engine(tiny_target_dir, True, tiny_drafter_dir, overlap_scheduling=False, **gate), prompts, params
+    )
+    engine = _engine(tiny_target_dir, True, tiny_drafter_dir, decode_burst=4, **gate)
+    bursts = _count_bursts(engine)
+    assert _run(engine, prompts, params) == single
+    assert engine.allocator.num_used == 0
+    assert bursts[0] > 0, bursts
+    assert engine.gate is not None and engine.gate.rates(4), "the gate measured nothing"
+
+
+def test_no_speculative_burst_when_drafts_are_made_apart(tiny_target_dir, tiny_drafter_dir) -> None:
+    # Eager `static` steps draft apart from the target step, from the host's state of the requests.
+    engine = _engine(tiny_target_dir, False, tiny_drafter_dir, adaptive_speculation=False, decode_burst=4)
+    bursts = _count_bursts(engine)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=16, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert bursts == [0, 0]
 
 
 def test_a_burst_streams_its_tokens_in_one_delta_and_stops_at_max_tokens(tiny_target_dir) -> None:

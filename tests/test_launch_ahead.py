@@ -110,23 +110,21 @@ def test_graph_steps_launched_ahead_complete_their_windows_on_the_device(
     print(f"seed={seed}")
     rng = random.Random(seed)
     prompts, params = _greedy_requests(rng, 9)
-    waiting = _run(
-        _emulated_graphs_engine(
-            tiny_target_dir, tiny_drafter_dir, spec_mode=spec_mode, overlap_scheduling=False
-        ),
-        prompts,
-        params,
+    waiting_engine = _emulated_graphs_engine(
+        tiny_target_dir, tiny_drafter_dir, spec_mode=spec_mode, overlap_scheduling=False
     )
+    waiting = _run(waiting_engine, prompts, params)
     engine = _emulated_graphs_engine(tiny_target_dir, tiny_drafter_dir, spec_mode=spec_mode)
     ahead = _count_launched_ahead(engine)
     out = _run(engine, prompts, params)
     assert out == waiting
     assert engine.allocator.num_used == 0
     # `static` drafts inside the step from the completed layout: its anchors and starts must be right
-    # for the drafts to be accepted as often as when steps wait (wrong ones would still be lossless).
+    # for the drafts to be accepted about as often as when steps wait (wrong ones would still be
+    # lossless). The tiny drafter's drafts are seldom accepted, and some draws accept none either way.
     assert ahead[0] > 10, ahead
-    if spec_mode != "off":
-        assert engine.total_spec_stats.accepted_tokens > 0
+    accepted = engine.total_spec_stats.accepted_tokens
+    assert accepted >= waiting_engine.total_spec_stats.accepted_tokens // 2, accepted
 
 
 def test_a_request_with_sampling_makes_steps_wait_until_it_ends(tiny_target_dir) -> None:

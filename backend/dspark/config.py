@@ -128,13 +128,14 @@ class EngineConfig:
     # device runs step N. Greedy output is the same either way. false: the next step is scheduled
     # after the last one's acceptance.
     launch_ahead: bool = True
-    # Plain greedy decoding: steps launched back to back from one schedule (a decode burst), each taking
-    # its anchors from the step before on the device, their tokens committed and emitted together
-    # (`dspark.engine.burst`). For a target whose decode step is shorter than the host's work around it
-    # (a small model on a GPU): the host schedules, accepts and emits once per burst. Only while no
-    # drafter runs (spec_mode off), on one rank, no prompt waits and every request decodes greedily on
-    # the device; streams then receive up to this many tokens a response. Greedy output is the same. 1:
-    # off.
+    # Steps launched back to back from one schedule (a decode burst), each completing its windows on the
+    # device from the step before (its anchors, and the drafts it accepted), their tokens committed and
+    # emitted together (`dspark.engine.burst`): the host schedules, accepts and emits once per burst, for
+    # a target whose decode step is shorter than the host's work around it (a small model on a GPU).
+    # Bursts run while no prompt waits, on one rank, every request decodes greedily on the device, and
+    # drafts (if any) are made inside the target step; the gate times a burst as its steps' share of
+    # its wall time. Streams then receive a burst's tokens in one response. Greedy output is the same.
+    # 1: off.
     decode_burst: int = 1
     # Responses a second each instance of the Triton adapter (a backend stub) aims at: under load a
     # request's next response waits until (the instance's requests in flight / this) seconds after its

@@ -1,18 +1,26 @@
-"""Decode bursts: several plain greedy steps launched from one schedule (`EngineConfig.decode_burst`).
+"""Decode bursts: several greedy steps launched from one schedule (`EngineConfig.decode_burst`).
 
 A small target's decode step is shorter on the device than the host's work around it (scheduling,
-layout, acceptance, commit, emit: SmolLM2 at batch 64 on an H200 keeps its GPU busy ~40% of the time).
-When a step is plain decoding and every request decides its tokens on the device by the argmax, the
-next step's windows are known in advance but for their anchors: each window starts one position later
-and its anchor is the argmax of the step before. A burst therefore schedules once, reserves pages for
-`length` positions per request, and launches `length` steps back to back, each taking its anchors from
-the argmax of the step before on the device: replayed from CUDA graphs, the static layout moves on by
-itself (every start + 1, the anchors copied in: `ModelRunner.run_following`); run eagerly, step j is
-packed from the same schedule (starts + j) with those anchors as deferred inputs (as a step launched
-ahead takes them). The host neither waits nor schedules in between.
-Each step's argmax is copied to the host behind an event; the engine commits the burst's tokens per
-request in one go (a request that ends inside a burst keeps its tokens up to its end; the steps after
-it computed rows that are dropped). The output is that of the same plain steps one by one.
+layout, acceptance, commit, emit: SmolLM2 at batch 64 on an H200 keeps its GPU busy 30-45% of the
+time). When every request decides its tokens on the device by the argmax and the drafts (if any) are
+made inside the target step, the next step's windows are known in advance but for what the device
+decides: each window starts where the step before left it and its anchor is that step's last token.
+A burst therefore schedules and plans once, reserves pages for every position its steps may reach, and
+launches its steps back to back, the host neither waiting nor scheduling in between:
+
+- plain steps (no drafts): replayed from CUDA graphs, the static layout moves on by itself (every start
+  + 1, the anchors copied in from the previous argmax: `ModelRunner.run_following`); run eagerly, step j
+  is packed from the same schedule (starts + j) with those anchors as deferred inputs. Every step's
+  argmax goes into one [steps, windows] tensor, copied to the host once;
+- speculative steps (drafts made inside the step, `static` or `compact` under a flat table): step j is
+  packed from the schedule (starts + j) and completes each window on the device from the steps before
+  it (`DeferredInputs`: the drafts they accepted in all, and the last token committed), as a step
+  launched ahead does; its in-step draft block reads the completed layout, and its greedy acceptance is
+  queued (kernel and copy to the host) before the next step is launched.
+
+The engine commits the burst's tokens per request in one go (a request that ends inside a burst keeps
+its tokens up to its end; the steps after it computed rows that are dropped). The output is that of the
+same steps one by one.
 """
 
 from __future__ import annotations
@@ -22,44 +30,97 @@ from dataclasses import dataclass
 import torch
 
 from dspark.engine.scheduler import InFlight, StepSchedule
-from dspark.engine.step import pack_step
-from dspark.runner.model_runner import ModelRunner
+from dspark.engine.step import LaunchedStep, PackedStep, pack_step, queue_greedy
+from dspark.runner.model_runner import ModelRunner, TargetStep
 from dspark.spec.accept import QueuedGreedyAcceptance, queue_greedy_accept
 from dspark.spec.verify_policy import VerifyPlan
 
 
 @dataclass(frozen=True)
+class SumOfAccepted:
+    """What a speculative burst's next step takes from the steps before it (`DeferredInputs`): per
+    window, the drafts they accepted in all and the token committed last, on the device."""
+
+    accepted: torch.Tensor | None
+    bonus: torch.Tensor
+
+    def per_output(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(drafts accepted, last token) per window, as `QueuedGreedyAcceptance.per_output`."""
+        return self.accepted, self.bonus
+
+
+@dataclass(frozen=True)
 class LaunchedBurst:
-    """A burst whose steps are queued on the device: the schedule they share and every step's argmax
-    per decode window ([steps, windows], its copy to the host under way)."""
+    """A burst whose steps are queued on the device: the schedule they share, how many, and what
+    accepting them reads: for plain steps every step's argmax per decode window ([steps, windows],
+    `copy`, its copy to the host under way); for speculative ones each step and its queued acceptance
+    (`steps`)."""
 
     schedule: StepSchedule
-    length: int  # steps in the burst (tokens it commits per request, at most)
-    copy: QueuedGreedyAcceptance
+    length: int  # steps in the burst
     graph: bool  # whether its steps replay captured graphs
+    copy: QueuedGreedyAcceptance | None = None
+    steps: tuple[tuple[LaunchedStep, QueuedGreedyAcceptance], ...] = ()
 
-    def tokens(self) -> list[list[int]]:
-        """Per decode window, its tokens in step order (waits for the copy)."""
+    def plain_tokens(self) -> list[list[int]]:
+        """A plain burst's tokens per decode window, in step order (waits for the copy)."""
+        assert self.copy is not None
         flat = self.copy.result().bonus
         num = len(self.schedule.decode)
         return [flat[r::num] for r in range(num)]
 
 
 def launch_burst(
-    runner: ModelRunner, schedule: StepSchedule, capture_layers: tuple[int, ...], length: int
+    runner: ModelRunner,
+    schedule: StepSchedule,
+    plan: VerifyPlan,
+    first: PackedStep,
+    capture_layers: tuple[int, ...],
+    length: int,
 ) -> LaunchedBurst:
-    """Launch `length` plain greedy steps of `schedule`'s decode windows (no prefill), the pages of
-    every request reserved for them; nothing waits for the device here."""
+    """Launch `length` greedy steps of `schedule`'s decode windows (no prefill) under `plan`, the first
+    packed already (`first`), the pages of every request reserved for all of them; nothing waits for
+    the device here."""
     assert not schedule.prefill and length >= 1
+    if plan.drafts is None:
+        return _launch_plain(runner, schedule, plan, first.step, capture_layers, length)
+    decode = schedule.decode
+    follows = {seq: r for r, seq in enumerate(decode)}
+    graph = runner.replays(first.step)
+    steps: list[tuple[LaunchedStep, QueuedGreedyAcceptance]] = []
+    packed = first
+    accepted: torch.Tensor | None = None
+    earlier: SumOfAccepted | None = None
+    for j in range(length):
+        if j:
+            in_flight = InFlight({seq: j for seq in decode}, {}, frozenset(), follows)
+            packed = pack_step(schedule, plan, capture_layers, in_flight, earlier, fp32_logits=False)
+        result = runner.run(packed.step)
+        launched = LaunchedStep(schedule, plan, packed, result)
+        queued = queue_greedy(plan, launched.drafts, result)
+        steps.append((launched, queued))
+        if queued.accepted is not None:
+            accepted = queued.accepted if accepted is None else accepted + queued.accepted
+        earlier = SumOfAccepted(accepted, queued.bonus)
+    return LaunchedBurst(schedule, length, graph, steps=tuple(steps))
+
+
+def _launch_plain(
+    runner: ModelRunner,
+    schedule: StepSchedule,
+    plan: VerifyPlan,
+    first: TargetStep,
+    capture_layers: tuple[int, ...],
+    length: int,
+) -> LaunchedBurst:
+    """`launch_burst` of plain steps."""
     decode = schedule.decode
     num = len(decode)
-    plan = VerifyPlan.plain(num)
-    first = pack_step(schedule, plan, capture_layers, fp32_logits=False).step
     graph = runner.replays(first)
-    result = runner.run(first)
-    assert result.argmax is not None
-    tokens = torch.empty(length, num, dtype=torch.long, device=result.argmax.device)
-    tokens[0].copy_(result.argmax[:num])
+    argmax = runner.run(first).argmax
+    assert argmax is not None
+    tokens = torch.empty(length, num, dtype=torch.long, device=argmax.device)
+    tokens[0].copy_(argmax[:num])
     follows = {seq: r for r, seq in enumerate(decode)}
     for j in range(1, length):
         # Replayed: the static layout moves on by itself (no packing, no copy from the host).
@@ -74,4 +135,4 @@ def launch_burst(
         tokens[j].copy_(argmax[:num])
     flat = tokens.flatten()
     zeros = (0,) * flat.shape[0]
-    return LaunchedBurst(schedule, length, queue_greedy_accept(zeros, zeros, None, flat), graph)
+    return LaunchedBurst(schedule, length, graph, copy=queue_greedy_accept(zeros, zeros, None, flat))

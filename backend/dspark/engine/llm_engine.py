@@ -28,6 +28,8 @@ from dspark.engine.step import (
     Acceptance,
     Committed,
     LaunchedStep,
+    PackedStep,
+    WindowAcceptance,
     accept,
     pack_step,
     queue_greedy,
@@ -367,7 +369,7 @@ class LLMEngine:
         self, in_flight: InFlight | None = None, earlier: QueuedGreedyAcceptance | None = None
     ) -> LaunchedStep | LaunchedBurst | None:
         """Schedule a step, draft, plan and queue its target work on the device (None: nothing to run);
-        a burst of plain steps instead when the schedule allows one (`_burst_length`).
+        a burst of such steps instead when the step allows one (`_burst_length`).
 
         in_flight, earlier: the step on the device, not yet accepted, and its queued greedy acceptance
         (`_launch_ahead`); None also when this step cannot go ahead of it after all."""
@@ -377,9 +379,6 @@ class LLMEngine:
         if schedule is None or schedule.empty:
             return None
         timer.lap("schedule")
-        burst = self._burst_length(schedule) if in_flight is None else 1
-        if burst > 1:
-            return self._launch_burst(schedule, burst)
         caps = self._max_verifies(schedule.decode, in_flight, schedule.window - 1)
         length = min(self._draft_length(schedule.decode, caps), schedule.window - 1)
         caps = [min(cap, length) for cap in caps]
@@ -395,8 +394,11 @@ class LLMEngine:
             # In-step drafts of a step that runs eagerly are drafted apart, from the host's state of
             # the requests, which the step in flight has not reached yet.
             return None
+        burst = self._burst_length(schedule, plan, packed) if in_flight is None else 1
         if self.gate is not None:
             self.gate.start_step(length if drafts is not None else 0, began, bool(schedule.prefill))
+        if burst > 1:
+            return self._launch_burst(schedule, plan, packed, burst)
         self.loop_counters.add_step(
             len(schedule.decode) + len(schedule.prefill),
             graph=self.runner.replays(packed.step),
@@ -409,59 +411,105 @@ class LLMEngine:
         return LaunchedStep(schedule, plan, packed, result)
 
     def _bursts(self) -> bool:
-        """Whether the next step may be a burst of plain steps (`_burst_length` decides once it is
-        scheduled): bursts on, no drafter, one rank, no request waiting for its prompt, and every
-        running request decoding on the device (`_decides_on_the_device`)."""
+        """Whether the next step may be a burst (`_burst_length` decides once it is planned): bursts on,
+        one rank, no request waiting for its prompt, every running request decoding on the device
+        (`_decides_on_the_device`), and no drafter or one whose drafts are made inside the target step
+        (the gate, if any, times a burst as its steps' share of its wall time: `finish_burst`)."""
         return (
             self.config.decode_burst > 1
-            and self.proposer is None
             and isinstance(self.runner, ModelRunner)
+            and (self.proposer is None or self._drafts_in_step())
             and not self.scheduler.waiting
             and (not self._host_decides or self._host_decides.isdisjoint(self.scheduler.running))
         )
 
-    def _burst_length(self, schedule: StepSchedule) -> int:
-        """Steps a burst of `schedule` runs (`dspark.engine.burst`): `decode_burst`, fewer when a request
-        has fewer tokens or positions left, 1 (no burst) when the step carries a prefill chunk or the
-        pages for the burst cannot be reserved without preempting anyone."""
+    def _burst_length(self, schedule: StepSchedule, plan: VerifyPlan, first: PackedStep) -> int:
+        """Steps a burst of this planned step runs (`dspark.engine.burst`): `decode_burst`, fewer when a
+        request has fewer tokens or positions left for them; 1 (no burst) when the step carries a
+        prefill chunk, drafts apart from the target step or runs them eagerly, or when the pages of every
+        position the burst may reach cannot be reserved without preempting anyone."""
         if schedule.prefill or not schedule.decode or not self._bursts():
+            return 1
+        if plan.drafts is not None and not (
+            isinstance(plan.drafts, InStepDrafts) and self.runner.replays(first.step)
+        ):
             return 1
         length = self.config.decode_burst
         max_model_len = self.limits.max_model_len
-        for seq in schedule.decode:
-            length = min(length, seq.remaining_tokens, max_model_len - len(seq.token_ids))
+        for seq, verify_len in zip(schedule.decode, plan.verify_lens, strict=True):
+            # Each step moves a request on by 1 to verify_len + 1 positions.
+            room = (max_model_len - len(seq.token_ids)) // (verify_len + 1)
+            length = min(length, seq.remaining_tokens, room)
         if length <= 1:
             return 1
         try_reserve = self.scheduler.allocator.try_reserve
-        for seq in schedule.decode:
-            if not try_reserve(seq, seq.num_cached + length):
+        for seq, verify_len in zip(schedule.decode, plan.verify_lens, strict=True):
+            if not try_reserve(seq, seq.num_cached + length * (verify_len + 1)):
                 return 1  # pages reserved so far stay with their requests, used by later steps
         return length
 
-    def _launch_burst(self, schedule: StepSchedule, length: int) -> LaunchedBurst:
-        """Launch a burst of `length` plain steps of `schedule` (pages reserved), counted as steps."""
-        launched = launch_burst(self.runner, schedule, self._capture_layers, length)
+    def _launch_burst(
+        self, schedule: StepSchedule, plan: VerifyPlan, first: PackedStep, length: int
+    ) -> LaunchedBurst:
+        """Launch a burst of `length` steps of `schedule` under `plan` (pages reserved), each counted."""
+        launched = launch_burst(self.runner, schedule, plan, first, self._capture_layers, length)
         for _ in range(length):
             self.loop_counters.add_step(
-                len(schedule.decode), graph=launched.graph, ahead=False, prefill=False, verify_tokens=0
+                len(schedule.decode),
+                graph=launched.graph,
+                ahead=False,
+                prefill=False,
+                verify_tokens=sum(plan.verify_lens),
             )
         self.timer.lap("target")
         return launched
 
     def _complete_burst(self, launched: LaunchedBurst) -> list[PendingDelta]:
-        """Commit a burst: each request's tokens of its steps, up to its end (EOS, a stop id or string,
-        max_tokens), as one delta; a request that ended while the burst ran (aborted) commits nothing."""
-        columns = launched.tokens()
+        """Commit a burst step by step: each request's window outcomes through the usual finish checks
+        (EOS, stop ids, max_tokens, context), and its statistics; a request commits nothing after the
+        step that ends it, nor anything if it ended while the burst ran (aborted). One delta a request."""
+        decode = launched.schedule.decode
+        block_size = self.limits.block_size
+        outcomes: list[list[WindowAcceptance]] = []
+        drafted: list[list[int]] = []
+        verified: list[tuple[int, ...]] = []
+        if launched.copy is not None:  # plain steps: one copy of every step's argmax
+            columns = launched.plain_tokens()
+            for j in range(launched.length):
+                outcomes.append([WindowAcceptance(0, (column[j],)) for column in columns])
+            drafted = verified = [(0,) * len(decode)] * launched.length
+        for step, queued in launched.steps:
+            drafts = step.drafts
+            acceptance = accept(
+                step.schedule, step.plan, drafts, step.result, step.packed.logit_offsets, block_size, queued
+            )
+            outcomes.append(list(acceptance.windows))
+            drafted.append(drafts.drafted(block_size) if drafts is not None else [0] * len(decode))
+            verified.append(step.plan.verify_lens)
         self.timer.lap("accept")
-        done = []
-        for seq, tokens in zip(launched.schedule.decode, columns, strict=True):
-            if seq.finished:
-                continue
-            record = seq.spec_stats.record_step
-            for _ in tokens:
-                record(0, 0, 0)
-            seq.num_cached += len(tokens)
-            done.append(self._commit_tokens(seq, tokens))
+        processors = {seq: self._outputs[seq.request_id] for seq in decode if not seq.finished}
+        appended: dict[Sequence, list[int]] = {seq: [] for seq in processors}
+        reasons: dict[Sequence, str] = {}
+        committed: list[list[int]] = []  # per step, per request it moved on: tokens committed (the gate)
+        for windows, drafted_j, verified_j in zip(outcomes, drafted, verified, strict=True):
+            committed.append([])
+            for r, (seq, window) in enumerate(zip(decode, windows, strict=True)):
+                if seq not in processors or seq in reasons:
+                    continue
+                seq.spec_stats.record_step(drafted_j[r], verified_j[r], window.accepted)
+                seq.num_cached += window.accepted + 1
+                tokens, reason = processors[seq].commit_ids(list(window.tokens))
+                appended[seq] += tokens
+                committed[-1].append(len(tokens))
+                if reason is not None:
+                    reasons[seq] = reason
+                    self._finish(seq, reason)
+        if self.gate is not None:
+            self.gate.finish_burst(committed)
+        done = [
+            PendingDelta(processor, tuple(appended[seq]), reasons.get(seq))
+            for seq, processor in processors.items()
+        ]
         self.timer.lap("emit")
         return done
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -34,6 +35,14 @@ from dspark.spec.step_draft import InStepDrafts
 from dspark.spec.verify_policy import VerifyPlan
 
 
+class EarlierOutputs(Protocol):
+    """What a step packed before the one ahead of it is accepted takes from that one: per output, the
+    drafts accepted and the last token committed, on the device (`QueuedGreedyAcceptance`, or the
+    steps of a burst so far, `dspark.engine.burst.SumOfAccepted`)."""
+
+    def per_output(self) -> tuple[torch.Tensor | None, torch.Tensor]: ...
+
+
 @dataclass(frozen=True)
 class PackedStep:
     """One step's target input: every decoding request's verify window [anchor, d_1 .. d_l] (the
@@ -49,7 +58,7 @@ def pack_step(
     plan: VerifyPlan,
     capture_layers: tuple[int, ...],
     in_flight: InFlight | None = None,
-    earlier: QueuedGreedyAcceptance | None = None,
+    earlier: EarlierOutputs | None = None,
     fp32_logits: bool = True,
 ) -> PackedStep:
     """Lay the schedule's windows out back to back as the runner (and every TP rank) takes them.

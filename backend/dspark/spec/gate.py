@@ -238,11 +238,18 @@ class SpeculationGate:
         (empty for a step with prefill chunks: their cost would skew the step's time). Its time is from
         its launch, or from the finish of the step before when that came later (steps overlap): the
         wall time it added, measured only between neighbours like it (see the module docstring)."""
+        self.finish_burst([committed])
+
+    def finish_burst(self, committed: Sequence[Sequence[int]]) -> None:
+        """`finish_step` of a burst of steps launched as one (`start_step` once, `dspark.engine.burst`):
+        per step, the tokens each decoding request committed. Its wall time, split evenly among its
+        steps, is measured as one step of its length (a burst's steps share the host's work once); each
+        step's tokens count towards the acceptance."""
         now = self.clock()
         step = self._started.popleft() if self._started else None
         previous, self._last_finish = self._last_finish, now
         before, self._last_kind = self._last_kind, (step.kind if step is not None else None)
-        if step is None or not committed:
+        if step is None or not committed or not committed[0]:
             return
         length = step.length
         after = self._started[0].kind if self._started else None
@@ -251,19 +258,21 @@ class SpeculationGate:
         else:
             steady = before == after == (length, False)
         if steady:
-            self._tier(len(committed)).seconds[length].add(max(now - max(step.began, previous), 1e-9))
-        # One pass over the requests (this runs every step): how many committed n tokens, n capped at
-        # length + 1; position k was reached by those with n >= k and passed by those with n > k.
-        committed_at = [0] * (length + 2)
-        for n in committed:
-            committed_at[min(n, length + 1)] += 1
-        at_least = len(committed) - committed_at[0]  # requests that committed >= 1 token
+            seconds = max(now - max(step.began, previous), 1e-9) / len(committed)
+            self._tier(len(committed[0])).seconds[length].add(seconds)
         acceptance = self._acceptance
-        for position in range(1, length + 1):
-            passed = at_least - committed_at[position]
-            acceptance.reached[position].add(at_least)
-            acceptance.passed[position].add(passed)
-            at_least = passed
+        for step_committed in committed:
+            # One pass over the requests (this runs every step): how many committed n tokens, n capped
+            # at length + 1; position k was reached by those with n >= k and passed by those with n > k.
+            committed_at = [0] * (length + 2)
+            for n in step_committed:
+                committed_at[min(n, length + 1)] += 1
+            at_least = len(step_committed) - committed_at[0]  # requests that committed >= 1 token
+            for position in range(1, length + 1):
+                passed = at_least - committed_at[position]
+                acceptance.reached[position].add(at_least)
+                acceptance.passed[position].add(passed)
+                at_least = passed
 
     def rates(self, num_requests: int) -> dict[int, float]:
         """Committed tokens per second estimated for this many requests, per draft length measured."""

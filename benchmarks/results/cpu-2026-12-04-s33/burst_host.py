@@ -1,8 +1,9 @@
-"""Host time per committed token with and without decode bursts: the tiny target (1 layer, hidden 32,
-emulated CUDA graphs: the GPU path's buffers, its compute negligible), B greedy requests decoding
-with `spec_mode` off, 48 steady `LLMEngine.step` calls timed, engines interleaved, median of 5 rounds.
+"""Wall time per committed token with and without decode bursts: the tiny target (1 layer, hidden 32,
+emulated CUDA graphs: the GPU path's buffers and host work, run eagerly on the CPU, whose compute is
+in the figure too), B greedy requests decoding in MODE (off, or static without the gate), 48 steady
+`LLMEngine.step` calls timed, engines interleaved, median of 5 rounds.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/results/cpu-2026-12-04-s33/burst_host.py 64 1,4,8
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/results/cpu-2026-12-04-s33/burst_host.py 64 1,4,8 [MODE]
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ def run(engine: LLMEngine, batch: int, tag: str) -> float:
 def main() -> None:
     """Print per burst length the host microseconds per token (median, range) and per step."""
     batch, bursts = int(sys.argv[1]), [int(b) for b in sys.argv[2].split(",")]
+    mode = sys.argv[3] if len(sys.argv) > 3 else "off"
     torch.set_num_threads(1)
     engines = {}
     for burst in bursts:
-        engine = engine_for(batch, "off")
+        engine = engine_for(batch, mode)
         engine.config = engine.config.replace(decode_burst=burst)
+        engine.gate = None  # bursts run under the gate too; this compares fixed lengths
         engines[burst] = engine
     times: dict[int, list[float]] = {b: [] for b in bursts}
     for r in range(6):
@@ -63,7 +66,7 @@ def main() -> None:
         med = statistics.median(times[burst])
         low, high = min(times[burst]), max(times[burst])
         print(
-            f"b{batch} decode_burst {burst}: {med:.2f} us a token ({low:.2f}-{high:.2f}),"
+            f"b{batch} {mode} decode_burst {burst}: {med:.2f} us a token ({low:.2f}-{high:.2f}),"
             f" {med * batch / 1e3:.3f} ms a step of {batch} tokens, x{base / med:.2f}"
         )
 
