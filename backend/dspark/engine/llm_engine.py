@@ -446,6 +446,10 @@ class LLMEngine:
         for seq, verify_len in zip(schedule.decode, plan.verify_lens, strict=True):
             if not try_reserve(seq, seq.num_cached + length * (verify_len + 1)):
                 return 1  # pages reserved so far stay with their requests, used by later steps
+        if plan.drafts is not None and not self.runner.replays(first.step):
+            # The pages outgrew the graphs' page table: eager steps would draft apart, from the host's
+            # state of the requests, which a burst's later steps have left behind.
+            return 1
         return length
 
     def _launch_burst(
