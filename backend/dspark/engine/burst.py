@@ -12,11 +12,13 @@ launches its steps back to back, the host neither waiting nor scheduling in betw
   + 1, the anchors copied in from the previous argmax: `ModelRunner.run_following`); run eagerly, step j
   is packed from the same schedule (starts + j) with those anchors as deferred inputs. Every step's
   argmax goes into one [steps, windows] tensor, copied to the host once;
-- speculative steps (drafts made inside the step, `static` or `compact` under a flat table): step j is
-  packed from the schedule (starts + j) and completes each window on the device from the steps before
-  it (`DeferredInputs`: the drafts they accepted in all, and the last token committed), as a step
-  launched ahead does; its in-step draft block reads the completed layout, and its greedy acceptance is
-  queued (kernel and copy to the host) before the next step is launched.
+- speculative steps (drafts made inside the step, `static` or `compact` under a flat table): replayed
+  from CUDA graphs, the static layout moves on by itself (every start on by the drafts the step before
+  accepted and its anchor, the anchors written: `ModelRunner.run_following_verify`), the in-step draft
+  block drafts into it again and the graph replays; run eagerly, step j is packed from the schedule
+  (starts + j) and completed on the device from the steps before (`DeferredInputs`: the drafts they
+  accepted in all, and the last token committed), as a step launched ahead is. Each step's greedy
+  acceptance is queued (kernel and copy to the host) before the next is launched.
 
 The engine commits the burst's tokens per request in one go (a request that ends inside a burst keeps
 its tokens up to its end; the steps after it computed rows that are dropped). The output is that of the
@@ -31,6 +33,7 @@ import torch
 
 from dspark.engine.scheduler import InFlight, StepSchedule
 from dspark.engine.step import LaunchedStep, PackedStep, pack_step, queue_greedy
+from dspark.runner.host_to_device import to_device
 from dspark.runner.model_runner import ModelRunner, TargetStep
 from dspark.spec.accept import QueuedGreedyAcceptance, queue_greedy_accept
 from dspark.spec.verify_policy import VerifyPlan
@@ -89,19 +92,29 @@ def launch_burst(
     graph = runner.replays(first.step)
     steps: list[tuple[LaunchedStep, QueuedGreedyAcceptance]] = []
     packed = first
+    result = runner.run(first.step)
+    # Each window's anchor row among the packed tokens (the windows lie back to back), on the device
+    # once a burst: where a replayed step writes the anchors.
+    anchor_rows = to_device(torch.tensor(first.logit_offsets[: len(decode)], dtype=torch.long), runner.device)
     accepted: torch.Tensor | None = None
-    earlier: SumOfAccepted | None = None
     for j in range(length):
-        if j:
-            in_flight = InFlight({seq: j for seq in decode}, {}, frozenset(), follows)
-            packed = pack_step(schedule, plan, capture_layers, in_flight, earlier, fp32_logits=False)
-        result = runner.run(packed.step)
         launched = LaunchedStep(schedule, plan, packed, result)
         queued = queue_greedy(plan, launched.drafts, result)
         steps.append((launched, queued))
         if queued.accepted is not None:
             accepted = queued.accepted if accepted is None else accepted + queued.accepted
-        earlier = SumOfAccepted(accepted, queued.bonus)
+        if j == length - 1:
+            break
+        # Replayed: the static layout moves on by itself (no packing, no copy from the host).
+        following = None
+        if graph:
+            following = runner.run_following_verify(first.step, queued.accepted, queued.bonus, anchor_rows)
+        if following is None:  # eager: packed from the schedule, completed from the steps before
+            in_flight = InFlight({seq: j + 1 for seq in decode}, {}, frozenset(), follows)
+            earlier = SumOfAccepted(accepted, queued.bonus)
+            packed = pack_step(schedule, plan, capture_layers, in_flight, earlier, fp32_logits=False)
+            following = runner.run(packed.step)
+        result = following
     return LaunchedBurst(schedule, length, graph, steps=tuple(steps))
 
 

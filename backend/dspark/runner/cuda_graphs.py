@@ -245,6 +245,19 @@ class StaticLayout:
         self.window_starts[:count].add_(1)
         self.token_ids[:count].copy_(anchors[:count])
 
+    def advance_verify(
+        self, count: int, accepted: torch.Tensor | None, anchors: torch.Tensor, anchor_rows: torch.Tensor
+    ) -> None:
+        """Make the filled step of `count` verify windows the next one, on the device: each window on by
+        the drafts it accepted and its anchor (`accepted` [count], None: none were), its anchor
+        (row `anchor_rows[i]` of the token ids) `anchors[i]`; lengths, verify flags and the page table
+        (pages reserved already) stay. The drafts after each anchor are made into the layout next."""
+        starts = self.window_starts[:count]
+        starts.add_(1)
+        if accepted is not None:
+            starts.add_(accepted[:count])
+        self.token_ids.index_copy_(0, anchor_rows, anchors[:count])
+
     def compute(self, tokens: int, requests: int) -> None:
         """Lay out a (tokens, requests) tier from the filled windows, on the device."""
         ops.build_window_layout(

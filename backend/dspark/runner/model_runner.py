@@ -218,6 +218,34 @@ class ModelRunner:
         return True
 
     @torch.inference_mode()
+    def run_following_verify(
+        self,
+        step: TargetStep,
+        accepted: torch.Tensor | None,
+        anchors: torch.Tensor,
+        anchor_rows: torch.Tensor,
+    ) -> TargetResult | None:
+        """The step after `step`, a decode-only step of verify windows whose drafts it made inside it
+        (`InStepDrafts`) and that just replayed a graph: each window on by what that step accepted
+        (`accepted` [windows] drafts, and its anchor), its anchor from `anchors` [windows] (written at
+        `anchor_rows` [windows] of the packed tokens), on the device; the drafts made into the static
+        layout again and the graph replayed, with nothing copied from the host. Logits and argmax of
+        every row as `run` leaves them on the device. None, with nothing run, when `step` runs eagerly."""
+        graphs, drafts = self.graphs, step.drafts
+        tiers = None if graphs is None else graphs.tiers_of(len(step.token_ids), step.pages)
+        if graphs is None or tiers is None or drafts is None:
+            return None
+        num_rows = step.logit_rows.shape[0]
+        assert num_rows == len(step.token_ids), "every row of a decode-only verify step has logits"
+        graphs.layout.advance_verify(len(step.window_lens), accepted, anchors, anchor_rows)
+        made = drafts.pack(step.token_ids, step.window_lens, graphs.layout.token_ids, True)
+        replayed = graphs.replay(tiers, num_rows, step.capture_layers)
+        logits = self.model.compute_logits(replayed.hidden[:num_rows], step.fp32_logits)
+        return TargetResult(
+            logits, replayed.features, replayed.slots, argmax=logits.argmax(dim=-1), drafts=made
+        )
+
+    @torch.inference_mode()
     def forward(self, step: TargetStep) -> TargetResult:
         """`run` with the logits left on the device: what every tensor-parallel rank executes."""
         rows = step.logit_rows
