@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from test_launch_ahead import _greedy_requests, _run
 from tiny_models import emulated_graphs_config, tiny_engine_config, use_emulated_graphs
 
@@ -151,3 +152,40 @@ def test_no_burst_while_a_request_samples_or_a_prompt_waits(tiny_target_dir) -> 
 def test_decode_burst_must_be_positive() -> None:
     with pytest.raises(ValueError, match="decode_burst"):
         EngineConfig(decode_burst=0)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("spec_mode", ["off", "static", "compact"])
+def test_bursts_on_the_gpu_through_cuda_graphs(tiny_target_dir, tiny_drafter_dir, spec_mode) -> None:
+    """The real GPU path: captured target graphs (`static` and `compact` drafting inside them), the static
+    layout moved on by the device between a burst's replays, one pinned copy of a plain burst's argmax,
+    each speculative step's acceptance queued behind an event. fp32 on a tiny model: the tokens of steps
+    one at a time."""
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    prompts, params = _greedy_requests(rng, 12)
+    config = EngineConfig(
+        model=str(tiny_target_dir),
+        draft_model=str(tiny_drafter_dir),
+        spec_mode=spec_mode,
+        device="cuda",
+        dtype="float32",
+        num_kv_pages=256,
+        kv_page_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        adaptive_speculation=False,
+    )
+    single = _run(LLMEngine(config.replace(overlap_scheduling=False)), prompts, params)
+    engine = LLMEngine(config.replace(decode_burst=4))
+    assert engine.runner.graphs is not None and engine.runner.graphs.captured
+    bursts = _count_bursts(engine)
+    assert _run(engine, prompts, params) == single
+    assert bursts[0] > 0 and bursts[1] > bursts[0], bursts
+    assert engine.allocator.num_used == 0
+    engine.close()
