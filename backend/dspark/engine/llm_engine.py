@@ -176,7 +176,7 @@ class LLMEngine:
         self._logprobs_formatter = LogprobsFormatter(self.tokenizer)
         self._pending: list[RequestDelta] = []  # failed before they ran
         self._aborts: list[str] = []
-        # overlap_scheduling: launched, not yet accepted (a step, or a burst of plain steps)
+        # overlap_scheduling: launched, not yet accepted (a step, or a burst of steps)
         self._in_flight: LaunchedStep | LaunchedBurst | None = None
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
