@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 from test_launch_ahead import _greedy_requests, _run
-from tiny_models import emulated_graphs_config, tiny_engine_config, use_emulated_graphs
+from tiny_models import emulated_graphs_config, gpu_graphs_config, tiny_engine_config, use_emulated_graphs
 
 from dspark import LLMEngine, SamplingParams
 from dspark.config import EngineConfig
@@ -169,18 +169,7 @@ def test_bursts_on_the_gpu_through_cuda_graphs(tiny_target_dir, tiny_drafter_dir
     print(f"seed={seed}")
     rng = random.Random(seed)
     prompts, params = _greedy_requests(rng, 12)
-    config = EngineConfig(
-        model=str(tiny_target_dir),
-        draft_model=str(tiny_drafter_dir),
-        spec_mode=spec_mode,
-        device="cuda",
-        dtype="float32",
-        num_kv_pages=256,
-        kv_page_size=4,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        adaptive_speculation=False,
-    )
+    config = gpu_graphs_config(tiny_target_dir, tiny_drafter_dir, spec_mode=spec_mode)
     single = _run(LLMEngine(config.replace(overlap_scheduling=False)), prompts, params)
     engine = LLMEngine(config.replace(decode_burst=4))
     assert engine.runner.graphs is not None and engine.runner.graphs.captured

@@ -8,10 +8,15 @@ import random
 
 import pytest
 import torch
-from tiny_models import RandomLengthGate, emulated_graphs_config, tiny_engine_config, use_emulated_graphs
+from tiny_models import (
+    RandomLengthGate,
+    emulated_graphs_config,
+    gpu_graphs_config,
+    tiny_engine_config,
+    use_emulated_graphs,
+)
 
 from dspark import LLMEngine, SamplingParams
-from dspark.config import EngineConfig
 from dspark.spec.gate import SpeculationGate
 
 PAGE = 4
@@ -194,18 +199,7 @@ def test_steps_launched_ahead_on_the_gpu_through_cuda_graphs(
     print(f"seed={seed}")
     rng = random.Random(seed)
     prompts, params = _greedy_requests(rng, 12)
-    config = EngineConfig(
-        model=str(tiny_target_dir),
-        draft_model=str(tiny_drafter_dir),
-        spec_mode=spec_mode,
-        device="cuda",
-        dtype="float32",
-        num_kv_pages=256,
-        kv_page_size=PAGE,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        adaptive_speculation=False,
-    )
+    config = gpu_graphs_config(tiny_target_dir, tiny_drafter_dir, spec_mode=spec_mode)
     waiting = _run(LLMEngine(config.replace(overlap_scheduling=False)), prompts, params)
     engine = LLMEngine(config)
     assert engine.runner.graphs is not None and engine.runner.graphs.captured

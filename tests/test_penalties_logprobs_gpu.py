@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from tiny_models import gpu_graphs_config
 
 from dspark import LLM, EngineConfig, SamplingParams
 
@@ -38,17 +39,7 @@ def test_penalized_and_logprob_requests_through_graphs_equal_plain_eager_decodin
     tiny_target_dir, tiny_drafter_dir, spec_mode
 ) -> None:
     prompts, params = _requests()
-    base = EngineConfig(
-        model=str(tiny_target_dir),
-        draft_model=str(tiny_drafter_dir),
-        device="cuda",
-        dtype="float32",
-        num_kv_pages=256,
-        kv_page_size=4,
-        max_num_seqs=16,
-        max_num_batched_tokens=64,
-        adaptive_speculation=False,
-    )
+    base = gpu_graphs_config(tiny_target_dir, tiny_drafter_dir, max_num_seqs=16)
     plain = LLM(base.replace(spec_mode="off", cuda_graph_max_tokens=0))
     expected = plain.generate(params=params, prompt_token_ids=prompts)
     plain.engine.close()
