@@ -35,13 +35,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="off,static,compact")
     parser.add_argument("--top", type=int, default=35)
     parser.add_argument("--kernels", action="store_true", help="device kernels, not cProfile")
+    parser.add_argument("--decode-burst", type=int, default=1, help="decode_burst (1: no bursts)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for mode in args.modes.split(","):
         config = bench_config(
             args.model, args.draft_model, args.device, args.batch, spec_mode=mode, adaptive_speculation=False
-        )
+        ).replace(decode_burst=args.decode_burst)
         llm = LLM(config)
         ids = _prompt_ids(llm, args.batch)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
