@@ -8,16 +8,16 @@ decides: each window starts where the step before left it and its anchor is that
 A burst therefore schedules and plans once, reserves pages for every position its steps may reach, and
 launches its steps back to back, the host neither waiting nor scheduling in between:
 
-- plain steps (no drafts): replayed from CUDA graphs, the static layout moves on by itself (every start
-  + 1, the anchors copied in from the previous argmax: `ModelRunner.run_following`); run eagerly, step j
-  is packed from the same schedule (starts + j) with those anchors as deferred inputs. Every step's
-  argmax goes into one [steps, windows] tensor, copied to the host once;
+- plain steps (no drafts): replayed from CUDA graphs, the static layout moves on by itself (every
+  start + 1, the anchors copied in from the previous argmax: `ModelRunner.run_following`); run
+  eagerly, step j is packed from the same schedule (starts + j) with those anchors as deferred inputs
+  (`StepOutputs`). Every step's argmax goes into one [steps, windows] tensor, copied to the host once;
 - speculative steps (drafts made inside the step, `static` or `compact` under a flat table): replayed
   from CUDA graphs, the static layout moves on by itself (every start on by the drafts the step before
-  accepted and its anchor, the anchors written: `ModelRunner.run_following_verify`), the in-step draft
-  block drafts into it again and the graph replays; run eagerly, step j is packed from the schedule
-  (starts + j) and completed on the device from the steps before (`DeferredInputs`: the drafts they
-  accepted in all, and the last token committed), as a step launched ahead is. Each step's greedy
+  accepted and its anchor, the anchors written: `ModelRunner.run_following`), the in-step draft block
+  drafts into it again and the graph replays; run eagerly, step j is packed from the schedule (starts +
+  j) and completed on the device from the steps before (`DeferredInputs` of `StepOutputs`: the drafts
+  they accepted in all, and the last token committed), as a step launched ahead is. Each step's greedy
   acceptance is queued (kernel and copy to the host) before the next is launched.
 
 The engine commits the burst's tokens per request in one go (a request that ends inside a burst keeps
@@ -40,9 +40,10 @@ from dspark.spec.verify_policy import VerifyPlan
 
 
 @dataclass(frozen=True)
-class SumOfAccepted:
-    """What a speculative burst's next step takes from the steps before it (`DeferredInputs`): per
-    window, the drafts they accepted in all and the token committed last, on the device."""
+class StepOutputs:
+    """What a burst's next step, packed from the schedule, takes from the steps before it
+    (`DeferredInputs`): per window, the drafts they accepted in all (None: none verified) and the
+    token committed last, on the device."""
 
     accepted: torch.Tensor | None
     bonus: torch.Tensor
@@ -108,10 +109,10 @@ def launch_burst(
         # Replayed: the static layout moves on by itself (no packing, no copy from the host).
         following = None
         if graph:
-            following = runner.run_following_verify(first.step, queued.accepted, queued.bonus, anchor_rows)
+            following = runner.run_following(first.step, queued.bonus, queued.accepted, anchor_rows)
         if following is None:  # eager: packed from the schedule, completed from the steps before
             in_flight = InFlight({seq: j + 1 for seq in decode}, {}, frozenset(), follows)
-            earlier = SumOfAccepted(accepted, queued.bonus)
+            earlier = StepOutputs(accepted, queued.bonus)
             packed = pack_step(schedule, plan, capture_layers, in_flight, earlier, fp32_logits=False)
             following = runner.run(packed.step)
         result = following
@@ -137,15 +138,14 @@ def _launch_plain(
     follows = {seq: r for r, seq in enumerate(decode)}
     for j in range(1, length):
         # Replayed: the static layout moves on by itself (no packing, no copy from the host).
-        if graph and runner.run_following(first, tokens[j - 1], tokens[j]):
-            continue
-        # Eager: step j packed from the schedule, its anchors step j - 1's, deferred to the device.
-        earlier = queue_greedy_accept(plan.verify_lens, plan.commit_caps, None, tokens[j - 1])
-        in_flight = InFlight({seq: j for seq in decode}, {}, frozenset(), follows)
-        packed = pack_step(schedule, plan, capture_layers, in_flight, earlier, fp32_logits=False)
-        argmax = runner.run(packed.step).argmax
-        assert argmax is not None
-        tokens[j].copy_(argmax[:num])
+        result = runner.run_following(first, tokens[j - 1]) if graph else None
+        if result is None:  # eager: step j packed from the schedule, its anchors step j - 1's, deferred
+            in_flight = InFlight({seq: j for seq in decode}, {}, frozenset(), follows)
+            earlier = StepOutputs(None, tokens[j - 1])
+            packed = pack_step(schedule, plan, capture_layers, in_flight, earlier, fp32_logits=False)
+            result = runner.run(packed.step)
+        assert result.argmax is not None
+        tokens[j].copy_(result.argmax[:num])
     flat = tokens.flatten()
     zeros = (0,) * flat.shape[0]
     return LaunchedBurst(schedule, length, graph, copy=queue_greedy_accept(zeros, zeros, None, flat))

@@ -38,7 +38,7 @@ from dspark.spec.verify_policy import VerifyPlan
 class EarlierOutputs(Protocol):
     """What a step packed before the one ahead of it is accepted takes from that one: per output, the
     drafts accepted and the last token committed, on the device (`QueuedGreedyAcceptance`, or the
-    steps of a burst so far, `dspark.engine.burst.SumOfAccepted`)."""
+    steps of a burst so far, `dspark.engine.burst.StepOutputs`)."""
 
     def per_output(self) -> tuple[torch.Tensor | None, torch.Tensor]: ...
 

@@ -199,46 +199,33 @@ class ModelRunner:
         return replace(result, logits=logits.cpu() if step.host_logits else logits, argmax=argmax)
 
     @torch.inference_mode()
-    def run_following(self, step: TargetStep, anchors: torch.Tensor, argmax_out: torch.Tensor) -> bool:
-        """The decode step after `step`, a step of one-token windows that just replayed a graph: each
-        window one position on, its token from `anchors` [windows] on the device (that step's argmax),
-        replayed from the static layout as it stands, with nothing copied from the host; the argmax of
-        its logits written into `argmax_out` [windows]. False, with nothing run, when `step` runs
-        eagerly (pack the next one)."""
-        graphs = self.graphs
-        tiers = None if graphs is None else graphs.tiers_of(len(step.token_ids), step.pages)
-        if graphs is None or tiers is None:
-            return False
-        count = len(step.window_lens)
-        assert len(step.token_ids) == count, "a step of one-token windows"
-        graphs.layout.advance_decode(count, anchors)
-        replayed = graphs.replay(tiers, count, step.capture_layers)
-        logits = self.model.compute_logits(replayed.hidden[:count], step.fp32_logits)
-        torch.argmax(logits, dim=-1, out=argmax_out)
-        return True
-
-    @torch.inference_mode()
-    def run_following_verify(
+    def run_following(
         self,
         step: TargetStep,
-        accepted: torch.Tensor | None,
         anchors: torch.Tensor,
-        anchor_rows: torch.Tensor,
+        accepted: torch.Tensor | None = None,
+        anchor_rows: torch.Tensor | None = None,
     ) -> TargetResult | None:
-        """The step after `step`, a decode-only step of verify windows whose drafts it made inside it
-        (`InStepDrafts`) and that just replayed a graph: each window on by what that step accepted
-        (`accepted` [windows] drafts, and its anchor), its anchor from `anchors` [windows] (written at
-        `anchor_rows` [windows] of the packed tokens), on the device; the drafts made into the static
-        layout again and the graph replayed, with nothing copied from the host. Logits and argmax of
-        every row as `run` leaves them on the device. None, with nothing run, when `step` runs eagerly."""
+        """The step after `step`, a decode-only step that just replayed a graph, replayed from the static
+        layout moved on on the device, with nothing copied from the host: each window on by its anchor
+        and the drafts that step accepted (`accepted` [windows], None: none), its anchor from `anchors`
+        [windows] (written at `anchor_rows` [windows] of the packed tokens when the windows verify
+        drafts; one-token windows are their own rows), and a step with in-step drafts (`InStepDrafts`)
+        drafting into the layout again. Logits and argmax of every row as `run` leaves them on the
+        device. None, with nothing run, when `step` runs eagerly (pack the next one)."""
         graphs, drafts = self.graphs, step.drafts
         tiers = None if graphs is None else graphs.tiers_of(len(step.token_ids), step.pages)
-        if graphs is None or tiers is None or drafts is None:
+        if graphs is None or tiers is None:
             return None
         num_rows = step.logit_rows.shape[0]
-        assert num_rows == len(step.token_ids), "every row of a decode-only verify step has logits"
-        graphs.layout.advance_verify(len(step.window_lens), accepted, anchors, anchor_rows)
-        made = drafts.pack(step.token_ids, step.window_lens, graphs.layout.token_ids, True)
+        assert num_rows == len(step.token_ids), "every row of a decode-only step has logits"
+        made = None
+        if drafts is None:
+            graphs.layout.advance_decode(len(step.window_lens), anchors)
+        else:
+            assert anchor_rows is not None, "verify windows' anchors need their rows"
+            graphs.layout.advance_verify(len(step.window_lens), accepted, anchors, anchor_rows)
+            made = drafts.pack(step.token_ids, step.window_lens, graphs.layout.token_ids, True)
         replayed = graphs.replay(tiers, num_rows, step.capture_layers)
         logits = self.model.compute_logits(replayed.hidden[:num_rows], step.fp32_logits)
         return TargetResult(

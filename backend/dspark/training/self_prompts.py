@@ -162,11 +162,11 @@ def generate_self_prompts(
     conversations: list[Conversation] = [[{"role": "user", "content": text}] for text in first]
     chosen = sorted(rng.sample(range(len(first)), round(follow_up_share * len(first))))
     followed = 0
+    greedy = SamplingParams(max_tokens=answer_tokens)
     for at in range(0, len(chosen), batch):
         if seconds and time.monotonic() - started > seconds:
             break
         rows = chosen[at : at + batch]
-        greedy = SamplingParams(max_tokens=answer_tokens)
         answers = llm.generate(
             params=greedy, prompt_token_ids=[encode_prompt(tokenizer, conversations[r]) for r in rows]
         )
