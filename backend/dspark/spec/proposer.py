@@ -175,7 +175,7 @@ class DSparkProposer:
                 lengths = torch.clamp(lengths, max=length)
             lengths = lengths.cpu() if stopping or length < block_size else None
             return Drafts(tokens, confidences, [None] * num_requests, lengths)
-        heads = self._block_heads(*self._eager_block_inputs(block, pages, starts))
+        heads = self._block_heads(*self._eager_block_inputs(block, pages, starts), length)
         return self._decode_block(heads, to_device(block[:, 0].contiguous(), self.device), seqs, length)
 
     def _eager_block_inputs(
@@ -192,16 +192,20 @@ class DSparkProposer:
         return to_device(block.flatten(), self.device), to_device(positions, self.device), batch
 
     def _block_heads(
-        self, block_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+        self,
+        block_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        length: int | None = None,
     ) -> BlockHeads:
+        """The block pass, with the base logits of the positions the decode reads projected in one
+        product (the LM head read once a block). length: the CPU decodes only that many positions (a
+        GPU decodes them all, `_greedy_block`)."""
         embeddings = F.embedding(block_ids, self.embedding)
         heads = self.drafter.block_pass(
             embeddings, positions, batch, self.cache, self.draft_head, self.block_size
         )
-        if self._on_gpu:
-            # One GEMM reads the LM head once a block; the CPU projects position by position instead,
-            # so that requests which stop drafting early skip the rest of theirs.
-            heads.project_all()
+        heads.project_all(None if self._on_gpu else length)
         return heads
 
     def _greedy_block(
@@ -214,7 +218,7 @@ class DSparkProposer:
         """A greedy block for every request, device work only (what a draft graph captures): drafts
         [R, block_size] int64, confidences [R, block_size] fp32 and drafted lengths [R] int64, on the
         device. length: on the CPU, positions past it are left undrafted (a GPU drafts them all)."""
-        heads = self._block_heads(block_ids, positions, batch)
+        heads = self._block_heads(block_ids, positions, batch, length)
         anchors = block_ids.view(-1, self.block_size)[:, 0]
         if self._on_gpu:
             return self._greedy_decode(heads, anchors)
