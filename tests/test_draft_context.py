@@ -60,7 +60,7 @@ def _fresh_block(engine, context: list[int]) -> tuple[list[int], torch.Tensor]:
     proposer = DSparkProposer(
         inner.drafter, inner.embedding, inner.lm_head, 64, PAGE, inner.stop_survival, inner.block_size
     )
-    proposer._on_gpu = False  # the CPU's decode (one position at a time, leaving the loop early): the other way
+    proposer._on_gpu = False  # the CPU's decode (a position at a time, leaving early): the other way
     pages = list(range(-(-(anchor + inner.block_size) // PAGE)))
     slots = torch.tensor([pages[i // PAGE] * PAGE + i % PAGE for i in range(anchor)], device=device)
     proposer.inject(features[0, :anchor], torch.arange(anchor, device=device), slots)

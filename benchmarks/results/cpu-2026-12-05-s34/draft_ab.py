@@ -1,30 +1,45 @@
-import sys, time, statistics
-sys.path.insert(0, "/work/main/benchmarks")
-from e2e import _prompt_ids, bench_config
-from dspark import LLM, SamplingParams
-from dspark.spec import proposer as P
-orig = P.DSparkProposer._block_heads
-def all_at_once(self, block_ids, positions, batch):
-    on = self._on_gpu; self._on_gpu = True
-    try:
-        return orig(self, block_ids, positions, batch)
-    finally:
-        self._on_gpu = on
+"""The drafter's base logits on the CPU: projected position by position (the code before 44b8ea9) against
+one product for the positions a block decodes (44b8ea9), one process, rounds interleaved.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/results/cpu-2026-12-05-s34/draft_ab.py BATCH
+"""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from e2e import _prompt_ids, bench_config  # noqa: E402
+
+from dspark import LLM, SamplingParams  # noqa: E402
+from dspark.spec.drafter import BlockHeads  # noqa: E402
+
+ONE_PRODUCT = BlockHeads.project_all
+
+
+def by_position(self: BlockHeads, num_positions: int | None = None) -> None:
+    """The code before: nothing projected ahead, `logits_at` projects each position it reaches."""
+
+
 batch = int(sys.argv[1])
-cfg = bench_config("", "", "cpu", batch, spec_mode="static", adaptive_speculation=False)
-llm = LLM(cfg)
+llm = LLM(bench_config("", "", "cpu", batch, spec_mode="static", adaptive_speculation=False))
 ids = _prompt_ids(llm, batch)
 params = SamplingParams(max_tokens=48, ignore_eos=True)
 llm.generate(params=params, prompt_token_ids=ids)
-res = {"per_position": [], "all": []}; toks = {}
-for r in range(3):
-    for name in res:
-        P.DSparkProposer._block_heads = all_at_once if name == "all" else orig
-        timer = llm.engine.timer; timer.reset(); timer.enabled = True
-        t = time.perf_counter(); out = llm.generate(params=params, prompt_token_ids=ids); el = time.perf_counter() - t
+results: dict[str, list[tuple[float, float]]] = {"by_position": [], "one_product": []}
+tokens = {}
+for _ in range(3):
+    for name in results:
+        BlockHeads.project_all = ONE_PRODUCT if name == "one_product" else by_position
+        timer = llm.engine.timer
+        timer.reset()
+        timer.enabled = True
+        start = time.perf_counter()
+        outputs = llm.generate(params=params, prompt_token_ids=ids)
+        elapsed = time.perf_counter() - start
         timer.enabled = False
-        res[name].append((el, timer.summary()["draft"]))
-        toks.setdefault(name, [o.token_ids for o in out])
-for name, v in res.items():
-    print(name, "s", [round(a, 3) for a, _ in v], "draft ms/step", [round(b, 2) for _, b in v])
-print("identical", toks["all"] == toks["per_position"])
+        results[name].append((elapsed, timer.summary()["draft"]))
+        tokens.setdefault(name, [o.token_ids for o in outputs])
+for name, runs in results.items():
+    print(name, "s", [round(s, 3) for s, _ in runs], "draft ms a step", [round(d, 2) for _, d in runs])
+print("identical", tokens["one_product"] == tokens["by_position"])
