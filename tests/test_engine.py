@@ -274,3 +274,27 @@ def test_a_smaller_engine_block_counts_only_its_own_drafts(tiny_target_dir, tiny
         # Blocks of 2, but for a last step with a single token left, which drafts only 1.
         assert 2 * stats.drafting_steps - 1 <= stats.drafted_tokens <= 2 * stats.drafting_steps
         assert stats.verified_tokens <= stats.drafted_tokens
+
+
+def test_generate_makes_each_completion_text_once_as_the_engine_would_step_by_step(
+    tiny_target_dir, tiny_drafter_dir
+) -> None:
+    # LLM.generate leaves the text of requests without stop strings to the end (`defer_text`); it must
+    # be the text the engine makes at every step: EOS kept out, max_tokens flushed, stop strings cut.
+    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static"))
+    prompts = _prompts(5, seed=3)
+    params = [
+        SamplingParams(max_tokens=17, ignore_eos=True),
+        SamplingParams(max_tokens=30),  # may end on EOS (w0)
+        SamplingParams(max_tokens=25, stop=["w3 w1", "w5"]),  # the text decides the finish
+        SamplingParams(max_tokens=12, ignore_eos=True, skip_special_tokens=False),
+        SamplingParams(max_tokens=9, ignore_eos=True, temperature=1.0, seed=11),
+    ]
+    assert llm.engine.defer_text
+    deferred = llm.generate(params=params, prompt_token_ids=prompts)
+    llm.engine.defer_text = False
+    per_step = llm.generate(params=params, prompt_token_ids=prompts)
+    assert [o.token_ids for o in deferred] == [o.token_ids for o in per_step]
+    assert [o.finish_reason for o in deferred] == [o.finish_reason for o in per_step]
+    assert [o.text for o in deferred] == [o.text for o in per_step]
+    assert all(o.text for o in deferred[:2]), "the texts compared are not empty"

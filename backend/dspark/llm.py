@@ -10,6 +10,7 @@ from dspark.engine.llm_engine import LLMEngine
 from dspark.outputs import CompletionOutput, SpecStats
 from dspark.sampling_params import SamplingParams
 from dspark.spec.proposer import Proposer
+from dspark.tokenizer import DeltaText, IncrementalDetokenizer
 
 
 class LLM:
@@ -20,6 +21,10 @@ class LLM:
     ) -> None:
         config = (config or EngineConfig()).replace(**overrides) if overrides else (config or EngineConfig())
         self.engine = LLMEngine(config, proposer=proposer)
+        # A completion's text is made once, when it finishes, from all its ids (`generate`): made at
+        # every step it took the host's time between steps (0.46 of a batch-64 step's 1.28 ms of host
+        # work on the H200's host, session 33). Requests with stop strings still get theirs per step.
+        self.engine.defer_text = True
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -56,16 +61,28 @@ class LLM:
             params = [params or SamplingParams()] * len(texts)
         request_ids = [f"offline-{next(self._ids)}" for _ in texts]
         results: dict[str, CompletionOutput] = {}
+        skip_special: dict[str, bool] = {}
         for request_id, text, ids, p in zip(request_ids, texts, ids_in, params, strict=True):
             token_ids = self.engine.prepare_prompt(text, list(ids) if ids is not None else None, p)
             self.engine.add_request(request_id, token_ids, p)
             results[request_id] = CompletionOutput(request_id, text, token_ids, "", [], None, SpecStats())
+            skip_special[request_id] = p.skip_special_tokens
+        pending: dict[str, list[int]] = {}  # per request, ids whose text the engine left to this side
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
                 out = results[delta.request_id]
-                out.text += delta.new_text
+                if delta.text_pending:
+                    pending.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+                else:
+                    out.text += delta.new_text
                 out.token_ids.extend(delta.new_token_ids)
                 if delta.finished:
+                    ids = pending.pop(delta.request_id, None)
+                    if ids is not None:
+                        detokenizer = IncrementalDetokenizer(
+                            self.tokenizer, out.prompt_token_ids, skip_special[delta.request_id]
+                        )
+                        out.text += DeltaText(detokenizer).text_of(ids, delta.finish_reason)
                     out.finish_reason = delta.finish_reason
                     out.spec_stats = delta.spec_stats
                     out.logprobs = list(delta.logprobs) if delta.logprobs is not None else None

@@ -149,7 +149,7 @@ class LLMEngine:
         self.timer = StepTimer(device, self.loop_counters)
         # True: the text of a request whose token ids decide its finish (no stop strings) is left to
         # the deltas' receiver (`RequestDelta.text_pending`): the engine process leaves it to the
-        # adapter's process, off the step loop's thread.
+        # adapter's process, off the step loop's thread; `LLM.generate` makes it when a request ends.
         self.defer_text = False
         self._memory = (0, 0)  # GPU memory allocated and reserved, bytes, as last read (see `load`)
         self._memory_read_at = -MEMORY_READ_INTERVAL_S
