@@ -450,3 +450,22 @@ def test_text_made_by_the_receiver_equals_the_engines_whatever_the_merging(
         texts = [receiver.text_of(d.new_token_ids, d.finish_reason) for d in merged]
         assert "".join(texts) == "".join(d.new_text for d in made)
         assert merged[-1].finish_reason == made[-1].finish_reason
+
+
+def test_a_made_delta_carries_each_value_in_its_own_field(tokenizer: Tokenizer) -> None:
+    """`PendingDelta.make` passes RequestDelta's fields by position (for its speed): each lands where
+    it belongs."""
+    ids = tokenizer.encode("Hello there", add_special_tokens=False)
+    seq = Sequence("the-request", 0, ids, SamplingParams(max_tokens=2, ignore_eos=True, logprobs=1), None)
+    seq.spec_stats.record_step(3, 2, 1)
+    processor = OutputProcessor(seq, tokenizer, tokenizer.eos_token_ids, max_model_len=10_000)
+    appended, reason = processor.commit_ids(ids[:2])
+    processor.add_logprobs([{ids[0]: -0.5}, {ids[1]: -0.25}], [-0.5, -0.25])
+    delta = PendingDelta(processor, tuple(appended), reason, error="an error").make(defer_text=True)
+    assert delta.request_id == "the-request"
+    assert delta.new_token_ids == ids[:2] and delta.new_text == ""
+    assert delta.finished and delta.finish_reason == "length" == reason
+    assert (delta.num_prompt_tokens, delta.num_output_tokens) == (len(ids), 2)
+    assert delta.spec_stats is seq.spec_stats and delta.error == "an error"
+    assert delta.logprobs is not None and len(delta.logprobs) == 2
+    assert delta.cumulative_logprob == -0.75 and delta.text_pending

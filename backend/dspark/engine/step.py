@@ -5,17 +5,19 @@
       --LLMEngine._commit-->  [Committed]
 
 Each stage is a function (or one method of a small object) that takes earlier values and returns a
-new frozen one; nothing fills in a field of another stage's value. The values of the speculative
-part live in `dspark.spec` (`Drafts`, `InStepDrafts`, `VerifyPlan`), the target step's in
-`dspark.runner.model_runner` (`TargetStep`, `TargetResult`); this module holds the packing of a step and
-its acceptance, which read all of them.
+new frozen one; nothing fills in a field of another stage's value. The values made per request and
+step (`WindowAcceptance`, `Committed`) are named tuples: as immutable, and made in under half a
+frozen dataclass's time (~0.35 against ~0.77 us; at 256 requests a step each was ~0.1 ms of the host's
+step). The values of the speculative part live in `dspark.spec` (`Drafts`, `InStepDrafts`,
+`VerifyPlan`), the target step's in `dspark.runner.model_runner` (`TargetStep`, `TargetResult`); this
+module holds the packing of a step and its acceptance, which read all of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -119,8 +121,7 @@ def verified_drafts(plan: VerifyPlan, result: TargetResult) -> Drafts | None:
     return plan.drafts
 
 
-@dataclass(frozen=True)
-class WindowAcceptance:
+class WindowAcceptance(NamedTuple):
     """One verify window's outcome: the drafts accepted, and the tokens it commits (those drafts,
     then the token after them)."""
 
@@ -212,8 +213,7 @@ def _sampled_accept(
     return {r: (a, t) for r, a, t in zip(rows, accepted, next_tokens, strict=True)}
 
 
-@dataclass(frozen=True)
-class Committed:
+class Committed(NamedTuple):
     """One request's tokens committed this step, and the logit row of the first of them."""
 
     seq: Sequence
