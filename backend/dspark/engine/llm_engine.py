@@ -502,7 +502,7 @@ class LLMEngine:
                     continue
                 seq.spec_stats.record_step(drafted_j[r], verified_j[r], window.accepted)
                 seq.num_cached += window.accepted + 1
-                tokens, reason = processors[seq].commit_ids(list(window.tokens))
+                tokens, reason = processors[seq].commit_ids(window.tokens)
                 appended[seq] += tokens
                 committed[-1].append(len(tokens))
                 if reason is not None:
@@ -591,7 +591,7 @@ class LLMEngine:
         committed = self._commit(schedule, plan, verified, acceptance, packed.logit_offsets)
         # Read off the device now: a launched step's graph replay reuses the logits buffer.
         logprobs = self._committed_logprobs(committed, raw_logits)
-        done = [self._commit_tokens(c.seq, list(c.tokens), logprobs.get(c.seq.request_id)) for c in committed]
+        done = [self._commit_tokens(c.seq, c.tokens, logprobs.get(c.seq.request_id)) for c in committed]
         if self.gate is not None:
             # Decode-only steps are comparable; a prefill chunk would charge its own cost to the length.
             self.gate.finish_step([] if schedule.prefill else [len(pending.tokens) for pending in done])
@@ -760,7 +760,7 @@ class LLMEngine:
     def _commit_tokens(
         self,
         seq: Sequence,
-        tokens: list[int],
+        tokens: Seq[int],
         logprobs: tuple[list[TokenLogprobs], list[float]] | None = None,
     ) -> PendingDelta:
         """Commit a request's tokens (those up to its finish) and finish it if they do; its delta's text
@@ -770,21 +770,22 @@ class LLMEngine:
         if tokens and tokens[-1] == NON_FINITE_TOKEN:  # the sampler saw NaN or inf: this request fails
             self._finish(seq, "error")
             error = "the sampling distribution is not finite (NaN or inf logits)"
-            return PendingDelta(processor, (), "error", text="", error=error)
+            return PendingDelta(processor, (), "error", "", error)
         text = None
-        if processor.text_decides_finish:
-            appended, text, reason = processor.commit(tokens)
+        if processor.stops is not None:  # stop strings decide the finish from the text
+            appended, text, reason = processor.commit(list(tokens))
         else:
             appended, reason = processor.commit_ids(tokens)
         if logprobs is not None:
             entries, chosen = logprobs
             processor.add_logprobs(entries[: len(appended)], chosen[: len(appended)])
-        state = self._penalty_states.get(seq.request_id)
-        if state is not None:
-            state.commit(appended)
+        if self._penalty_states:
+            state = self._penalty_states.get(seq.request_id)
+            if state is not None:
+                state.commit(appended)
         if reason is not None:
             self._finish(seq, reason)
-        return PendingDelta(processor, tuple(appended), reason, text=text)
+        return PendingDelta(processor, tuple(appended), reason, text)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
 from dspark.outputs import LogprobsLog, LogprobsPrefix, RequestDelta, TokenLogprobs
@@ -67,17 +68,22 @@ class OutputProcessor:
         appended, reason = self.commit_ids(new_token_ids)
         return appended, self.text_of(appended, reason), reason
 
-    def commit_ids(self, new_token_ids: list[int]) -> tuple[list[int], str | None]:
+    def commit_ids(self, new_token_ids: Seq[int]) -> tuple[Seq[int], str | None]:
         """`commit` without the text, for a request whose text cannot end it (no stop strings): append
-        tokens until one finishes it; returns (tokens appended, finish reason or None). Their text is
-        `text_of`, taken before the next commit."""
+        tokens until one finishes it; returns (tokens appended: `new_token_ids` or a slice of it, finish
+        reason or None). Their text is `text_of`, taken before the next commit."""
         assert self.stops is None, "stop strings decide the finish from the text: use commit"
         token_ids = self.seq.token_ids
+        # `_finish_reason` inlined, with its limits in locals: this runs per token of every request on
+        # every step.
+        stop_ids, min_length, length_limit = self.stop_ids, self._min_length, self.length_limit
         for i, token in enumerate(new_token_ids):
             token_ids.append(token)
-            reason = self._finish_reason(token)
-            if reason is not None:
-                return new_token_ids[: i + 1], reason
+            length = len(token_ids)
+            if token in stop_ids and length >= min_length:
+                return new_token_ids[: i + 1], "stop"
+            if length >= length_limit:
+                return new_token_ids[: i + 1], "length"
         return new_token_ids, None
 
     def text_of(self, appended: list[int], reason: str | None) -> str:

@@ -37,7 +37,7 @@ class PenaltyState:
         self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
         self.commit(output)
 
-    def commit(self, tokens: list[int]) -> None:
+    def commit(self, tokens: Sequence[int]) -> None:
         """Count newly committed output tokens."""
         if tokens:
             ids = to_device(torch.tensor(tokens, dtype=torch.long), self.counts.device)
