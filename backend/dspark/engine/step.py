@@ -164,12 +164,18 @@ def accept(
     decode = schedule.decode
     greedy = (queued or queue_greedy(plan, drafts, result)).result()
     sampled = _sampled_accept(decode, plan, drafts, greedy, logits, logit_offsets, block_size)
-    windows = []
     outcomes = zip(greedy.accepted, greedy.bonus, greedy.drafts, strict=True)  # one per decode window
-    for r, (accepted, next_token, verified) in enumerate(outcomes):
-        if r in sampled:  # a sampling request: rejection sampling's outcome
-            accepted, next_token = sampled[r]
-        windows.append(WindowAcceptance(accepted, (*verified[:accepted], next_token)))
+    if sampled:  # sampling requests take rejection sampling's outcome
+        outcomes = (
+            (*sampled[r], verified) if r in sampled else (accepted, next_token, verified)
+            for r, (accepted, next_token, verified) in enumerate(outcomes)
+        )
+    # One comprehension (it runs per request on every step); a window that accepted nothing commits
+    # its next token alone.
+    windows = [
+        WindowAcceptance(accepted, (*verified[:accepted], next_token) if accepted else (next_token,))
+        for accepted, next_token, verified in outcomes
+    ]
     first_prefill_row = logit_offsets[len(decode)] if schedule.prefill else 0
     first_tokens: list[int | None] = []
     for i, chunk in enumerate(schedule.prefill):
