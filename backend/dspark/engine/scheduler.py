@@ -137,11 +137,17 @@ class Scheduler:
         plan = _Building()
         budget = self.max_num_batched_tokens
         cached = in_flight.cached if in_flight is not None else _cached
-        decoding: list[Sequence] = []
+        advance = in_flight.advance if in_flight is not None else {}
+        decoding: list[tuple[Sequence, int]] = []  # with the positions cached once in flight is done
         prefilling: list[Sequence] = []  # oldest first, as the decoding ones
+        running = SequenceStatus.RUNNING
         for seq in self._by_arrival(in_flight):
-            if cached(seq) >= seq.prefill_target and seq.status is SequenceStatus.RUNNING:
-                decoding.append(seq)
+            # `cached` and `prefill_target` inlined: this runs per request on every step.
+            now = seq.num_cached + advance.get(seq, 0) if advance else seq.num_cached
+            length = len(seq.token_ids)
+            target = length - 1 if length > seq.num_prompt_tokens else length
+            if now >= target and seq.status is running:
+                decoding.append((seq, now))
             else:
                 prefilling.append(seq)
         admits = bool(self.waiting) and len(self.running) < self.max_num_seqs
@@ -150,19 +156,21 @@ class Scheduler:
         # window skips the allocator (host time at batch 64).
         reach = in_flight.reach if in_flight is not None else {}
         window_positions, page_size = self.window_positions, self.allocator.page_size
-        for seq in decoding:
-            if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier one's reservation
+        max_positions = self.max_model_len + window_positions
+        for seq, now in decoding:
+            if seq.status is not running:  # preempted by an earlier one's reservation
                 continue
             need = min(window, max(seq.remaining_tokens, 1))  # less past its max_tokens
             if need > decode_budget:
                 continue
             if in_flight is not None:
                 # The window may start as late as everything in flight reaches, and reserves from there.
-                positions = cached(seq) + reach.get(seq, 0) + window_positions
+                positions = now + reach.get(seq, 0) + window_positions
                 if positions > len(seq.pages) * page_size and not self.allocator.try_reserve(seq, positions):
                     return None
-            elif not self._reserve_or_preempt(seq, plan):
-                continue
+            elif min(seq.num_cached + window_positions, max_positions) > len(seq.pages) * page_size:
+                if not self._reserve_or_preempt(seq, plan):  # (the positions `_reserve_or_preempt` reserves)
+                    continue
             plan.decode.append(seq)
             budget -= need
             decode_budget -= need

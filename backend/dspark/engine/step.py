@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import NamedTuple, Protocol
 
 import torch
@@ -79,12 +80,18 @@ def pack_step(
     advance = in_flight.advance if in_flight is not None else {}
     follows = in_flight.follows if in_flight is not None else {}
     in_order = True  # window j follows output j of the earlier step, for every j
-    for r, (seq, num_drafts) in enumerate(zip(schedule.decode, plan.verify_lens, strict=True)):
-        earlier_output = follows.get(seq)
-        if earlier_output is not None:
-            in_order = in_order and r == earlier_output == len(following)
-            following.append((r, len(windows.tokens), earlier_output))
-        windows.add_verify(seq, num_drafts, seq.num_cached + advance.get(seq, 0))
+    decode = schedule.decode
+    if advance:
+        starts = [seq.num_cached + advance.get(seq, 0) for seq in decode]
+    else:
+        starts = [seq.num_cached for seq in decode]
+    windows.add_verify_windows(decode, plan.verify_lens, starts)
+    if follows:
+        for r, seq in enumerate(decode):
+            earlier_output = follows.get(seq)
+            if earlier_output is not None:
+                in_order = in_order and r == earlier_output == len(following)
+                following.append((r, windows.logit_offsets[r], earlier_output))
     for chunk in schedule.prefill:
         seq = chunk.seq
         tokens = seq.token_ids[chunk.start : chunk.start + chunk.length]
@@ -241,18 +248,24 @@ class _Windows:
         self.num_leading_rows = 0
         self.logit_rows: list[int] = []
 
-    def add_verify(self, seq: Sequence, num_drafts: int, start: int) -> None:
-        """Append a verify window [anchor, num_drafts placeholders] at positions start.. of `seq`, before
-        any other window: every row of it wants logits."""
-        assert len(self.tokens) == self.num_leading_rows, "verify windows lead the step"
-        self.logit_offsets.append(self.num_leading_rows)
-        self.tokens.append(seq.token_ids[-1])
-        if num_drafts:
-            self.tokens.extend([0] * num_drafts)
-        self.pages.append(seq.pages)
-        self.starts.append(start)
-        self.lens.append(num_drafts + 1)
-        self.num_leading_rows += num_drafts + 1
+    def add_verify_windows(self, seqs: Seq[Sequence], verify_lens: Seq[int], starts: list[int]) -> None:
+        """Lay out every decoding request's verify window [anchor, verify_lens[r] placeholders] at
+        positions starts[r].., first in the step: every row of them wants logits. (All at once, in
+        comprehensions: this runs per request on every step.)"""
+        assert not self.tokens, "verify windows lead the step"
+        anchors = [seq.token_ids[-1] for seq in seqs]
+        if any(verify_lens):
+            self.logit_offsets = list(accumulate((n + 1 for n in verify_lens), initial=0))
+            self.num_leading_rows = self.logit_offsets.pop()
+            self.tokens = [0] * self.num_leading_rows
+            for offset, anchor in zip(self.logit_offsets, anchors, strict=True):
+                self.tokens[offset] = anchor
+            self.lens = [n + 1 for n in verify_lens]
+        else:  # a plain step: one row a window
+            self.tokens, self.lens = anchors, [1] * len(anchors)
+            self.logit_offsets, self.num_leading_rows = list(range(len(anchors))), len(anchors)
+        self.pages = [seq.pages for seq in seqs]
+        self.starts = starts
 
     def add_chunk(self, seq: Sequence, tokens: list[int], start: int, last_row: bool) -> None:
         """Append a prefill chunk of `tokens` at positions start.. of `seq`, after the verify windows;
