@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The next device session's first work call (prepared in session 34, which was lent no machine): the GPU
+# The next device session's first work call (prepared in session 34, which was lent no machine; it
+# replaces session 33's next_gpu.sh, which no machine ran, and adds the A/B at its end): the GPU
 # tests of sessions 33-34 (decode bursts, `ModelRunner.run_following`, the gate's `finish_burst`, the
 # per-request step values as named tuples, the scheduler's and packing's trims: none of it has run on a
 # GPU), then decode bursts against launch-ahead (benchmarks/overlap.py: plain and `static`, batch 8 / 64
