@@ -772,17 +772,16 @@ class LLMEngine:
             error = "the sampling distribution is not finite (NaN or inf logits)"
             return PendingDelta(processor, (), "error", "", error)
         text = None
-        if processor.stops is not None:  # stop strings decide the finish from the text
-            appended, text, reason = processor.commit(list(tokens))
+        if processor.text_decides_finish:
+            appended, text, reason = processor.commit(tokens)
         else:
             appended, reason = processor.commit_ids(tokens)
         if logprobs is not None:
             entries, chosen = logprobs
             processor.add_logprobs(entries[: len(appended)], chosen[: len(appended)])
-        if self._penalty_states:
-            state = self._penalty_states.get(seq.request_id)
-            if state is not None:
-                state.commit(appended)
+        state = self._penalty_states.get(seq.request_id)
+        if state is not None:
+            state.commit(appended)
         if reason is not None:
             self._finish(seq, reason)
         return PendingDelta(processor, tuple(appended), reason, text)

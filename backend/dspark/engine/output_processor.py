@@ -58,7 +58,7 @@ class OutputProcessor:
         (`commit`); otherwise the ids decide (`commit_ids`) and the text may be made later (`text_of`)."""
         return self.stops is not None
 
-    def commit(self, new_token_ids: list[int]) -> tuple[list[int], str, str | None]:
+    def commit(self, new_token_ids: Seq[int]) -> tuple[Seq[int], str, str | None]:
         """Append tokens to the sequence until one finishes it.
 
         Returns (tokens actually appended, new text, finish reason or None).
@@ -74,16 +74,11 @@ class OutputProcessor:
         reason or None). Their text is `text_of`, taken before the next commit."""
         assert self.stops is None, "stop strings decide the finish from the text: use commit"
         token_ids = self.seq.token_ids
-        # `_finish_reason` inlined, with its limits in locals: this runs per token of every request on
-        # every step.
-        stop_ids, min_length, length_limit = self.stop_ids, self._min_length, self.length_limit
         for i, token in enumerate(new_token_ids):
             token_ids.append(token)
-            length = len(token_ids)
-            if token in stop_ids and length >= min_length:
-                return new_token_ids[: i + 1], "stop"
-            if length >= length_limit:
-                return new_token_ids[: i + 1], "length"
+            reason = self._finish_reason(token)
+            if reason is not None:
+                return new_token_ids[: i + 1], reason
         return new_token_ids, None
 
     def text_of(self, appended: list[int], reason: str | None) -> str:
@@ -92,7 +87,7 @@ class OutputProcessor:
         that ends the request is kept among the ids, not in the text (vLLM)."""
         return self._ids_text.text_of(appended, reason)
 
-    def _commit_matching_stops(self, new_token_ids: list[int]) -> tuple[list[int], str, str | None]:
+    def _commit_matching_stops(self, new_token_ids: Seq[int]) -> tuple[list[int], str, str | None]:
         """`commit` for a request with stop strings: token by token, each one's text fed to the matcher
         (a stop string ends the request at the token that completes it)."""
         assert self.stops is not None

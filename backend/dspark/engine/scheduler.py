@@ -137,16 +137,12 @@ class Scheduler:
         plan = _Building()
         budget = self.max_num_batched_tokens
         cached = in_flight.cached if in_flight is not None else _cached
-        advance = in_flight.advance if in_flight is not None else {}
         decoding: list[tuple[Sequence, int]] = []  # with the positions cached once in flight is done
         prefilling: list[Sequence] = []  # oldest first, as the decoding ones
         running = SequenceStatus.RUNNING
         for seq in self._by_arrival(in_flight):
-            # `cached` and `prefill_target` inlined: this runs per request on every step.
-            now = seq.num_cached + advance.get(seq, 0) if advance else seq.num_cached
-            length = len(seq.token_ids)
-            target = length - 1 if length > seq.num_prompt_tokens else length
-            if now >= target and seq.status is running:
+            now = cached(seq)  # once for both loops: this runs per request on every step
+            if now >= seq.prefill_target and seq.status is running:
                 decoding.append((seq, now))
             else:
                 prefilling.append(seq)
@@ -156,7 +152,6 @@ class Scheduler:
         # window skips the allocator (host time at batch 64).
         reach = in_flight.reach if in_flight is not None else {}
         window_positions, page_size = self.window_positions, self.allocator.page_size
-        max_positions = self.max_model_len + window_positions
         for seq, now in decoding:
             if seq.status is not running:  # preempted by an earlier one's reservation
                 continue
@@ -168,9 +163,8 @@ class Scheduler:
                 positions = now + reach.get(seq, 0) + window_positions
                 if positions > len(seq.pages) * page_size and not self.allocator.try_reserve(seq, positions):
                     return None
-            elif min(seq.num_cached + window_positions, max_positions) > len(seq.pages) * page_size:
-                if not self._reserve_or_preempt(seq, plan):  # (the positions `_reserve_or_preempt` reserves)
-                    continue
+            elif not self._reserve_or_preempt(seq, plan):
+                continue
             plan.decode.append(seq)
             budget -= need
             decode_budget -= need
@@ -208,6 +202,8 @@ class Scheduler:
     def _reserve_or_preempt(self, seq: Sequence, plan: _Building) -> bool:
         """Reserve the window of `seq`, preempting the youngest other requests if needed."""
         positions = min(seq.num_cached + self.window_positions, self.max_model_len + self.window_positions)
+        if positions <= len(seq.pages) * self.allocator.page_size:
+            return True  # its pages hold the window already (most steps): no allocator call
         while not self.allocator.try_reserve(seq, positions):
             victim = max(self.running, key=lambda s: s.arrival)
             self._preempt(victim, plan)

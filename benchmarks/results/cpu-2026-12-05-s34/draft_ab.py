@@ -8,17 +8,25 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from e2e import _prompt_ids, bench_config  # noqa: E402
 
 from dspark import LLM, SamplingParams  # noqa: E402
+from dspark.runner.models.layers import linear  # noqa: E402
 from dspark.spec.drafter import BlockHeads  # noqa: E402
 
-ONE_PRODUCT = BlockHeads.project_all
+ONE_PRODUCT, INDEXED = BlockHeads.project_all, BlockHeads.logits_at
 
 
-def by_position(self: BlockHeads, num_positions: int | None = None) -> None:
-    """The code before: nothing projected ahead, `logits_at` projects each position it reaches."""
+def not_ahead(self: BlockHeads, num_positions: int | None = None) -> None:
+    """The code before: nothing projected ahead..."""
+
+
+def by_position(self: BlockHeads, position: int) -> torch.Tensor:
+    """... and each position projected when the decode reaches it."""
+    return linear(self.hidden[:, position], self.lm_head).float()
 
 
 batch = int(sys.argv[1])
@@ -30,7 +38,9 @@ results: dict[str, list[tuple[float, float]]] = {"by_position": [], "one_product
 tokens = {}
 for _ in range(3):
     for name in results:
-        BlockHeads.project_all = ONE_PRODUCT if name == "one_product" else by_position
+        one = name == "one_product"
+        BlockHeads.project_all = ONE_PRODUCT if one else not_ahead
+        BlockHeads.logits_at = INDEXED if one else by_position
         timer = llm.engine.timer
         timer.reset()
         timer.enabled = True
