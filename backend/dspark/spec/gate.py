@@ -8,7 +8,12 @@ and per draft length (0 = plain, then powers of two below the block size, then t
 committed tokens per second of a decode-only step with that length, and picks the fastest. The two
 halves of that rate are measured apart:
 
-- seconds, per tier: a moving average of the wall time of the steps run with that length;
+- seconds, per tier: the median wall time of the latest steps run with that length (a median, not a
+  mean: the host's pauses, a garbage collection or a descheduled thread of tens of milliseconds, land
+  in single steps; one of them in a moving average made a length look twice its cost until ~15 more
+  of its steps were timed, and a losing length is timed only by the occasional probe, so a choice made
+  on one pause could stand for thousands of steps: the likely reason, not yet confirmed there, why the
+  serve default at 128 requests ran 0.72x plain decoding offline on the H200);
 - tokens, shared by the tiers (acceptance is the drafter's and the requests', not the batch's): 1 +
   the sum over positions k <= length of the chance that drafts 1..k are all accepted, the product of
   each position's chance given the ones before it, each a moving average over every step that
@@ -29,7 +34,7 @@ one before it finished (no overlap) is measured alone, if no step was launched b
 
 A warm-up tries each length in the first tier, longest first, until it has a few measured steps (three
 in a row without overlap, five with it: the first and last of a run are not measured), and then in
-every later tier until it has one (the acceptance is known by then, only the step times are new:
+every later tier until it has two (the acceptance is known by then, only the step times are new:
 served, the request count moves between tiers as requests come and go, and a full warm-up in each was
 most of a short run). A probe re-measures a losing length now and then, in turn, for as many steps in
 a row as it takes to measure it once, and the next comes PROBE_INTERVAL steps later for each step it
@@ -57,12 +62,14 @@ from dataclasses import dataclass, field
 from dspark.runner.cuda_graphs import next_pow2
 
 WARM_UP_STEPS = 3  # measured steps of each length in the first tier before the averages decide
-LATER_TIER_WARM_UP_STEPS = 1  # the same in every later tier (the acceptance is shared, known already)
+LATER_TIER_WARM_UP_STEPS = 2  # the same in every later tier (the acceptance is shared, known already;
+# two: the lower of two times is right unless both met a pause)
 RUN_EDGES = 2  # unmeasured steps of a run of one length under overlap: its first and its last
 WARM_UP_TRIES = 3  # most warm-up choices of a length per tier, measured or not, in measured steps' worth
 PROBE_INTERVAL = 32  # a tier probes a losing length after this many steps per step of its last probe
 PROBE_MOST_STEPS = 1 + RUN_EDGES  # a probe runs until its length is measured once, at most this long
 SMOOTHING = 0.05  # weight of the newest step in each moving average, once it has 1 / SMOOTHING steps
+RECENT_STEPS = 9  # step times a length's median is taken over, per tier
 
 
 def draft_lengths(block_size: int) -> tuple[int, ...]:
@@ -88,6 +95,24 @@ class _Average:
         self.count += 1
         weight = max(SMOOTHING, 1.0 / self.count)
         self.value += weight * (value - self.value)
+
+
+class _RecentMedian:
+    """The lower median of the latest RECENT_STEPS values (of two, the smaller): robust to a value far
+    off now and then, and following a lasting change within a few values."""
+
+    __slots__ = ("count", "recent", "value")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
+        self.value = 0.0
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.recent.append(value)
+        ordered = sorted(self.recent)
+        self.value = ordered[(len(ordered) - 1) // 2]
 
 
 @dataclass
@@ -118,7 +143,7 @@ class _TierStats:
     ends, and how many steps of each length it chose."""
 
     warm_up: int
-    seconds: dict[int, _Average] = field(default_factory=lambda: collections.defaultdict(_Average))
+    seconds: dict[int, _RecentMedian] = field(default_factory=lambda: collections.defaultdict(_RecentMedian))
     chosen: collections.Counter = field(default_factory=collections.Counter)
     steps: int = 0
     next_probe: int = PROBE_INTERVAL  # the step count at which the next probe starts
