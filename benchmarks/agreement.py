@@ -21,6 +21,7 @@ import torch
 
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.outputs import STEP_PHASES, LoopTotals
+from dspark.process_heap import freeze_startup_heap
 from dspark_client.bench import PROMPTS
 
 # name -> EngineConfig changes; the first is the reference. Plain decoding with every step waiting,
@@ -75,6 +76,7 @@ class OfflineEngine:
         self.llm = LLM(config)
         self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         self.llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))
+        freeze_startup_heap()  # as the served engine process does: the two sides' collections alike
 
     def measure(self, batch: int, repeats: int = 1) -> tuple[float, list[list[int]], dict]:
         """`timed_generate` of `batch` prompts, `repeats` times back to back, after an untimed one (the
@@ -86,6 +88,7 @@ class OfflineEngine:
         """Free the engine and its GPU memory."""
         self.llm.engine.close()
         del self.llm
+        gc.unfreeze()  # the engine's cycles are collectable again
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

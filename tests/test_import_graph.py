@@ -106,6 +106,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "dspark.sequence",
             "dspark.tokenizer",
             "dspark.prompts",
+            "dspark.process_heap",
         ),
     ),
     ("parallel", ("dspark.parallel",)),

@@ -10,7 +10,7 @@ from dspark.engine.llm_engine import LLMEngine
 from dspark.outputs import CompletionOutput, SpecStats
 from dspark.sampling_params import SamplingParams
 from dspark.spec.proposer import Proposer
-from dspark.tokenizer import DeltaText, IncrementalDetokenizer
+from dspark.tokenizer import DeltaText
 
 
 class LLM:
@@ -79,10 +79,10 @@ class LLM:
                 if delta.finished:
                     ids = pending.pop(delta.request_id, None)
                     if ids is not None:
-                        detokenizer = IncrementalDetokenizer(
+                        text = DeltaText.after_prompt(
                             self.tokenizer, out.prompt_token_ids, skip_special[delta.request_id]
                         )
-                        out.text += DeltaText(detokenizer).text_of(ids, delta.finish_reason)
+                        out.text += text.text_of(ids, delta.finish_reason)
                     out.finish_reason = delta.finish_reason
                     out.spec_stats = delta.spec_stats
                     out.logprobs = list(delta.logprobs) if delta.logprobs is not None else None

@@ -345,6 +345,13 @@ class DeltaText:
         """Make the text with this request's detokenizer (started after its prompt)."""
         self._detokenizer = detokenizer
 
+    @classmethod
+    def after_prompt(
+        cls, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool
+    ) -> DeltaText:
+        """The text of a request with this prompt, made by a detokenizer of its own."""
+        return cls(IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens))
+
     def text_of(self, token_ids: Sequence[int], finish_reason: str | None) -> str:
         """The new text of a delta's tokens: a stop id that ends the request stays among the ids, not
         in the text (vLLM); a request that ended by its ids ("stop", "length") flushes what was held

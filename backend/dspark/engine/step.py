@@ -81,10 +81,7 @@ def pack_step(
     follows = in_flight.follows if in_flight is not None else {}
     in_order = True  # window j follows output j of the earlier step, for every j
     decode = schedule.decode
-    if advance:
-        starts = [seq.num_cached + advance.get(seq, 0) for seq in decode]
-    else:
-        starts = [seq.num_cached for seq in decode]
+    starts = [seq.num_cached + advance.get(seq, 0) for seq in decode]
     windows.add_verify_windows(decode, plan.verify_lens, starts)
     if follows:
         for r, seq in enumerate(decode):

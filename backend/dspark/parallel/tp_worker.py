@@ -17,7 +17,6 @@ driver disappears exits on its own.
 
 from __future__ import annotations
 
-import gc
 import logging
 import multiprocessing as mp
 import os
@@ -39,6 +38,7 @@ import torch
 
 from dspark.config import EngineConfig
 from dspark.parallel.distributed import TensorParallel, abort_group, join_group, leave_group, rendezvous_store
+from dspark.process_heap import freeze_startup_heap, skip_exit_collection
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         timeout = collective_timeout_s(spec.config)
         store = rendezvous_store(spec.store_port, timeout)
         join_group(spec.rank, spec.size, store, timeout, runner.device)
+        freeze_startup_heap()
         _execute_steps(runner, conn)
         runner.release_graphs()  # graphs with NCCL inside would block the group's destroy
         leave_group()
@@ -154,14 +155,6 @@ def _exit_with_parent() -> None:
 def collective_timeout_s(config: EngineConfig) -> float:
     """How long a collective (or the rendezvous) waits for a missing rank before it raises."""
     return COLLECTIVE_TIMEOUT_FACTOR * config.tensor_parallel_timeout_s
-
-
-def skip_exit_collection() -> None:
-    """Let this process exit without the interpreter's garbage-collection passes over everything it
-    holds: with torch loaded they were ~1 s of every exit on a 2-core host, and at a server's stop each
-    backend stub, the engine process and each rank exit one after another. Call it last, when the
-    process's work is done (its objects then live until the exit; the OS frees them)."""
-    gc.freeze()
 
 
 def python_executable() -> str:

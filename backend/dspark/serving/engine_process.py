@@ -51,11 +51,12 @@ from typing import Any
 from dspark.config import EngineConfig
 from dspark.engine.async_engine import AsyncEngine, DeathCallback, DeltaCallback, EngineDeadError
 from dspark.outputs import EngineLoad, RequestDelta, merge_by_request, pack_deltas, unpack_deltas
-from dspark.parallel.tp_worker import python_executable, skip_exit_collection, spawning_with
+from dspark.parallel.tp_worker import python_executable, spawning_with
+from dspark.process_heap import freeze_startup_heap, skip_exit_collection
 from dspark.prompts import check_prompt
 from dspark.sampling_params import SamplingParams
 from dspark.serving.request_inputs import CANCEL_ALL
-from dspark.tokenizer import DeltaText, IncrementalDetokenizer, Tokenizer
+from dspark.tokenizer import DeltaText, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -204,9 +205,7 @@ class EngineProcess:
         )
         # Stop strings: the engine makes the text (it decides the finish); else this side does.
         text = (
-            None
-            if params.stop
-            else DeltaText(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
+            None if params.stop else DeltaText.after_prompt(self.tokenizer, ids, params.skip_special_tokens)
         )
         with self._lock:  # before the engine can answer: its first delta may come at once
             self._callbacks[request_id] = on_delta
@@ -401,6 +400,7 @@ def engine_main(
     ready = ("ready", (engine.engine.model_config.vocab_size, engine.engine.limits.max_model_len))
     # Listening before the spawning adapter hears "ready": the instances after it find the socket.
     listener = _Listener(listen, intake, ready) if listen is not None else None
+    freeze_startup_heap()  # before the first adapter hears "ready": its requests then meet no full pass
     intake.join(first, ready)
     if listener is not None:
         listener.start()

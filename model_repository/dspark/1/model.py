@@ -49,7 +49,7 @@ import triton_python_backend_utils as pb_utils
 from dspark import EngineConfig, InvalidParameterError
 from dspark.engine.async_engine import AsyncEngine, EngineDeadError
 from dspark.outputs import RequestDelta, merge_deltas
-from dspark.parallel.tp_worker import skip_exit_collection
+from dspark.process_heap import freeze_startup_heap, skip_exit_collection
 from dspark.sampling.logprobs import logprobs_json
 from dspark.serving.engine_process import EngineClosedError, EngineProcess
 from dspark.serving.metrics import Metrics, TritonMetrics, vllm_max_model_len
@@ -168,6 +168,7 @@ class TritonPythonModel:
         # The engine's own gauges and counters (occupancy, KV pages, loop totals) come from one instance:
         # the one that spawned the engine. Request metrics come from every instance (Triton adds them up).
         self._publishes_engine = getattr(self._engine, "owner", True)
+        freeze_startup_heap()  # this stub's (and an in-process engine's) heap, built for its life
         self._engine.start()
         for thread in self._send_threads:
             thread.start()
