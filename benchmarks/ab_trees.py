@@ -102,6 +102,12 @@ def timed_run(tree: Tree, llm, ids: list[list[int]], max_tokens: int) -> tuple[f
     return seconds, [o.token_ids for o in outs]
 
 
+def _gate_rates(llm, batch: int) -> dict[int, int]:  # noqa: ANN001 - a tree's LLM
+    """The adaptive gate's estimated tokens/s per draft length for `batch` requests (empty: no gate)."""
+    gate = llm.engine.gate
+    return {} if gate is None else {n: round(rate) for n, rate in gate.rates(batch).items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the rounds, print a JSON line per (batch, mode) and a markdown table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -152,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
                 "rounds": args.rounds,
                 "identical": same,
             }
+            if mode == "default":  # what each tree's gate believes, per draft length, at this batch
+                row["gate_rates"] = {t.name: _gate_rates(engines[(t.name, mode)], batch) for t in trees}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("| batch | mode | base tok/s | new tok/s | new / base (paired, median) | quartiles | identical |")
