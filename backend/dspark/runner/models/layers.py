@@ -33,9 +33,10 @@ BY_LINEAR = "linear"  # F.linear (x W^T; one row: a GEMV)
 WEIGHT_FIRST = "weight_first"  # (W x^T)^T: the weight as the long operand
 AS_TWO_ROWS = "as_two_rows"  # one row only: W x^T of the row taken twice
 # MKL's packed GEMM over a copy of the weight reordered once (`pack_cpu_weights`): past MKL's small-M
-# cliff (4+ rows) it ran a pass 1.45-2.1x faster than F.linear on an Intel Xeon, and a row's result
-# does not depend on the rows beside it (F.linear's does from 2 rows on). Weights without a packed
-# copy take F.linear.
+# cliff (4+ rows) it ran a pass 1.45-2.1x faster than F.linear on an Intel Xeon, where a row's result
+# did not depend on the rows beside it (F.linear's does from 2 rows on; on an AMD EPYC the packed
+# product's do too, by a few units in the last place, from 4 rows on). Weights without a packed copy
+# take F.linear.
 PACKED = "packed"
 CANDIDATES = {1: (BY_LINEAR, AS_TWO_ROWS)}  # by row count; the rest: (BY_LINEAR, WEIGHT_FIRST)
 # The packed copies may take at most this share of the memory available when they are made (they are
