@@ -28,6 +28,10 @@ sized at start) instead of room for exactly the largest level.
 `--profile-levels 64,256` then runs a longer load at those levels (at least 10 requests a stream),
 untimed, while py-spy (when installed) samples the server's Python processes: collapsed stacks in
 `<out>/<mode>/py-spy-<level>.txt`.
+Each side's loop (the offline engine's, the served engine process's main thread) also reports its
+thread's CPU share of the window and its involuntary context switches a second (`loop_thread_*`,
+from /proc): a loop descheduled by the server's other processes runs at a CPU share below the offline
+one's; a loop that runs as often but slower (its caches shared with busy neighbours) does not.
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import asdict, fields
@@ -47,7 +53,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from agreement import OfflineEngine, loop_shares  # noqa: E402
+from agreement import OfflineEngine, bench_prompts, loop_shares, timed_generate  # noqa: E402
 from load_generator import LoadResult, run_load  # noqa: E402
 from serving_ceiling import _process_table, start_server  # noqa: E402
 
@@ -97,12 +103,57 @@ class Offline(OfflineEngine):
         self.tokens: dict[int, list[list[int]]] = {}  # each batch size's first run
 
     def measure(self, batch: int) -> tuple[float, list[list[int]], dict]:
-        """`OfflineEngine.measure` of `self.repeats` batches, printed; its tokens kept (the first run of
-        each batch size)."""
-        rate, tokens, loop = super().measure(batch, self.repeats)
+        """`OfflineEngine.measure` of `self.repeats` batches, printed, with this (the loop's) thread's
+        clock (`thread_shares`); its tokens kept (the first run of each batch size)."""
+        self.llm.generate(bench_prompts(batch), self.params)  # untimed, as OfflineEngine.measure's
+        me = (os.getpid(), threading.get_native_id())
+        clock, started = thread_clock(*me), time.perf_counter()
+        rate, tokens, loop = timed_generate(self.llm, batch, self.params, self.repeats)
+        loop |= thread_shares(clock, thread_clock(*me), time.perf_counter() - started)
         self.tokens.setdefault(batch, tokens)
         print(f"offline {batch:>4} streams: {rate:.0f} tok/s, loop {loop}", flush=True)
         return rate, tokens, loop
+
+
+def thread_clock(pid: int, tid: int) -> tuple[float, int]:
+    """CPU seconds one thread has run and the times it was descheduled while it could run (involuntary
+    context switches), so far (Linux /proc; zeros where unreadable)."""
+    try:
+        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    except OSError:
+        return 0.0, 0
+    fields = stat.rpartition(")")[2].split()  # fields 14-15 of stat: utime, stime (after ")": 11, 12)
+    switches = re.search(r"nonvoluntary_ctxt_switches:\s+(\d+)", status)
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu, int(switches.group(1)) if switches else 0
+
+
+def thread_shares(before: tuple[float, int], after: tuple[float, int], seconds: float) -> dict[str, float]:
+    """A loop thread's CPU share of a window of `seconds` and its involuntary switches a second, from
+    two `thread_clock` readings around it."""
+    seconds = max(seconds, 1e-9)
+    return {
+        "loop_thread_cpu_share": round((after[0] - before[0]) / seconds, 3),
+        "loop_thread_preempted_per_s": round((after[1] - before[1]) / seconds, 1),
+    }
+
+
+def engine_pids(server_pid: int) -> list[int]:
+    """The served engine processes under `server_pid`: the spawned children of a backend stub (a
+    tensor-parallel rank, spawned by an engine process, is not one). Each one's loop is its main
+    thread."""
+    table = _process_table()
+    spawned = {pid for pid, (_, command, _) in table.items() if "spawn_main" in command}
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    tree, stack = [], [server_pid]
+    while stack:
+        pid = stack.pop()
+        tree.append(pid)
+        stack.extend(children.get(pid, []))
+    return [pid for pid in tree if pid in spawned and table[pid][0] not in spawned]
 
 
 def metrics_text(metrics_port: int) -> str:
@@ -204,19 +255,22 @@ def model_repository(root: Path, config: EngineConfig, instances: int) -> Path:
 
 
 def served_load(
-    url: str, metrics_port: int, streams: int, requests: int, max_tokens: int
+    url: str, metrics_port: int, streams: int, requests: int, max_tokens: int, engine_pid: int = 0
 ) -> tuple[LoadResult, dict, str, str]:
     """One load of `requests` over `streams` streams: the load generator's result, the served loop's
-    shares over it (`loop_shares`), and the server's metrics text before and after it."""
+    shares over it (`loop_shares`; with `engine_pid`, its loop thread's clock: `thread_shares`), and the
+    server's metrics text before and after it."""
     time.sleep(0.3)  # the last load's counters published
     before = metrics_text(metrics_port)
+    clock = thread_clock(engine_pid, engine_pid) if engine_pid else None
     result = run_load(url, streams, requests, max_tokens)
+    threads = thread_shares(clock, thread_clock(engine_pid, engine_pid), result.seconds) if clock else {}
     time.sleep(0.3)
     after = metrics_text(metrics_port)
     loop = loop_shares(
         served_loop_totals(before), served_loop_totals(after), result.seconds, result.output_tokens
     )
-    return result, loop, before, after
+    return result, loop | threads, before, after
 
 
 def served(
@@ -244,6 +298,8 @@ def served(
     everything = os.sched_getaffinity(0)
     if engine_cpus:
         print(pin_server(server.pid, engine_cpus), flush=True)
+    engines = engine_pids(server.pid)
+    engine_pid = engines[0] if len(engines) == 1 else 0  # one engine process: its loop is timed
     results: dict[int, list[dict]] = {level: [] for level in levels}
     url = f"localhost:{ports[1]}"
     try:
@@ -254,7 +310,7 @@ def served(
                 rate, _, offline_loop = offline.measure(level)
                 offline_figures = {"offline_tokens_per_s": rate, "offline_loop": offline_loop}
             result, loop, before, after = served_load(
-                url, ports[2], level, requests_per_stream * level, max_tokens
+                url, ports[2], level, requests_per_stream * level, max_tokens, engine_pid
             )
             intake = intake_split(intake_counters(before), intake_counters(after))
             if level in profile_levels and r == rounds - 1:  # a longer run, sampled, not timed
@@ -354,7 +410,7 @@ def loop_table(levels: list[int], runs: dict) -> str:
     """Markdown: the engine loop offline and served, per mode and level (`agreement.loop_shares`)."""
     keys = ("steps_per_s", "requests_per_step", "tokens_per_step", "drafts_per_request", "graph", "ahead")
     keys += ("prefill", "in_steps", "step_ms", "prefill_step_ms", "decode_step_ms", "accept_ms")
-    keys += ("intake_ms", "handover_ms")
+    keys += ("intake_ms", "handover_ms", "loop_thread_cpu_share", "loop_thread_preempted_per_s")
     loop = _loop_rows(
         levels,
         runs,
@@ -364,7 +420,8 @@ def loop_table(levels: list[int], runs: dict) -> str:
         "launched ahead and with a prefill chunk, the share of the measured window in step calls, and "
         "per step: wall ms (all steps, those with a prefill chunk, the others), the acceptance's ms "
         "(the host waiting for the device), and the served loop's ms between steps taking in commands "
-        "and handing over deltas (0 offline)",
+        "and handing over deltas (0 offline); the loop thread's CPU share of the window and its "
+        "involuntary context switches a second (`thread_shares`)",
     )
     phases = _loop_rows(
         levels,

@@ -55,3 +55,53 @@ def test_timed_generate_measures_repeated_batches_in_one_window(tiny_target_dir)
     assert tokens == once and [len(t) for t in tokens] == [5, 5, 5]
     # Every batch's tokens over every batch's steps (counting only the first batch's would give 1).
     assert rate > 0 and loop["tokens_per_step"] == loop_once["tokens_per_step"] == 3.0
+
+
+def test_a_thread_clock_counts_the_cpu_its_thread_ran() -> None:
+    """serving_overhead's loop-thread clock: a thread that computes for a window runs most of it; one
+    that sleeps runs little of it."""
+    import os
+    import threading
+    import time
+
+    from serving_overhead import thread_clock, thread_shares
+
+    me = (os.getpid(), threading.get_native_id())
+    before, started = thread_clock(*me), time.perf_counter()
+    while time.perf_counter() - started < 0.3:
+        sum(range(1000))
+    busy = thread_shares(before, thread_clock(*me), time.perf_counter() - started)
+    before, started = thread_clock(*me), time.perf_counter()
+    time.sleep(0.3)
+    idle = thread_shares(before, thread_clock(*me), time.perf_counter() - started)
+    assert busy["loop_thread_cpu_share"] > 0.5 > idle["loop_thread_cpu_share"], (busy, idle)
+    assert busy["loop_thread_preempted_per_s"] >= 0
+
+
+def test_engine_pids_are_the_spawned_children_that_a_spawned_process_did_not_spawn() -> None:
+    """The served engine process is a spawned child of a backend stub; its tensor-parallel ranks are
+    spawned by it: only the first counts (the command lines carry multiprocessing's spawn_main)."""
+    import os
+    import subprocess
+    import time
+
+    from serving_overhead import _process_table, engine_pids
+
+    rank = "import time; time.sleep(30)  # spawn_main"
+    engine = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {rank!r}]); {rank}"
+    stub = "import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', os.environ['E']]); "
+    stub += "time.sleep(30)"
+    server = subprocess.Popen([sys.executable, "-c", stub], env={**os.environ, "E": engine})
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # until the engine has spawned its rank
+            table = _process_table()
+            engines = [pid for pid, (parent, _, _) in table.items() if parent == server.pid]
+            if engines and any(parent == engines[0] for parent, _, _ in table.values()):
+                break
+            time.sleep(0.05)
+        assert engine_pids(server.pid) == engines
+    finally:
+        subprocess.run(["pkill", "-P", str(server.pid)], check=False)
+        server.kill()
+        server.wait()
