@@ -45,7 +45,8 @@
 # by the host (small models, Triton compiles, graph captures), so one process leaves the GPU idle. The
 # whole list took 143 s so on an H200 (2026-12-01, the big_gpu_memory test alone after the workers);
 # one process had done about a third of it in 270 s.
-# Serving wheels (the device's Python 3.12 has none of them): here, `pip download --no-deps
+# Serving wheels (the device's Python 3.12 has none of them): `bash benchmarks/prepare_carry.sh` puts
+# them (and the GGUF parts) into .carry/c1 .. c5; by hand: `pip download --no-deps
 # --only-binary=:all: --python-version 3.12 ...` (the device README's platform flags) nvidia-pytriton==0.7.0
 # numpy==1.26.4 python-rapidjson tritonclient grpcio protobuf geventhttpclient gevent greenlet zope.event
 # zope.interface brotli into .carry/, the pytriton wheel split in two (`split -n 2 -d -a 2 WHEEL

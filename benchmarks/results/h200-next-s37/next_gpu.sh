@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The next device session's calls (written in session 36, which had no device time). First, here:
+#   bash benchmarks/prepare_carry.sh
+#   mkdir -p .carry/base35 && git archive 83f678b backend | tar -x -C .carry/base35
+# then, with drafters/ and training/prompts_train.jsonl moved out of the tree, back to back (the machine
+# goes cold 30 s after a call): run(carry=[".carry/cN"], command="mkdir -p /tmp/carry && cp .carry/cN/*
+# /tmp/carry/") for N = 1, 2, 3, 5; put the two paths back; then
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh tests   carry [".carry/c4"]        (~330 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh bench   carry [".carry/c4", ".carry/base35"]
+#
+# tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
+#   83f678b has run on a GPU: the gate's median step times, the frozen startup heaps, session 36's
+#   benchmark changes).
+# bench (~480 s): issue 18's table with the new gate and frozen heaps and each side's loop-thread clock
+#   (CPU share, involuntary switches: a descheduled served loop against one that runs slower), then the
+#   offline engine beside spinning and memory-streaming neighbours (host_neighbours.py: does the host's
+#   memory system, shared with the server's processes, slow the loop?), then the gate A/B (83f678b's
+#   moving-average gate against the median, plain and the serve default, batch 128 and 64).
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+OUT=${OUT:-/tmp/dspark-s37}
+mkdir -p "$OUT"
+case "${1:-}" in
+  tests)
+    OUT=$OUT TESTS_S=${TESTS_S:-330} SERVING_S=${SERVING_S:-110} bash benchmarks/gpu_check.sh > "$OUT/check.log" 2>&1
+    echo "gpu_check: exit $?"; grep -E "passed|failed|error" "$OUT/check.log" | tail -6
+    ;;
+  bench)
+    OUT=$OUT TESTS_S=0 SERVING_S=0 OVERHEAD_S=${OVERHEAD_S:-250} OVERHEAD_ARGS="--levels 1,8,64,128,256 \
+      --modes off,default --requests-per-stream 8 --user-defaults --rounds 2" bash benchmarks/gpu_check.sh \
+      > "$OUT/overhead-check.log" 2>&1
+    echo "overhead: exit $?"; head -8 "$OUT/overhead.md"
+    grep -A12 "Engine loop, offline" "$OUT/overhead.md" | tail -11
+    (cd benchmarks && timeout "${NEIGHBOURS_S:-100}" python3 host_neighbours.py --device cuda \
+      --batch-sizes 64,256 --neighbours none,spin:8,stream:2:64,stream:8:64 --rounds 3 --max-tokens 96 \
+      --out "$OUT/neighbours.json" > "$OUT/neighbours.log" 2>&1)
+    echo "neighbours: exit $?"; grep -E "^batch" "$OUT/neighbours.log"
+    timeout "${AB_S:-90}" python3 benchmarks/ab_trees.py --base .carry/base35/backend --device cuda \
+      --batch-sizes 128,64 --modes off,default --rounds "${ROUNDS:-6}" --max-tokens 96 \
+      --out "$OUT/ab-gate.json" > "$OUT/ab-gate.log" 2>&1
+    echo "ab gate: exit $?"; grep -E "^\{" "$OUT/ab-gate.log"
+    ;;
+  *)
+    echo "usage: next_gpu.sh tests|bench" >&2
+    exit 2
+    ;;
+esac
