@@ -127,8 +127,8 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
     verified a step (the adaptive gate's choice), the share of the window
     in step calls, and per step: wall ms (also apart for the steps that carried a prefill chunk and the
     others), the acceptance's ms (where the host waits for the device), the served loop's ms between
-    steps (taking in commands, handing over deltas) and the host's ms in each phase of the step
-    (`host_<phase>_ms`)."""
+    steps (taking in commands, handing over deltas), the garbage collector's ms (and its full passes in
+    the window) and the host's ms in each phase of the step (`host_<phase>_ms`)."""
     steps = max(after.steps - before.steps, 1)
     requests = after.step_requests - before.step_requests
     step_s = after.step_seconds - before.step_seconds
@@ -151,6 +151,10 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
         # The served loop between its steps (0 offline): commands taken in, deltas handed over.
         "intake_ms": round(1e3 * (after.intake_seconds - before.intake_seconds) / steps, 3),
         "handover_ms": round(1e3 * (after.handover_seconds - before.handover_seconds) / steps, 3),
+        # The process's garbage collector (its passes hold the loop wherever they start): ms a step, and
+        # the passes over the oldest generation in the window.
+        "gc_ms": round(1e3 * (after.gc_seconds - before.gc_seconds) / steps, 3),
+        "gc_full": after.gc_full_collections - before.gc_full_collections,
     } | {
         f"host_{phase}_ms": round(1e3 * (getattr(after, name) - getattr(before, name)) / steps, 3)
         for phase, name in ((phase, f"host_{phase}_seconds") for phase in STEP_PHASES)

@@ -410,7 +410,14 @@ def loop_table(levels: list[int], runs: dict) -> str:
     """Markdown: the engine loop offline and served, per mode and level (`agreement.loop_shares`)."""
     keys = ("steps_per_s", "requests_per_step", "tokens_per_step", "drafts_per_request", "graph", "ahead")
     keys += ("prefill", "in_steps", "step_ms", "prefill_step_ms", "decode_step_ms", "accept_ms")
-    keys += ("intake_ms", "handover_ms", "loop_thread_cpu_share", "loop_thread_preempted_per_s")
+    keys += (
+        "intake_ms",
+        "handover_ms",
+        "gc_ms",
+        "gc_full",
+        "loop_thread_cpu_share",
+        "loop_thread_preempted_per_s",
+    )
     loop = _loop_rows(
         levels,
         runs,
@@ -420,7 +427,8 @@ def loop_table(levels: list[int], runs: dict) -> str:
         "launched ahead and with a prefill chunk, the share of the measured window in step calls, and "
         "per step: wall ms (all steps, those with a prefill chunk, the others), the acceptance's ms "
         "(the host waiting for the device), and the served loop's ms between steps taking in commands "
-        "and handing over deltas (0 offline); the loop thread's CPU share of the window and its "
+        "and handing over deltas (0 offline); the garbage collector's ms a step and its full passes in the "
+        "window; the loop thread's CPU share of the window and its "
         "involuntary context switches a second (`thread_shares`)",
     )
     phases = _loop_rows(

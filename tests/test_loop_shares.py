@@ -26,12 +26,15 @@ def test_loop_shares_are_per_step_differences_under_distinct_keys() -> None:
         step_seconds=1.1,
         prefill_step_seconds=0.03,
         accept_seconds=0.502,
+        gc_seconds=0.04,
+        gc_full_collections=1,
         **phases,
     )
     shares = loop_shares(before, after, seconds=0.2, output_tokens=120)
     assert shares["steps_per_s"] == 50.0 and shares["requests_per_step"] == 4.0
     assert shares["tokens_per_step"] == 12.0 and shares["prefill"] == 0.2
     assert shares["drafts_per_request"] == 1.5  # 60 drafts over 40 request-steps
+    assert shares["gc_ms"] == pytest.approx(4.0) and shares["gc_full"] == 1  # 40 ms over 10 steps
     assert shares["step_ms"] == pytest.approx(10.0) and shares["accept_ms"] == pytest.approx(0.2)
     # 2 prefill-carrying steps took 30 ms, the other 8 took 70.
     assert shares["prefill_step_ms"] == pytest.approx(15.0) and shares["decode_step_ms"] == pytest.approx(

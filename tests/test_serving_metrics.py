@@ -136,3 +136,17 @@ def test_engine_loop_counters_say_where_the_loop_time_went(triton_server):
     step_seconds = after["step_seconds"] - before["step_seconds"]
     assert 0 < after["accept_seconds"] - before["accept_seconds"] < step_seconds
     assert after["idle_seconds"] >= before["idle_seconds"]
+
+
+def test_the_engine_processes_garbage_collector_is_counted(triton_server):
+    """The collector's passes in the engine process reach the metrics: at least the full pass that
+    froze its startup heap (`dspark.process_heap`), with its seconds."""
+
+    def full() -> float:
+        return triton_server.metric("dspark_engine_gc_full_collections_total", model="dspark") or 0.0
+
+    with GrpcStream(triton_server) as grpc:  # a request's end publishes the engine's totals
+        grpc.send(text_input="Hi.", sampling_parameters={"max_tokens": 2}).collect()
+    assert wait_for(lambda: full() >= 1), "the startup heap's full pass is counted"
+    assert (triton_server.metric("dspark_engine_gc_seconds_total", model="dspark") or 0.0) > 0
+    assert triton_server.metric("dspark_engine_gc_collections_total", model="dspark") >= full()

@@ -421,6 +421,12 @@ class LoopTotals:
     host_target_seconds: float = 0.0
     host_accept_seconds: float = 0.0
     host_emit_seconds: float = 0.0
+    # The process's cyclic garbage collector since the engine started (`dspark.process_heap`): its
+    # passes, those over the oldest generation, and their wall seconds. A pass holds the GIL wherever it
+    # starts, so it lengthens whichever phase (or the time between steps) allocated when it began.
+    gc_collections: int = 0
+    gc_full_collections: int = 0
+    gc_seconds: float = 0.0
 
 
 # The phases of an engine step, in the order a step that waits for its acceptance runs them.

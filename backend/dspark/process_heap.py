@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 
 def freeze_startup_heap() -> None:
@@ -26,3 +27,39 @@ def skip_exit_collection() -> None:
     backend stub, the engine process and each rank exit one after another. Call it last, when the
     process's work is done (its objects then live until the exit; the OS frees them)."""
     gc.freeze()
+
+
+class CollectorPauses:
+    """The cyclic garbage collector's passes in this process (any thread's: a pass holds the GIL, so
+    the engine loop waits through it too): how many, how many of them over the oldest generation (which
+    walks every tracked object), and their wall seconds. Counted by a `gc.callbacks` entry."""
+
+    __slots__ = ("collections", "full_collections", "seconds", "_started")
+
+    def __init__(self) -> None:
+        self.collections = 0
+        self.full_collections = 0
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        """gc's callback: at the start and the stop of every pass (passes never overlap)."""
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self._started
+        self.collections += 1
+        if info.get("generation") == 2:
+            self.full_collections += 1
+
+
+_PAUSES: list[CollectorPauses] = []  # this process's one counter, once asked for
+
+
+def collector_pauses() -> CollectorPauses:
+    """This process's collector pauses, counted from the first call on (a second call returns the
+    same counter: one callback a process, however many engines)."""
+    if not _PAUSES:
+        _PAUSES.append(CollectorPauses())
+        gc.callbacks.append(_PAUSES[0])
+    return _PAUSES[0]

@@ -10,6 +10,7 @@ from collections import defaultdict
 import torch
 
 from dspark.outputs import STEP_PHASES, LoopTotals
+from dspark.process_heap import collector_pauses
 
 _HOST_FIELDS = {phase: f"host_{phase}_seconds" for phase in STEP_PHASES}  # LoopTotals' field per phase
 
@@ -82,8 +83,11 @@ class LoopCounters:
     counts when it is launched; the time of every `LLMEngine.step` call counts."""
 
     def __init__(self) -> None:
-        # LoopTotals' fields, at zero: `totals` freezes them back into one.
+        # LoopTotals' fields, at zero: `totals` freezes them back into one (the collector's from its
+        # process-wide counter, less what it had counted before this engine).
         self.__dict__.update(vars(LoopTotals()))
+        pauses = collector_pauses()
+        self._gc_before = (pauses.collections, pauses.full_collections, pauses.seconds)
 
     def add_step(self, requests: int, graph: bool, ahead: bool, prefill: bool, verify_tokens: int) -> None:
         """A step launched with `requests` requests: replayed from a graph or not, launched ahead of
@@ -110,4 +114,10 @@ class LoopCounters:
 
     def totals(self) -> LoopTotals:
         """A snapshot."""
-        return LoopTotals(**vars(self))  # the same names: LoopTotals is this, frozen
+        values = dict(vars(self))  # the same names: LoopTotals is this, frozen
+        collections, full, seconds = values.pop("_gc_before")
+        pauses = collector_pauses()
+        values["gc_collections"] = pauses.collections - collections
+        values["gc_full_collections"] = pauses.full_collections - full
+        values["gc_seconds"] = pauses.seconds - seconds
+        return LoopTotals(**values)

@@ -55,6 +55,9 @@ LOOP_COUNTERS = {
     "admitted_requests": "Requests the engine loop admitted",
     "intake_wait_seconds": "Seconds from requests' hand-over to the engine to their admission, summed",
     "first_token_seconds": "Seconds from requests' hand-over to the engine to their first token, summed",
+    "gc_collections": "Passes of the engine process's cyclic garbage collector",
+    "gc_full_collections": "Of gc_collections: passes over the oldest generation",
+    "gc_seconds": "Wall seconds of the engine process's garbage-collector passes (the loop waits in them)",
 } | {
     f"host_{phase}_seconds": f"Wall seconds of the engine's steps in their {phase} phase, on the host"
     for phase in STEP_PHASES
