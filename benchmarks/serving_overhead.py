@@ -145,15 +145,20 @@ def engine_pids(server_pid: int) -> list[int]:
     thread."""
     table = _process_table()
     spawned = {pid for pid, (_, command, _) in table.items() if "spawn_main" in command}
+    return [pid for pid in process_tree(server_pid, table) if pid in spawned and table[pid][0] not in spawned]
+
+
+def process_tree(root: int, table: dict[int, tuple[int, str, float]]) -> list[int]:
+    """`root` and every process below it, from a `_process_table`."""
     children: dict[int, list[int]] = {}
     for pid, (parent, _, _) in table.items():
         children.setdefault(parent, []).append(pid)
-    tree, stack = [], [server_pid]
+    tree, stack = [], [root]
     while stack:
         pid = stack.pop()
         tree.append(pid)
         stack.extend(children.get(pid, []))
-    return [pid for pid in tree if pid in spawned and table[pid][0] not in spawned]
+    return tree
 
 
 def metrics_text(metrics_port: int) -> str:
@@ -222,14 +227,7 @@ def pin_server(server_pid: int, engine_cpus: set[int]) -> str:
     workers inherit it), to the remaining CPUs: does sharing cores with the server's other processes
     slow the engine's loop? Returns what was pinned."""
     table = _process_table()
-    children: dict[int, list[int]] = {}
-    for pid, (parent, _, _) in table.items():
-        children.setdefault(parent, []).append(pid)
-    tree, stack = [], [server_pid]
-    while stack:
-        pid = stack.pop()
-        tree.append(pid)
-        stack.extend(children.get(pid, []))
+    tree = process_tree(server_pid, table)
     engines = [pid for pid in tree if "spawn_main" in table.get(pid, (0, "", 0))[1]]
     others = set(os.sched_getaffinity(0)) - engine_cpus
     for pid in tree:
