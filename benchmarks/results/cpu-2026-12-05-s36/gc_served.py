@@ -3,11 +3,13 @@
 whichever phase allocates when it starts).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/results/cpu-2026-12-05-s36/gc_served.py 64 4
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/results/cpu-2026-12-05-s36/gc_served.py 32 2 smollm2
 
-The tests' tiny target on the CPU (eager), plain decoding, `streams` closed-loop streams of `rounds`
-requests of 64 greedy tokens each: offline (`LLM.generate` of `streams` prompts, `rounds` times) and
-through `EngineProcess` (a stream submits its next request when its last one ended), with the engine
-loop's totals per step: wall, host phases, hand-over, the collector's ms and full passes.
+The tests' tiny target (or SmolLM2: `smollm2`) on the CPU (eager), plain decoding, `streams`
+closed-loop streams of `rounds` requests of 64 greedy tokens each: offline (`LLM.generate` of
+`streams` prompts, `rounds` times) and through `EngineProcess` (a stream submits its next request
+when its last one ended), with the engine loop's totals per step: wall, host phases, hand-over, the
+collector's ms and full passes.
 """
 
 import sys
@@ -46,10 +48,11 @@ def prompt(i: int) -> list[int]:
 
 def main() -> None:
     streams, rounds = int(sys.argv[1]), int(sys.argv[2])
+    smollm2 = len(sys.argv) > 3 and sys.argv[3] == "smollm2"  # the real target: its heap, torch's
     work = Path(tempfile.mkdtemp(prefix="gc-served-"))
-    target = write_tiny_target(work / "target", vocab_size=512, hidden=64)
+    target = "" if smollm2 else write_tiny_target(work / "target", vocab_size=512, hidden=64)
     config = EngineConfig(
-        model=str(target),
+        model=str(target) if target else "",
         spec_mode="off",
         device="cpu",
         num_kv_pages=4096,
