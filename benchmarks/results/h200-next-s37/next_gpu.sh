@@ -7,6 +7,7 @@
 # /tmp/carry/") for N = 1, 2, 3, 5; put the two paths back; then
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh tests   carry [".carry/c4"]        (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh bench   carry [".carry/c4", ".carry/base35"]
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh diagnose   carry [".carry/c4"]     (~450 s)
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
 #   83f678b has run on a GPU: the gate's median step times, the frozen startup heaps, session 36's
@@ -40,8 +41,19 @@ case "${1:-}" in
       --out "$OUT/ab-gate.json" > "$OUT/ab-gate.log" 2>&1
     echo "ab gate: exit $?"; grep -E "^\{" "$OUT/ab-gate.log"
     ;;
+  diagnose)
+    # A third call, if the bench's loop table leaves the served steps' 1.5x unexplained: the engine
+    # process without tritonserver against the offline engine and the in-process closed loop (py-spy
+    # samples of both at 256), then py-spy of the whole server at 256 streams (py-spy travels in c2).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 EPC_S=${EPC_S:-200} EPC_ARGS="--levels 64,256 --mode off --rounds 2 \
+      --profile-level 256 --out-dir $OUT/epc" OVERHEAD_S=${OVERHEAD_S:-200} OVERHEAD_ARGS="--levels 256 \
+      --modes off --requests-per-stream 8 --user-defaults --rounds 1 --profile-levels 256" \
+      bash benchmarks/gpu_check.sh > "$OUT/diagnose-check.log" 2>&1
+    echo "diagnose: exit $?"; tail -20 "$OUT/epc.log" 2>/dev/null; head -8 "$OUT/overhead.md"
+    for f in "$OUT"/epc/*-top.txt; do [[ -e "$f" ]] && head -30 "$f"; done
+    ;;
   *)
-    echo "usage: next_gpu.sh tests|bench" >&2
+    echo "usage: next_gpu.sh tests|bench|diagnose" >&2
     exit 2
     ;;
 esac
