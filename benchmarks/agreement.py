@@ -81,8 +81,12 @@ class OfflineEngine:
     def measure(self, batch: int, repeats: int = 1) -> tuple[float, list[list[int]], dict]:
         """`timed_generate` of `batch` prompts, `repeats` times back to back, after an untimed one (the
         adaptive gate settles, every graph tier it uses is warm)."""
-        self.llm.generate(bench_prompts(batch), self.params)
+        self.warm_up(batch)
         return timed_generate(self.llm, batch, self.params, repeats)
+
+    def warm_up(self, batch: int) -> None:
+        """One untimed generate() of `batch` prompts, before a measurement of that batch size."""
+        self.llm.generate(bench_prompts(batch), self.params)
 
     def close(self) -> None:
         """Free the engine and its GPU memory."""

@@ -97,9 +97,19 @@ def start_server(
     raise SystemExit(f"not ready after 300 s: see {log}")
 
 
+def stat_fields(stat: str) -> list[str]:
+    """The fields of a /proc .../stat line after the command's parentheses (field 3 on: state, parent
+    pid, ...)."""
+    return stat.rpartition(")")[2].split()
+
+
+def stat_cpu_seconds(fields: list[str]) -> float:
+    """CPU seconds (user + system: stat's fields 14 and 15) of a process or thread, from `stat_fields`."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _process_table() -> dict[int, tuple[int, str, float]]:
     """pid -> (parent pid, command line, CPU seconds used) of every process readable in /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
     table = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -109,8 +119,8 @@ def _process_table() -> dict[int, tuple[int, str, float]]:
             command = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        fields = stat.rpartition(")")[2].split()
-        table[int(name)] = (int(fields[1]), command, (int(fields[11]) + int(fields[12])) / tick)
+        fields = stat_fields(stat)
+        table[int(name)] = (int(fields[1]), command, stat_cpu_seconds(fields))
     return table
 
 

@@ -53,9 +53,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from agreement import OfflineEngine, bench_prompts, loop_shares, timed_generate  # noqa: E402
+from agreement import OfflineEngine, loop_shares, timed_generate  # noqa: E402
 from load_generator import LoadResult, run_load  # noqa: E402
-from serving_ceiling import _process_table, start_server  # noqa: E402
+from serving_ceiling import _process_table, start_server, stat_cpu_seconds, stat_fields  # noqa: E402
 
 from dspark.config import EngineConfig  # noqa: E402
 from dspark.outputs import STEP_PHASES, LoopTotals  # noqa: E402
@@ -105,7 +105,7 @@ class Offline(OfflineEngine):
     def measure(self, batch: int) -> tuple[float, list[list[int]], dict]:
         """`OfflineEngine.measure` of `self.repeats` batches, printed, with this (the loop's) thread's
         clock (`thread_shares`); its tokens kept (the first run of each batch size)."""
-        self.llm.generate(bench_prompts(batch), self.params)  # untimed, as OfflineEngine.measure's
+        self.warm_up(batch)
         me = (os.getpid(), threading.get_native_id())
         clock, started = thread_clock(*me), time.perf_counter()
         rate, tokens, loop = timed_generate(self.llm, batch, self.params, self.repeats)
@@ -123,10 +123,8 @@ def thread_clock(pid: int, tid: int) -> tuple[float, int]:
         status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
     except OSError:
         return 0.0, 0
-    fields = stat.rpartition(")")[2].split()  # fields 14-15 of stat: utime, stime (after ")": 11, 12)
     switches = re.search(r"nonvoluntary_ctxt_switches:\s+(\d+)", status)
-    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return cpu, int(switches.group(1)) if switches else 0
+    return stat_cpu_seconds(stat_fields(stat)), int(switches.group(1)) if switches else 0
 
 
 def thread_shares(before: tuple[float, int], after: tuple[float, int], seconds: float) -> dict[str, float]:

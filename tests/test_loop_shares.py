@@ -3,7 +3,11 @@ snapshots, each counter under its own key (the acceptance's wait and the host's 
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ from dspark.outputs import STEP_PHASES, LoopTotals
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from agreement import loop_shares  # noqa: E402
+from serving_overhead import _process_table, engine_pids, thread_clock, thread_shares  # noqa: E402
 
 
 def test_loop_shares_are_per_step_differences_under_distinct_keys() -> None:
@@ -63,12 +68,6 @@ def test_timed_generate_measures_repeated_batches_in_one_window(tiny_target_dir)
 def test_a_thread_clock_counts_the_cpu_its_thread_ran() -> None:
     """serving_overhead's loop-thread clock: a thread that computes for a window runs most of it; one
     that sleeps runs little of it."""
-    import os
-    import threading
-    import time
-
-    from serving_overhead import thread_clock, thread_shares
-
     me = (os.getpid(), threading.get_native_id())
     before, started = thread_clock(*me), time.perf_counter()
     while time.perf_counter() - started < 0.3:
@@ -84,12 +83,6 @@ def test_a_thread_clock_counts_the_cpu_its_thread_ran() -> None:
 def test_engine_pids_are_the_spawned_children_that_a_spawned_process_did_not_spawn() -> None:
     """The served engine process is a spawned child of a backend stub; its tensor-parallel ranks are
     spawned by it: only the first counts (the command lines carry multiprocessing's spawn_main)."""
-    import os
-    import subprocess
-    import time
-
-    from serving_overhead import _process_table, engine_pids
-
     rank = "import time; time.sleep(30)  # spawn_main"
     engine = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {rank!r}]); {rank}"
     stub = "import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', os.environ['E']]); "
