@@ -74,8 +74,7 @@ def stop(processes: list[subprocess.Popen]) -> None:
 def engine(args: argparse.Namespace, mode: str, batch: int) -> tuple[LLM, list[list[int]]]:
     """The offline engine in `mode` for `batch` requests, and their prompts' token ids."""
     if args.tiny:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from host_costs import _tiny_llm
+        from host_costs import _tiny_llm  # beside this script, on the path as `agreement` is
 
         llm = _tiny_llm(mode, batch)
         return llm, [[(7 * i + j) % 500 + 1 for j in range(24)] for i in range(batch)]
