@@ -2,10 +2,10 @@
 
     python benchmarks/cpu_linear_paths.py [--model DIR] [--rounds 3]
 
-For each row count 1..CPU_FEW_ROWS, every path `layers.linear` may take (F.linear, the weight first,
-one row as two, MKL's packed GEMM where torch has it) is timed over every 2-D weight of the target, in
-order (so the weights come from memory as in a decode step), rounds alternated, best of the rounds;
-then the choice
+For each row count 1..CPU_FEW_ROWS and MANY_ROWS (a prefill chunk's), every path `layers.linear` may
+take (F.linear, the weight first, one row as two, oneDNN's and MKL's products over packed copies where
+torch has them) is timed over every 2-D weight of the target, in order (so the weights come from
+memory as in a decode step), rounds alternated, best of the rounds; then the choice
 `measure_cpu_linear_paths` makes when a model loads, and how long it took. What this is for: which
 path wins differs by row count and by host (its BLAS and caches); a verify window of a block of b
 drafts is b + 1 rows per request.
@@ -49,12 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"{args.model}: {len(weights)} weights, {megabytes:.0f} MB fp32; ms a pass, best of {args.rounds}")
     with torch.inference_mode():
-        packed = layers.pack_cpu_weights(weights)
-        paths = (layers.BY_LINEAR, layers.WEIGHT_FIRST, layers.AS_TWO_ROWS) + (
-            (layers.PACKED,) if packed else ()
-        )
+        packed = tuple(path for path in layers.COPY_ATTRIBUTE if layers.pack_cpu_weights(weights, path))
+        paths = (layers.BY_LINEAR, layers.WEIGHT_FIRST, layers.AS_TWO_ROWS) + packed
         print(f"{'rows':>4} " + " ".join(f"{p:>13}" for p in paths) + "  fastest / F.linear")
-        for rows in range(1, layers.CPU_FEW_ROWS + 1):
+        for rows in (*range(1, layers.CPU_FEW_ROWS + 1), layers.MANY_ROWS):
             best = {p: math.inf for p in layers.candidates(rows, packed)}
             inputs = layers.pass_inputs(weights, rows)
             for _ in range(args.rounds):
@@ -66,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         chosen = layers.measure_cpu_linear_paths(model)
         took = time.perf_counter() - started
-    print(f"measured at load ({took:.1f} s): " + " ".join(f"{rows}:{p}" for rows, p in enumerate(chosen, 1)))
+    print(f"measured at load ({took:.1f} s): {chosen.describe()}")
     return 0
 
 

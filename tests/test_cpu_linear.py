@@ -1,5 +1,6 @@
-"""`layers.linear`: every CPU path of every few-row count gives F.linear's result on random inputs; the
-paths are measured per row count and taken."""
+"""`layers.linear`: every CPU path of every row count gives F.linear's result on random inputs; the
+paths are measured per row count and taken; a weight without the packed copy its path reads, or an input
+that wants gradients, takes the fastest unpacked path."""
 
 from __future__ import annotations
 
@@ -15,21 +16,45 @@ from dspark.runner.models.layers import (
     BY_LINEAR,
     CPU_FEW_ROWS,
     CPU_LINEAR_PATHS,
+    MANY_ROWS,
+    ONEDNN,
     PACKED,
     WEIGHT_FIRST,
     candidates,
     linear,
     measure_cpu_linear_paths,
     pack_cpu_weights,
+    pack_like_measured,
     packs_on_this_cpu,
 )
 
-# MKL's packed GEMM is in every x86 CPU build of torch (this project's machines and CI): its tests run.
-needs_mkl = pytest.mark.skipif(not packs_on_this_cpu(), reason="this torch has no MKL packed GEMM")
+# MKL's packed GEMM and oneDNN are in every x86 CPU build of torch (this project's machines and CI):
+# their tests run.
+needs_mkl = pytest.mark.skipif(not packs_on_this_cpu(PACKED), reason="this torch has no MKL packed GEMM")
+needs_onednn = pytest.mark.skipif(not packs_on_this_cpu(ONEDNN), reason="this torch has no oneDNN")
+PACKED_PATHS = [pytest.param(PACKED, marks=needs_mkl), pytest.param(ONEDNN, marks=needs_onednn)]
+FIELDS = ("by_rows", "many_rows", "unpacked_by_rows", "unpacked_many_rows")
 
 
 def _every_row_count(path_of: dict[int, str]) -> tuple[str, ...]:
     return tuple(path_of.get(rows, BY_LINEAR) for rows in range(1, CPU_FEW_ROWS + 1))
+
+
+def _keep_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU_LINEAR_PATHS and the measured choices are put back after the test."""
+    for name in FIELDS:
+        monkeypatch.setattr(CPU_LINEAR_PATHS, name, getattr(CPU_LINEAR_PATHS, name))
+    monkeypatch.setattr(layers, "_MEASURED", {})
+
+
+def _take(monkeypatch: pytest.MonkeyPatch, rows: int, path: str) -> None:
+    """`linear` takes `path` for `rows` rows (F.linear for the others)."""
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", _every_row_count({rows: path}))
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "many_rows", path if rows > CPU_FEW_ROWS else BY_LINEAR)
+
+
+def _packed_paths_here() -> tuple[str, ...]:
+    return tuple(path for path in layers.COPY_ATTRIBUTE if packs_on_this_cpu(path))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, CPU_FEW_ROWS, CPU_FEW_ROWS + 1, 40])
@@ -37,13 +62,15 @@ def _every_row_count(path_of: dict[int, str]) -> tuple[str, ...]:
 def test_linear_matches_f_linear(rows: int, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every path of every row count around the thresholds, with and without bias, 2-D and 3-D inputs:
     F.linear's values, shape, contiguous."""
+    _keep_paths(monkeypatch)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     in_features, out_features = 64, 96
     weight = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
-    packed = pack_cpu_weights([weight])
-    for path in candidates(rows, packed) if rows <= CPU_FEW_ROWS else (BY_LINEAR,):
-        monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", _every_row_count({rows: path}))
+    packed = [path for path in _packed_paths_here() if pack_cpu_weights([weight], path)]
+    assert packed == list(_packed_paths_here())
+    for path in candidates(rows, packed):
+        _take(monkeypatch, rows, path)
         for x in (
             torch.randn(rows, in_features, generator=gen),
             torch.randn(1, rows, in_features, generator=gen),
@@ -55,8 +82,9 @@ def test_linear_matches_f_linear(rows: int, bias: bool, monkeypatch: pytest.Monk
 
 def test_the_paths_are_measured_per_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """measure_cpu_linear_paths keeps whichever path timed faster over the module's weights, for each
-    row count: made slower F.linear loses everywhere, made slower mm wins nowhere; the choice is what
-    `linear` takes; a module of the same shapes takes the earlier choice without timing again."""
+    row count: made slower F.linear loses everywhere it has a rival, made slower mm wins nowhere; the
+    choice is what `linear` takes; a module of the same shapes takes the earlier choice without timing
+    again."""
     module = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
     real_mm, real_linear = torch.mm, F.linear
     calls = {"mm": 0}
@@ -70,26 +98,28 @@ def test_the_paths_are_measured_per_row_count(monkeypatch: pytest.MonkeyPatch) -
 
         return wrapped
 
-    monkeypatch.setattr(layers, "_MEASURED", {})
-    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", CPU_LINEAR_PATHS.by_rows)
-    monkeypatch.setattr(layers, "packs_on_this_cpu", lambda: False)  # the packed path: its own tests
+    _keep_paths(monkeypatch)
+    monkeypatch.setattr(layers, "packs_on_this_cpu", lambda path=PACKED: False)  # packed: own tests
     monkeypatch.setattr(layers.F, "linear", slow(real_linear))
     chosen = measure_cpu_linear_paths(module)
-    assert chosen == CPU_LINEAR_PATHS.by_rows == (AS_TWO_ROWS,) + (WEIGHT_FIRST,) * (CPU_FEW_ROWS - 1)
+    unpacked = (AS_TWO_ROWS,) + (WEIGHT_FIRST,) * (CPU_FEW_ROWS - 1)
+    assert chosen is CPU_LINEAR_PATHS and chosen.by_rows == chosen.unpacked_by_rows == unpacked
+    assert chosen.many_rows == BY_LINEAR  # no rival without packed copies
 
     monkeypatch.setattr(layers, "_MEASURED", {})
     monkeypatch.setattr(layers.F, "linear", real_linear)
     monkeypatch.setattr(layers.torch, "mm", slow(real_mm, "mm"))
-    assert measure_cpu_linear_paths(module) == (BY_LINEAR,) * CPU_FEW_ROWS == CPU_LINEAR_PATHS.by_rows
+    assert measure_cpu_linear_paths(module).by_rows == (BY_LINEAR,) * CPU_FEW_ROWS
     timed = calls["mm"]
     assert timed > 0
     same_shapes = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
-    assert measure_cpu_linear_paths(same_shapes) == (BY_LINEAR,) * CPU_FEW_ROWS
+    assert measure_cpu_linear_paths(same_shapes).by_rows == (BY_LINEAR,) * CPU_FEW_ROWS
     assert calls["mm"] == timed, "a model of the same shapes was timed again"
 
 
 def test_the_paths_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each row count goes the way its entry says; many rows through F.linear."""
+    """Each row count goes the way its entry says, more rows the way `many_rows` says."""
+    _keep_paths(monkeypatch)
     calls: list[str] = []
     real_mm, real_linear = torch.mm, F.linear
     monkeypatch.setattr(layers.torch, "mm", lambda *a: calls.append("mm") or real_mm(*a))
@@ -97,11 +127,40 @@ def test_the_paths_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     weight = torch.randn(8, 4)
     paths = _every_row_count({1: AS_TWO_ROWS, 3: WEIGHT_FIRST, 4: BY_LINEAR})
     monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", paths)
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "many_rows", BY_LINEAR)
     for rows in (1, 3, 4, CPU_FEW_ROWS + 1):
         linear(torch.randn(rows, 4), weight)
     monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", _every_row_count({}))
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "many_rows", WEIGHT_FIRST)
     linear(torch.randn(1, 4), weight)
-    assert calls == ["mm", "mm", "linear", "linear", "linear"]
+    linear(torch.randn(CPU_FEW_ROWS + 1, 4), weight)
+    assert calls == ["mm", "mm", "linear", "linear", "linear", "mm"]
+
+
+@pytest.mark.parametrize("path", PACKED_PATHS)
+def test_a_weight_without_its_copy_takes_the_fastest_unpacked_path(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a packed path is chosen: a weight without its copy (a slice, a module measured apart) and
+    an input that wants gradients take the row count's unpacked choice, and gradients flow."""
+    _keep_paths(monkeypatch)
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", (path,) * CPU_FEW_ROWS)
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "many_rows", path)
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "unpacked_by_rows", (WEIGHT_FIRST,) * CPU_FEW_ROWS)
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "unpacked_many_rows", WEIGHT_FIRST)
+    taken: list[str] = []
+    real_product = layers._product
+    monkeypatch.setattr(layers, "_product", lambda x, w, p: taken.append(p) or real_product(x, w, p))
+    weight = torch.randn(96, 64)
+    assert pack_cpu_weights([weight], path)
+    for rows in (3, CPU_FEW_ROWS + 2):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(linear(x, weight[:50]), F.linear(x, weight[:50]), rtol=1e-4, atol=1e-4)
+        wanting = x.clone().requires_grad_()
+        linear(wanting, weight).sum().backward()
+        torch.testing.assert_close(wanting.grad, weight.sum(0).expand(rows, -1), rtol=1e-4, atol=1e-4)
+    assert taken == [path, WEIGHT_FIRST, WEIGHT_FIRST] * 2
 
 
 def _fake_pass_times(cost: dict[str, float], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -111,10 +170,9 @@ def _fake_pass_times(cost: dict[str, float], monkeypatch: pytest.MonkeyPatch) ->
     def product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> None:
         clock[0] += cost[path]
 
+    _keep_paths(monkeypatch)
     monkeypatch.setattr(layers, "_product", product)
     monkeypatch.setattr(layers.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(layers, "_MEASURED", {})
-    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", CPU_LINEAR_PATHS.by_rows)
 
 
 @pytest.mark.parametrize(("weight_first_share", "chosen"), [(0.95, BY_LINEAR), (0.85, WEIGHT_FIRST)])
@@ -124,53 +182,104 @@ def test_another_path_is_taken_only_when_it_clearly_wins(
     """With pass times set by a fake clock: a path a little faster than F.linear (within CLEAR_WIN) is
     not taken, one clearly faster is."""
     _fake_pass_times(
-        {BY_LINEAR: 1.0, WEIGHT_FIRST: weight_first_share, AS_TWO_ROWS: 2.0, PACKED: 2.0}, monkeypatch
+        {BY_LINEAR: 1.0, WEIGHT_FIRST: weight_first_share, AS_TWO_ROWS: 2.0, PACKED: 2.0, ONEDNN: 2.0},
+        monkeypatch,
     )
     paths = measure_cpu_linear_paths(torch.nn.Linear(8, 16))
-    assert paths == (BY_LINEAR,) + (chosen,) * (CPU_FEW_ROWS - 1)
+    assert paths.by_rows == paths.unpacked_by_rows == (BY_LINEAR,) + (chosen,) * (CPU_FEW_ROWS - 1)
+    assert paths.many_rows == paths.unpacked_many_rows == BY_LINEAR
 
 
-@needs_mkl
-@pytest.mark.parametrize(("packed_share", "chosen"), [(1.0, BY_LINEAR), (0.95, BY_LINEAR), (0.5, PACKED)])
-def test_the_packed_path_is_taken_where_it_clearly_wins(
-    packed_share: float, chosen: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("path", PACKED_PATHS)
+@pytest.mark.parametrize(("packed_share", "chosen"), [(1.0, BY_LINEAR), (0.95, BY_LINEAR), (0.5, "packed")])
+def test_a_packed_path_is_taken_where_it_clearly_wins(
+    path: str, packed_share: float, chosen: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Fake clock: the packed path is taken only where it clearly beats F.linear (CLEAR_WIN), as any
-    other path; a module whose packed path is taken nowhere keeps no packed copies."""
-    _fake_pass_times({BY_LINEAR: 1.0, WEIGHT_FIRST: 2.0, AS_TWO_ROWS: 2.0, PACKED: packed_share}, monkeypatch)
+    """Fake clock: a packed path is taken only where it clearly beats F.linear (CLEAR_WIN), as any
+    other path, at few rows and many; a module whose packed path is taken nowhere keeps no copies of
+    it; the unpacked choice stays F.linear."""
+    other = ONEDNN if path == PACKED else PACKED
+    _fake_pass_times(
+        {BY_LINEAR: 1.0, WEIGHT_FIRST: 2.0, AS_TWO_ROWS: 2.0, path: packed_share, other: 3.0}, monkeypatch
+    )
     module = torch.nn.Linear(8, 16)
-    assert measure_cpu_linear_paths(module) == (chosen,) * CPU_FEW_ROWS
-    assert hasattr(module.weight, "mkl_packed") == (chosen == PACKED)
+    expected = path if chosen == "packed" else BY_LINEAR
+    paths = measure_cpu_linear_paths(module)
+    assert paths.by_rows == (expected,) * CPU_FEW_ROWS and paths.many_rows == expected
+    assert paths.unpacked_by_rows == (BY_LINEAR,) * CPU_FEW_ROWS and paths.unpacked_many_rows == BY_LINEAR
+    assert hasattr(module.weight, layers.COPY_ATTRIBUTE[path]) == (expected == path)
+    assert not hasattr(module.weight, layers.COPY_ATTRIBUTE[other])
 
 
-@needs_mkl
-def test_a_packed_row_is_that_row_computed_alone_to_rounding() -> None:
+@pytest.mark.parametrize("path", PACKED_PATHS)
+def test_a_packed_row_is_that_row_computed_alone_to_rounding(path: str) -> None:
     """Each row of a packed product is that row computed alone, to fp32 rounding, at every few-row
-    count, and the product is F.linear's. (Bit for bit only on some CPUs: Intel's MKL on the Xeon gave
-    every row exactly; on an AMD EPYC rows differ by up to ~15 units in the last place from 4 rows on,
-    as F.linear's do from 2 on every CPU seen: a verify window's rows round as decode rows only there.)"""
+    count and at many rows, and the product is F.linear's. (Bit for bit only on some CPUs: Intel's MKL
+    on the Xeon gave every row exactly, and oneDNN on an AMD EPYC; MKL's rows on the EPYC differ by up
+    to ~15 units in the last place from 4 rows on, as F.linear's do from 2 on every CPU seen: a verify
+    window's rows round as decode rows only there.)"""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     weight = torch.randn(384, 256, generator=gen)
-    assert pack_cpu_weights([weight])
-    for rows in range(1, CPU_FEW_ROWS + 1):
+    assert pack_cpu_weights([weight], path)
+    for rows in (*range(1, CPU_FEW_ROWS + 1), MANY_ROWS):
         x = torch.randn(rows, 256, generator=gen)
-        together = layers._product(x, weight, PACKED)
-        alone = torch.cat([layers._product(x[r : r + 1], weight, PACKED) for r in range(rows)])
+        together = layers._product(x, weight, path)
+        alone = torch.cat([layers._product(x[r : r + 1], weight, path) for r in range(rows)])
         torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-4, msg=f"{rows} rows")
         torch.testing.assert_close(together, F.linear(x, weight), rtol=1e-4, atol=1e-4)
 
 
-@needs_mkl
-def test_weights_are_packed_only_where_the_copies_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("path", PACKED_PATHS)
+def test_weights_are_packed_only_where_the_copies_fit(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """No packed copies when they would take more than PACKED_MEMORY_SHARE of the available memory, for
-    half-precision weights, or without MKL; the packed path of an unpacked weight is F.linear."""
+    half-precision weights, or without the library; the packed path of an unpacked weight is F.linear."""
+    attribute = layers.COPY_ATTRIBUTE[path]
     weight = torch.randn(64, 32)
     monkeypatch.setattr(layers, "available_memory_bytes", lambda: 4 * weight.numel() * 4)
-    assert not pack_cpu_weights([weight]) and not hasattr(weight, "mkl_packed")
+    assert not pack_cpu_weights([weight], path) and not hasattr(weight, attribute)
     monkeypatch.setattr(layers, "available_memory_bytes", lambda: 1 << 40)
-    assert not pack_cpu_weights([weight.to(torch.bfloat16)])
-    assert pack_cpu_weights([weight]) and hasattr(weight, "mkl_packed")
+    assert not pack_cpu_weights([weight.to(torch.bfloat16)], path)
+    assert pack_cpu_weights([weight], path) and hasattr(weight, attribute)
     x, other = torch.randn(3, 32), torch.randn(64, 32)
-    torch.testing.assert_close(layers._product(x, other, PACKED), F.linear(x, other))
-    monkeypatch.setattr(layers, "packs_on_this_cpu", lambda: False)
-    assert not pack_cpu_weights([torch.randn(64, 32)])
+    torch.testing.assert_close(layers._product(x, other, path), F.linear(x, other))
+    monkeypatch.setattr(layers, "packs_on_this_cpu", lambda path=PACKED: False)
+    assert not pack_cpu_weights([torch.randn(64, 32)], path)
+
+
+@pytest.mark.parametrize("path", PACKED_PATHS)
+def test_a_model_measured_again_without_room_for_its_copies_takes_the_unpacked_choice(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second model of the same shapes takes the first one's choice, its copies made again; where they
+    no longer fit, the rows that took the packed path take the unpacked choice instead."""
+    _fake_pass_times(
+        {BY_LINEAR: 1.0, WEIGHT_FIRST: 0.5, AS_TWO_ROWS: 0.5, path: 0.2, "other": 3.0}, monkeypatch
+    )
+    monkeypatch.setattr(layers, "COPY_ATTRIBUTE", {path: layers.COPY_ATTRIBUTE[path]})
+    assert measure_cpu_linear_paths(torch.nn.Linear(8, 16)).by_rows == (path,) * CPU_FEW_ROWS
+    again = torch.nn.Linear(8, 16)
+    assert measure_cpu_linear_paths(again).by_rows == (path,) * CPU_FEW_ROWS
+    assert hasattr(again.weight, layers.COPY_ATTRIBUTE[path])
+    monkeypatch.setattr(layers, "available_memory_bytes", lambda: 0)
+    paths = measure_cpu_linear_paths(torch.nn.Linear(8, 16))
+    assert paths.by_rows == (AS_TWO_ROWS,) + (WEIGHT_FIRST,) * (CPU_FEW_ROWS - 1)
+    assert paths.many_rows == BY_LINEAR
+
+
+@needs_onednn
+def test_a_drafters_weights_get_the_copies_the_measured_paths_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pack_like_measured gives weights measured apart (a drafter's, its draft head) copies of the
+    packed paths `CPU_LINEAR_PATHS` takes, and none of the others; a copy already there is kept."""
+    _keep_paths(monkeypatch)
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", (AS_TWO_ROWS,) + (ONEDNN,) * (CPU_FEW_ROWS - 1))
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "many_rows", BY_LINEAR)
+    drafter = torch.nn.Linear(32, 48, bias=False)
+    head, shared = torch.randn(100, 32), torch.randn(64, 32)
+    assert pack_cpu_weights([shared], ONEDNN)
+    kept = shared.onednn_packed
+    pack_like_measured([drafter.weight, head, shared, torch.randn(7)])
+    assert hasattr(drafter.weight, "onednn_packed") and hasattr(head, "onednn_packed")
+    assert shared.onednn_packed is kept
+    assert not any(hasattr(w, "mkl_packed") for w in (drafter.weight, head, shared))
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(linear(x, head), F.linear(x, head), rtol=1e-4, atol=1e-4)

@@ -9,24 +9,24 @@ from pathlib import Path
 import pytest
 
 from dspark.runner.models import layers
-from dspark.runner.models.layers import CPU_FEW_ROWS, CPU_LINEAR_PATHS
+from dspark.runner.models.layers import CPU_FEW_ROWS, CPU_LINEAR_PATHS, MANY_ROWS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import cpu_linear_paths  # noqa: E402
 
 
 def test_the_paths_table_covers_every_row_count(tiny_target_dir, capsys, monkeypatch: pytest.MonkeyPatch):
-    # Both put back afterwards: the benchmark measures afresh.
-    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", CPU_LINEAR_PATHS.by_rows)
+    # Put back afterwards: the benchmark measures afresh.
+    for name in ("by_rows", "many_rows", "unpacked_by_rows", "unpacked_many_rows"):
+        monkeypatch.setattr(CPU_LINEAR_PATHS, name, getattr(CPU_LINEAR_PATHS, name))
     monkeypatch.setattr(layers, "_MEASURED", {})
     assert cpu_linear_paths.main(["--model", str(tiny_target_dir), "--rounds", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in lines if line.split() and line.split()[0].isdigit()]
-    assert [int(row[0]) for row in rows] == list(range(1, CPU_FEW_ROWS + 1))
-    # The candidates of each row count (the packed path too where MKL packs), and the ratio.
-    widths = {len(layers.candidates(n, layers.packs_on_this_cpu())) + 2 for n in range(1, CPU_FEW_ROWS + 1)}
-    assert {len(row) for row in rows} == widths, rows
+    assert [int(row[0]) for row in rows] == [*range(1, CPU_FEW_ROWS + 1), MANY_ROWS]
+    # The candidates of each row count (the packed paths too where torch has them), and the ratio.
+    packed = [path for path in layers.COPY_ATTRIBUTE if layers.packs_on_this_cpu(path)]
+    for row in rows:
+        assert len(row) == len(layers.candidates(int(row[0]), packed)) + 2, row
     (measured,) = [line for line in lines if line.startswith("measured at load")]
-    assert measured.split(": ", 1)[1].split() == [
-        f"{n}:{p}" for n, p in enumerate(CPU_LINEAR_PATHS.by_rows, 1)
-    ]
+    assert measured.split(": ", 1)[1] == CPU_LINEAR_PATHS.describe()

@@ -154,10 +154,9 @@ class ModelRunner:
         """Load this rank's shard of the target (the whole target for SINGLE) and its KV cache shard."""
         model = load_target_model(config.model_path, dtype=dtype, device=device, tp=tp)
         if device.type == "cpu":
-            # Each few-row count by F.linear, with the weight first or by MKL's packed GEMM: the host's
-            # BLAS decides which is faster (CpuLinearPaths).
-            paths = measure_cpu_linear_paths(model)
-            logger.info("CPU linears, 1..%d rows: %s", len(paths), " ".join(paths))
+            # Each row count by F.linear, with the weight first, or over a packed copy (oneDNN's, MKL's):
+            # the host's BLAS decides which is faster (CpuLinearPaths).
+            logger.info("CPU linears by rows: %s", measure_cpu_linear_paths(model).describe())
         cfg = model.config
         cache = PagedKVCache(
             cfg.num_layers,

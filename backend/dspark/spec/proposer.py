@@ -14,6 +14,7 @@ from dspark.runner.attention_batch import AttentionBatch
 from dspark.runner.cuda_graphs import StaticLayout, next_pow2
 from dspark.runner.host_to_device import to_device, to_host_queued
 from dspark.runner.kv_cache import PagedKVCache
+from dspark.runner.models.layers import pack_like_measured
 from dspark.sampling.sampler import filtered_probs, sample_rows
 from dspark.sequence import Sequence
 from dspark.spec.draft_graphs import DraftGraphs
@@ -76,6 +77,8 @@ class DSparkProposer:
             if w1 is not None and w2 is not None:
                 self.draft_w1 = w1.weight[self.vocab_ids].contiguous()
                 self.draft_w2 = w2.weight[self.vocab_ids].contiguous()
+        if device.type == "cpu":  # the products the target's measured paths take, over packed copies
+            pack_like_measured([*(p for p in drafter.parameters() if p.dim() == 2), self.draft_head])
         self.block_size = block_size or cfg.block_size
         self.target_layer_ids = list(cfg.target_layer_ids)
         self.page_size = page_size

@@ -21,53 +21,79 @@ from dspark.parallel.distributed import SINGLE, TensorParallel
 Loader = Callable[[torch.Tensor, torch.Tensor, str | None], None]
 
 
-# Rows up to which a CPU linear takes the path measured for its row count (see `linear`).
+# Rows up to which a CPU linear takes the path measured for its row count (see `linear`); more rows (a
+# prefill chunk) take the path measured at MANY_ROWS.
 CPU_FEW_ROWS = 16
+MANY_ROWS = 64
 # A path this much slower than the best in a round is not timed again (measure_cpu_linear_paths).
 CLEAR_LOSS = 1.3
 # Another path is taken over F.linear only if it takes at most this share of F.linear's time.
 CLEAR_WIN = 0.9
 
-# The ways `linear` may compute a few rows on a CPU (`CpuLinearPaths`).
+# The ways `linear` may compute rows on a CPU (`CpuLinearPaths`).
 BY_LINEAR = "linear"  # F.linear (x W^T; one row: a GEMV)
 WEIGHT_FIRST = "weight_first"  # (W x^T)^T: the weight as the long operand
 AS_TWO_ROWS = "as_two_rows"  # one row only: W x^T of the row taken twice
 # MKL's packed GEMM over a copy of the weight reordered once (`pack_cpu_weights`): past MKL's small-M
 # cliff (4+ rows) it ran a pass 1.45-2.1x faster than F.linear on an Intel Xeon, where a row's result
 # did not depend on the rows beside it (F.linear's does from 2 rows on; on an AMD EPYC the packed
-# product's do too, by a few units in the last place, from 4 rows on). Weights without a packed copy
-# take F.linear.
+# product's do too, by a few units in the last place, from 4 rows on).
 PACKED = "packed"
+# oneDNN's product over a copy of the weight reordered once into its blocked layout (what torch's
+# compiler uses for frozen CPU linears): on a 2-core AMD EPYC a pass over SmolLM2's weights took
+# 0.65-0.7x the best other path's time at 1-4 rows and 0.3-0.4x F.linear's at 16-128 rows (prefill),
+# and each row's result was the same bits whatever rows were beside it.
+ONEDNN = "onednn"
+# The paths over a packed copy: the attribute each copy is kept in on its weight, and the copies'
+# bytes over the weight's (measured on SmolLM2's shapes: MKL's 2.06-2.29x, oneDNN's 1x; with room).
+COPY_ATTRIBUTE = {ONEDNN: "onednn_packed", PACKED: "mkl_packed"}
+COPY_SIZE = {ONEDNN: 1.1, PACKED: 2.5}
 CANDIDATES = {1: (BY_LINEAR, AS_TWO_ROWS)}  # by row count; the rest: (BY_LINEAR, WEIGHT_FIRST)
-# The packed copies may take at most this share of the memory available when they are made (they are
-# ~2.3x the weights' bytes in fp32).
+# The packed copies may take at most this share of the memory available when they are made.
 PACKED_MEMORY_SHARE = 0.25
 
 
-def candidates(rows: int, packed: bool = False) -> tuple[str, ...]:
-    """The paths measured for this many rows (`packed`: the weights have packed copies)."""
-    return CANDIDATES.get(rows, (BY_LINEAR, WEIGHT_FIRST)) + ((PACKED,) if packed else ())
+def candidates(rows: int, packed: Sequence[str] = ()) -> tuple[str, ...]:
+    """The paths measured for this many rows (`packed`: the paths whose copies the weights have)."""
+    unpacked = (BY_LINEAR,) if rows > CPU_FEW_ROWS else CANDIDATES.get(rows, (BY_LINEAR, WEIGHT_FIRST))
+    return unpacked + tuple(packed)
 
 
 @dataclass
 class CpuLinearPaths:
-    """How `linear` computes 1..CPU_FEW_ROWS rows on a CPU: a path per row count (`by_rows[rows - 1]`).
+    """How `linear` computes rows on a CPU: a path per row count up to CPU_FEW_ROWS (`by_rows[rows -
+    1]`), one for more rows (`many_rows`), and for a weight without the copy its path needs (a slice of
+    a weight, a module measured apart; or an input that needs gradients) the fastest path without one
+    (`unpacked_by_rows`, `unpacked_many_rows`).
 
     Which is faster depends on the host's BLAS and cache, not on the model, and differs by row count:
     on a 2-core AMD EPYC, F.linear read the SmolLM2 target's weights at a third of the speed of W x^T
     for one row and for 2-16 rows; on a 2-core Intel Xeon with MKL 2024, W x^T ran a whole pass of 2-3
     rows at 2.3x the time of F.linear, and F.linear itself costs 1.1x one row for 2-3 rows and 1.9x
     for 4 (a verify window of a block of 3); so `measure_cpu_linear_paths` times them over a model's
-    own weights when it is loaded. Until then: the EPYC's choice. Where torch has MKL's packed GEMM
-    the weights get packed copies and that path (`PACKED`) is measured too: on the Xeon it tied F.linear
-    at 1-3 rows and ran 4-15 rows in 0.6-0.84x its time (past MKL's small-row cliff).
+    own weights when it is loaded. Until then: the EPYC's unpacked choice. Where torch has oneDNN or
+    MKL's packed GEMM the weights get packed copies and those paths (`ONEDNN`, `PACKED`) are measured
+    too: on the Xeon MKL's tied F.linear at 1-3 rows and ran 4-15 rows in 0.6-0.84x its time (past
+    MKL's small-row cliff).
     """
 
     by_rows: tuple[str, ...] = (AS_TWO_ROWS,) + (WEIGHT_FIRST,) * (CPU_FEW_ROWS - 1)
+    many_rows: str = BY_LINEAR
+    unpacked_by_rows: tuple[str, ...] = (AS_TWO_ROWS,) + (WEIGHT_FIRST,) * (CPU_FEW_ROWS - 1)
+    unpacked_many_rows: str = BY_LINEAR
 
     def path(self, rows: int) -> str:
-        """The path for this many rows (1..CPU_FEW_ROWS)."""
-        return self.by_rows[rows - 1]
+        """The path for this many rows (1 or more)."""
+        return self.by_rows[rows - 1] if rows <= CPU_FEW_ROWS else self.many_rows
+
+    def unpacked_path(self, rows: int) -> str:
+        """The path for this many rows of a weight without the copy `path(rows)` needs."""
+        return self.unpacked_by_rows[rows - 1] if rows <= CPU_FEW_ROWS else self.unpacked_many_rows
+
+    def describe(self) -> str:
+        """One line: each row count's path, then the many rows' one."""
+        few = " ".join(f"{rows}:{path}" for rows, path in enumerate(self.by_rows, 1))
+        return f"{few} {CPU_FEW_ROWS + 1}+:{self.many_rows}"
 
 
 CPU_LINEAR_PATHS = CpuLinearPaths()
@@ -81,9 +107,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu":
         # ops decides which products the kernel takes (rows, dtype, width); the rest go to F.linear.
         return F.linear(x, weight, bias) if bias is not None else ops.few_rows_linear(x, weight)
-    if not 0 < rows <= CPU_FEW_ROWS:
+    if rows == 0:
         return F.linear(x, weight, bias)
     path = CPU_LINEAR_PATHS.path(rows)
+    if path in COPY_ATTRIBUTE and (x.requires_grad or getattr(weight, COPY_ATTRIBUTE[path], None) is None):
+        # No copy to read (or gradients wanted, which the packed products do not give).
+        path = CPU_LINEAR_PATHS.unpacked_path(rows)
     if path == BY_LINEAR:
         return F.linear(x, weight, bias)
     y = _product(x.reshape(rows, x.shape[-1]), weight, path)
@@ -93,22 +122,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> torch.Tensor:
-    """flat [rows, in] @ weight^T by `path`: [rows, out], contiguous."""
+    """flat [rows, in] @ weight^T by `path`: [rows, out], contiguous (a packed path of a weight without
+    its copy: F.linear)."""
     if path == BY_LINEAR:
         return F.linear(flat, weight)
     if path == AS_TWO_ROWS:
         return torch.mm(weight, flat.repeat(2, 1).t())[:, :1].t().contiguous()
-    if path == PACKED:
-        packed = getattr(weight, "mkl_packed", None)
-        if packed is None:  # a weight of another module (the drafter's): not packed
+    if path in COPY_ATTRIBUTE:
+        copy = getattr(weight, COPY_ATTRIBUTE[path], None)
+        if copy is None:
             return F.linear(flat, weight)
-        return torch.ops.mkl._mkl_linear(flat, packed, weight, None, flat.shape[0])
+        if path == ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(flat, copy, None, "none", [], "")
+        return torch.ops.mkl._mkl_linear(flat, copy, weight, None, flat.shape[0])
     return torch.mm(weight, flat.t()).t().contiguous()
 
 
-def packs_on_this_cpu() -> bool:
-    """Whether this torch has MKL's packed GEMM (an x86 build with MKL)."""
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+def packs_on_this_cpu(path: str = PACKED) -> bool:
+    """Whether this torch has the packed product of `path` (MKL's packed GEMM, oneDNN's linear)."""
+    try:
+        if path == ONEDNN:
+            return torch.backends.mkldnn.is_available() and all(
+                hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight")
+            )
+        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def available_memory_bytes() -> int:
@@ -119,55 +158,95 @@ def available_memory_bytes() -> int:
         return 0
 
 
-def pack_cpu_weights(weights: Sequence[torch.Tensor]) -> bool:
-    """Give each fp32 weight a packed copy (`weight.mkl_packed`) for the PACKED path, if this CPU
-    packs and the copies fit PACKED_MEMORY_SHARE of the available memory; whether it did."""
-    if not weights or not packs_on_this_cpu() or any(w.dtype != torch.float32 for w in weights):
+def pack_cpu_weights(weights: Sequence[torch.Tensor], path: str = PACKED) -> bool:
+    """Give each fp32 weight a packed copy for `path` (`COPY_ATTRIBUTE`), if this CPU has that product
+    and the copies fit PACKED_MEMORY_SHARE of the available memory; whether it did."""
+    if not weights or not packs_on_this_cpu(path) or any(w.dtype != torch.float32 for w in weights):
         return False
-    # Measured on SmolLM2's shapes: 2.06-2.29x the weight; 2.5x leaves room.
-    needed = 2.5 * sum(w.numel() * w.element_size() for w in weights)
+    needed = COPY_SIZE[path] * sum(w.numel() * w.element_size() for w in weights)
     if needed > PACKED_MEMORY_SHARE * available_memory_bytes():
         return False
+    # One packing serves every row count (the row count given here is only the library's hint).
+    if path == ONEDNN:
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+    else:
+        reorder = torch.ops.mkl._mkl_reorder_linear_weight
     for w in weights:
-        # One packing serves every row count (the row count given here is only MKL's hint).
-        w.mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), 4)  # type: ignore[attr-defined]
+        setattr(w, COPY_ATTRIBUTE[path], reorder(w.detach(), 4))
     return True
 
 
-def unpack_cpu_weights(weights: Sequence[torch.Tensor]) -> None:
-    """Drop the packed copies (no row count took the PACKED path)."""
+def unpack_cpu_weights(weights: Sequence[torch.Tensor], path: str = PACKED) -> None:
+    """Drop the packed copies of `path` (no row count took it)."""
     for w in weights:
-        if hasattr(w, "mkl_packed"):
-            del w.mkl_packed
+        if hasattr(w, COPY_ATTRIBUTE[path]):
+            delattr(w, COPY_ATTRIBUTE[path])
 
 
-_MEASURED: dict[tuple, tuple[str, ...]] = {}  # measure_cpu_linear_paths' choices, by weight shapes
+def pack_like_measured(weights: Sequence[torch.Tensor]) -> None:
+    """Give CPU fp32 `weights` measured apart from the model (a drafter's) the copies of the packed
+    paths `CPU_LINEAR_PATHS` takes, where they fit."""
+    weights = [w for w in weights if w.dim() == 2 and w.device.type == "cpu"]
+    with torch.inference_mode():
+        for path in _packed_paths(CPU_LINEAR_PATHS):  # a weight shared with the model has its copy
+            pack_cpu_weights([w for w in weights if not hasattr(w, COPY_ATTRIBUTE[path])], path)
 
 
-def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> tuple[str, ...]:
+# measure_cpu_linear_paths' choices, by weight shapes, and the packed paths chosen
+_MEASURED: dict[tuple, CpuLinearPaths] = {}
+
+
+def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> CpuLinearPaths:
     """Time each row count's candidate paths over every 2-D weight of `module` (a whole pass, in
-    order, so that weights come from memory as in a step), keep the fastest per row count in
-    `CPU_LINEAR_PATHS` and return the choice (F.linear unless another path clearly wins: CLEAR_WIN).
-    Only candidates within CLEAR_LOSS of the best are timed again; a model of the same weight shapes
-    measured before in this process takes that choice. A no-op returning the current choice off the
-    CPU."""
+    order, so that weights come from memory as in a step), 1..CPU_FEW_ROWS and MANY_ROWS, keep the
+    fastest per row count in `CPU_LINEAR_PATHS` and return the choice (F.linear unless another path
+    clearly wins: CLEAR_WIN). Only candidates within CLEAR_LOSS of the best are timed again; a model of
+    the same weight shapes measured before in this process takes that choice (its packed copies made
+    again where they fit, else the fastest unpacked path). A no-op returning the current choice off
+    the CPU."""
     weights = [p for p in module.parameters() if p.dim() == 2 and p.device.type == "cpu"]
     if not weights:
-        return CPU_LINEAR_PATHS.by_rows
+        return CPU_LINEAR_PATHS
     key = tuple((tuple(w.shape), w.dtype) for w in weights)
     known = _MEASURED.get(key)
     with torch.inference_mode():
-        packed = (known is None or PACKED in known) and pack_cpu_weights(weights)
+        wanted = tuple(COPY_ATTRIBUTE) if known is None else _packed_paths(known)
+        packed = tuple(path for path in wanted if pack_cpu_weights(weights, path))
         if known is None:
-            known = _MEASURED[key] = tuple(
-                _fastest(weights, rows, rounds, packed) for rows in range(1, CPU_FEW_ROWS + 1)
-            )
-        elif PACKED in known and not packed:  # the copies no longer fit: F.linear instead
-            known = tuple(BY_LINEAR if path == PACKED else path for path in known)
-    if packed and PACKED not in known:
-        unpack_cpu_weights(weights)
-    CPU_LINEAR_PATHS.by_rows = known
-    return known
+            known = _MEASURED[key] = _measure(weights, rounds, packed)
+        chosen = _without(known, set(wanted) - set(packed))  # the copies that no longer fit
+    for path in set(packed) - set(_packed_paths(chosen)):
+        unpack_cpu_weights(weights, path)
+    CPU_LINEAR_PATHS.by_rows, CPU_LINEAR_PATHS.many_rows = chosen.by_rows, chosen.many_rows
+    CPU_LINEAR_PATHS.unpacked_by_rows = chosen.unpacked_by_rows
+    CPU_LINEAR_PATHS.unpacked_many_rows = chosen.unpacked_many_rows
+    return CPU_LINEAR_PATHS
+
+
+def _packed_paths(paths: CpuLinearPaths) -> tuple[str, ...]:
+    """The packed paths `paths` takes anywhere."""
+    return tuple(path for path in COPY_ATTRIBUTE if path in (*paths.by_rows, paths.many_rows))
+
+
+def _without(paths: CpuLinearPaths, missing: set[str]) -> CpuLinearPaths:
+    """`paths` with the packed paths in `missing` (no copies) replaced by the unpacked choice."""
+    if not missing:
+        return paths
+    few = tuple(
+        unpacked if path in missing else path
+        for path, unpacked in zip(paths.by_rows, paths.unpacked_by_rows, strict=True)
+    )
+    many = paths.unpacked_many_rows if paths.many_rows in missing else paths.many_rows
+    return CpuLinearPaths(few, many, paths.unpacked_by_rows, paths.unpacked_many_rows)
+
+
+def _measure(weights: list[torch.Tensor], rounds: int, packed: tuple[str, ...]) -> CpuLinearPaths:
+    """Every row count's fastest path, and fastest unpacked path, over `weights`."""
+    few = [_fastest(weights, rows, rounds, packed) for rows in range(1, CPU_FEW_ROWS + 1)]
+    many = _fastest(weights, MANY_ROWS, rounds, packed)
+    return CpuLinearPaths(
+        tuple(best for best, _ in few), many[0], tuple(unpacked for _, unpacked in few), many[1]
+    )
 
 
 def pass_inputs(weights: list[torch.Tensor], rows: int) -> dict[int, torch.Tensor]:
@@ -183,23 +262,31 @@ def pass_seconds(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor], p
     return time.perf_counter() - start
 
 
-def _fastest(weights: list[torch.Tensor], rows: int, rounds: int, packed: bool = False) -> str:
-    """The candidate path of `rows` rows that takes least time over `weights` (`packed`: they have
-    packed copies, PACKED is a candidate)."""
+def _fastest(
+    weights: list[torch.Tensor], rows: int, rounds: int, packed: Sequence[str] = ()
+) -> tuple[str, str]:
+    """The candidate path of `rows` rows that takes least time over `weights` (`packed`: the packed
+    paths whose copies they have), and the fastest of the unpacked ones."""
     inputs = pass_inputs(weights, rows)
     best = dict.fromkeys(candidates(rows, packed), math.inf)
+    timing = set(best)
     for _ in range(rounds):
-        for path in best:  # alternated: a slow spell of the host falls on all of them
+        for path in timing:  # alternated: a slow spell of the host falls on all of them
             best[path] = min(best[path], pass_seconds(weights, inputs, path))
         fastest = min(best.values())
-        best = {path: t for path, t in best.items() if t <= CLEAR_LOSS * fastest}
-        if len(best) == 1:
+        timing = {path for path in timing if best[path] <= CLEAR_LOSS * fastest}
+        if len(timing) == 1:
             break
-    fastest = min(best, key=best.__getitem__)
-    # F.linear unless another path clearly wins: near a tie the choice would move between runs with
-    # the host's noise (at one row the packed path tied F.linear on the Xeon and then ran a decode step
-    # up to 10% slower in some rounds), and each path rounds its sums its own way.
-    if BY_LINEAR in best and best[fastest] > CLEAR_WIN * best[BY_LINEAR]:
+    return _clear_winner(best, timing), _clear_winner(best, set(candidates(rows)))
+
+
+def _clear_winner(best: dict[str, float], among: set[str]) -> str:
+    """The fastest path `among` those timed, but F.linear unless it clearly wins (CLEAR_WIN): near a
+    tie the choice would move between runs with the host's noise (at one row the packed path tied
+    F.linear on the Xeon and then ran a decode step up to 10% slower in some rounds), and each path
+    rounds its sums its own way."""
+    fastest = min(among, key=best.__getitem__)
+    if BY_LINEAR in among and best[fastest] > CLEAR_WIN * best[BY_LINEAR]:
         return BY_LINEAR
     return fastest
 
