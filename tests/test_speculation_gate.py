@@ -81,7 +81,8 @@ def test_gate_tries_every_length_then_follows_the_fastest_and_probes_the_others(
     assert 0 < len(probes) <= len(settled) // PROBE_INTERVAL + 1
     assert set(probes) == {1, 2, 3}  # every loser is probed in turn
     rates = gate.rates(8)
-    assert rates == pytest.approx({0: 8000, 1: 11 / 0.0015, 2: 6000, 3: 5200})
+    # Within the prior's share: PRIOR_REQUESTS requests against ~160 a position in the faded counts.
+    assert rates == pytest.approx({0: 8000, 1: 11 / 0.0015, 2: 6000, 3: 5200}, rel=0.015)
 
 
 def test_gate_picks_a_short_window_where_it_pays() -> None:
@@ -106,6 +107,23 @@ def test_gate_tells_lengths_apart_by_their_shared_acceptance() -> None:
     decisions = _run_steps(gate, clock, 1, 1000, lambda n: 0.00134 if n else 0.00117, accepted)
     settled = decisions[4 * WARM_UP_STEPS :]
     assert settled.count(3) >= len(settled) - len(settled) // PROBE_INTERVAL - 20
+
+
+def test_a_warm_up_whose_drafts_all_failed_does_not_rule_out_the_longer_lengths() -> None:
+    """One request whose first 12 steps accept nothing (an answer's first tokens are the hardest to
+    draft), then 0 / 1 / 2 / 3 drafts 50 / 22 / 14 / 14% of the time, windows nearly as cheap as plain
+    decoding (oneDNN on a CPU): the block (1.92 tokens for 1.12 ms) beats 2 (1.78 / 1.10), 1 (1.5 /
+    1.06) and plain. The positions the warm-up never reached must not count as never accepted (they
+    did, and the gate then followed length 1 or plain for hundreds of steps)."""
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    mix = _cycle({0: 50, 1: 22, 2: 14, 3: 14}, seed=3)
+    cost = [1.0, 1.06, 1.10, 1.12]
+    decisions = _run_steps(
+        gate, clock, 1, 400, lambda n: 0.001 * cost[n], lambda s: [0] if s < 12 else mix(s)
+    )
+    settled = decisions[100:]
+    assert settled.count(3) >= 0.8 * len(settled), collections.Counter(settled)
 
 
 def test_gate_turns_speculation_off_where_it_loses_and_keeps_tiers_apart() -> None:
@@ -351,7 +369,8 @@ def test_overlapped_warm_up_measures_each_length_without_its_edges_and_probes_un
     # step has no neighbour before it, and the step launched behind it makes it unmeasured too).
     run = WARM_UP_STEPS + 2
     assert decisions[: 2 * run] == [1] * run + [0] * run
-    assert gate.rates(4) == pytest.approx({0: 4000, 1: 8 / 0.0015})
+    # Every draft accepted: within the prior's share (PRIOR_REQUESTS requests at FIRST_PRIOR).
+    assert gate.rates(4) == pytest.approx({0: 4000, 1: 8 / 0.0015}, rel=0.01)
     settled = decisions[2 * run :]
     # Each probe of plain runs three steps in a row: the middle one is measured.
     probes = "".join(str(n) for n in settled).replace("1", " ").split()
