@@ -11,12 +11,13 @@
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
 #   83f678b has run on a GPU: the gate's median step times, the frozen startup heaps, session 36's
-#   benchmark changes).
+#   benchmark changes, session 37's acceptance prior in the gate; its oneDNN path is CPU only).
 # bench (~480 s): issue 18's table with the new gate and frozen heaps and each side's loop-thread clock
 #   (CPU share, involuntary switches: a descheduled served loop against one that runs slower), then the
 #   offline engine beside spinning and memory-streaming neighbours (host_neighbours.py: does the host's
 #   memory system, shared with the server's processes, slow the loop?), then the gate A/B (83f678b's
-#   moving-average gate against the median, plain and the serve default, batch 128 and 64).
+#   moving-average gate against the median with session 37's acceptance prior, plain and the serve
+#   default, batch 128 and 64).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/dspark-s37}
