@@ -57,8 +57,9 @@ def rotary(
     # q and k heads rotate together: half the ops of rotating each (this is the CPU serving path).
     num_q_heads = q.shape[1]
     x = torch.cat((q, k.to(q.dtype)), dim=1).float()
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    # [x1, x2] * [cos, cos] + [x2, x1] * [-sin, sin]: the same roundings as x1 cos - x2 sin and
+    # x2 cos + x1 sin (negating a product is exact), in fewer ops.
+    out = x * torch.cat((cos, cos), dim=-1) + x.roll(half, dims=-1) * torch.cat((-sin, sin), dim=-1)
     return out[:, :num_q_heads].to(q.dtype), out[:, num_q_heads:].to(k.dtype)
 
 
@@ -72,8 +73,13 @@ def store_kv(
     rows) are skipped.
     """
     keep = slots >= 0
-    k_cache.view(-1, *k_cache.shape[2:])[slots[keep]] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots[keep]] = v[keep].to(v_cache.dtype)
+    k_flat, v_flat = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    if bool(keep.all()):  # no padding rows (the CPU pads no step): one copy each, no row selection
+        k_flat.index_copy_(0, slots, k.to(k_cache.dtype))
+        v_flat.index_copy_(0, slots, v.to(v_cache.dtype))
+        return
+    k_flat[slots[keep]] = k[keep].to(k_cache.dtype)
+    v_flat[slots[keep]] = v[keep].to(v_cache.dtype)
 
 
 def rotary_store_kv(
@@ -204,8 +210,8 @@ def _one_request_attention(
     q_len, num_heads, _ = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     used = pages[: -(-kv_len // page_size)].long()
-    k = k_cache[used].flatten(0, 1)[:kv_len]  # [kv_len, num_kv_heads, head_dim]
-    v = v_cache[used].flatten(0, 1)[:kv_len]
+    k = k_cache.index_select(0, used).flatten(0, 1)[:kv_len]  # [kv_len, num_kv_heads, head_dim]
+    v = v_cache.index_select(0, used).flatten(0, 1)[:kv_len]
     mask = None
     if causal and q_len > 1:
         # Query i sits at position kv_len - q_len + i and sees keys up to it.
