@@ -148,11 +148,11 @@ def test_a_weight_without_its_copy_takes_the_fastest_unpacked_path(
     monkeypatch.setattr(CPU_LINEAR_PATHS, "many_rows", path)
     monkeypatch.setattr(CPU_LINEAR_PATHS, "unpacked_by_rows", (WEIGHT_FIRST,) * CPU_FEW_ROWS)
     monkeypatch.setattr(CPU_LINEAR_PATHS, "unpacked_many_rows", WEIGHT_FIRST)
+    weight = torch.randn(96, 64)
+    assert pack_cpu_weights([weight], path)
     taken: list[str] = []
     real_product = layers._product
     monkeypatch.setattr(layers, "_product", lambda x, w, p: taken.append(p) or real_product(x, w, p))
-    weight = torch.randn(96, 64)
-    assert pack_cpu_weights([weight], path)
     for rows in (3, CPU_FEW_ROWS + 2):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-4, atol=1e-4)
@@ -244,6 +244,23 @@ def test_weights_are_packed_only_where_the_copies_fit(path: str, monkeypatch: py
     torch.testing.assert_close(layers._product(x, other, path), F.linear(x, other))
     monkeypatch.setattr(layers, "packs_on_this_cpu", lambda path=PACKED: False)
     assert not pack_cpu_weights([torch.randn(64, 32)], path)
+
+
+@pytest.mark.parametrize("path", PACKED_PATHS)
+def test_a_library_that_packs_but_cannot_multiply_leaves_no_copies(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packing tries one product over a copy; where it fails (a build whose op exists but does not
+    run on this CPU), no weight keeps a copy and the path is not offered."""
+
+    def fails(flat: torch.Tensor, weight: torch.Tensor, path: str) -> torch.Tensor:
+        raise RuntimeError("no kernel for this CPU")
+
+    monkeypatch.setattr(layers, "available_memory_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(layers, "_product", fails)
+    weights = [torch.randn(64, 32), torch.randn(16, 64)]
+    assert not pack_cpu_weights(weights, path)
+    assert not any(hasattr(w, layers.COPY_ATTRIBUTE[path]) for w in weights)
 
 
 @pytest.mark.parametrize("path", PACKED_PATHS)

@@ -171,7 +171,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(client, triton_s
     )
     for _, _chunk in zip(range(3), stream, strict=False):
         pass
-    assert running() == 1 and pages() > 0
+    # The gauges are published every 0.1 s: the first chunks can come sooner (a CPU prefill of ~20 ms).
+    assert wait_for(lambda: running() == 1 and pages() > 0), (running(), pages())
     stream.close()
     assert wait_for(lambda: running() == 0 and pages() == 0, timeout=10), (running(), pages())
 

@@ -171,8 +171,15 @@ def pack_cpu_weights(weights: Sequence[torch.Tensor], path: str = PACKED) -> boo
         reorder = torch.ops.mkldnn._reorder_linear_weight
     else:
         reorder = torch.ops.mkl._mkl_reorder_linear_weight
-    for w in weights:
-        setattr(w, COPY_ATTRIBUTE[path], reorder(w.detach(), 4))
+    try:
+        for w in weights:
+            setattr(w, COPY_ATTRIBUTE[path], reorder(w.detach(), 4))
+        # One product over a copy: a build that packs but cannot multiply fails here, at load, not in
+        # a step.
+        _product(torch.zeros(1, weights[0].shape[1]), weights[0], path)
+    except RuntimeError:
+        unpack_cpu_weights(weights, path)
+        return False
     return True
 
 
