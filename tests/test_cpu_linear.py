@@ -214,10 +214,11 @@ def test_a_packed_path_is_taken_where_it_clearly_wins(
 @pytest.mark.parametrize("path", PACKED_PATHS)
 def test_a_packed_row_is_that_row_computed_alone_to_rounding(path: str) -> None:
     """Each row of a packed product is that row computed alone, to fp32 rounding, at every few-row
-    count and at many rows, and the product is F.linear's. (Bit for bit only on some CPUs: Intel's MKL
-    on the Xeon gave every row exactly, and oneDNN on an AMD EPYC; MKL's rows on the EPYC differ by up
-    to ~15 units in the last place from 4 rows on, as F.linear's do from 2 on every CPU seen: a verify
-    window's rows round as decode rows only there.)"""
+    count and at many rows, and the product is F.linear's. (Bit for bit only on some CPUs and shapes:
+    Intel's MKL on the Xeon gave every row exactly; oneDNN on an AMD EPYC at 2-64 rows, and a row alone
+    too up to 1024-wide inputs; MKL's rows on the EPYC differ by up to ~15 units in the last place from
+    4 rows on, as F.linear's do from 2 on every CPU seen: a verify window's rows round as decode rows
+    only there.)"""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     weight = torch.randn(384, 256, generator=gen)
     assert pack_cpu_weights([weight], path)
