@@ -78,7 +78,8 @@ class DSparkProposer:
                 self.draft_w1 = w1.weight[self.vocab_ids].contiguous()
                 self.draft_w2 = w2.weight[self.vocab_ids].contiguous()
         if device.type == "cpu":  # the products the target's measured paths take, over packed copies
-            pack_like_measured([*(p for p in drafter.parameters() if p.dim() == 2), self.draft_head])
+            # Only the weights `linear` reads: the Markov and confidence heads' never go through it.
+            pack_like_measured([drafter.fc.weight, *drafter.layers.parameters(), self.draft_head])
         self.block_size = block_size or cfg.block_size
         self.target_layer_ids = list(cfg.target_layer_ids)
         self.page_size = page_size

@@ -9,7 +9,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -224,9 +224,8 @@ def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> CpuLinearPat
         chosen = _without(known, set(wanted) - set(packed))  # the copies that no longer fit
     for path in set(packed) - set(_packed_paths(chosen)):
         unpack_cpu_weights(weights, path)
-    CPU_LINEAR_PATHS.by_rows, CPU_LINEAR_PATHS.many_rows = chosen.by_rows, chosen.many_rows
-    CPU_LINEAR_PATHS.unpacked_by_rows = chosen.unpacked_by_rows
-    CPU_LINEAR_PATHS.unpacked_many_rows = chosen.unpacked_many_rows
+    for choice in fields(CpuLinearPaths):  # in place: `linear` reads this one object
+        setattr(CPU_LINEAR_PATHS, choice.name, getattr(chosen, choice.name))
     return CPU_LINEAR_PATHS
 
 
