@@ -41,9 +41,10 @@ def _every_row_count(path_of: dict[int, str]) -> tuple[str, ...]:
 
 
 def _keep_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPU_LINEAR_PATHS and the measured choices are put back after the test."""
+    """CPU_LINEAR_PATHS, the other dtypes' choices and the measured choices are put back after the test."""
     for name in FIELDS:
         monkeypatch.setattr(CPU_LINEAR_PATHS, name, getattr(CPU_LINEAR_PATHS, name))
+    monkeypatch.setattr(layers, "_PATHS_BY_DTYPE", {torch.float32: CPU_LINEAR_PATHS})
     monkeypatch.setattr(layers, "_MEASURED", {})
 
 
@@ -233,18 +234,64 @@ def test_a_packed_row_is_that_row_computed_alone_to_rounding(path: str) -> None:
 @pytest.mark.parametrize("path", PACKED_PATHS)
 def test_weights_are_packed_only_where_the_copies_fit(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """No packed copies when they would take more than PACKED_MEMORY_SHARE of the available memory, for
-    half-precision weights, or without the library; the packed path of an unpacked weight is F.linear."""
+    a dtype the path does not take (fp16; bf16 but for oneDNN; mixed dtypes), or without the library;
+    the packed path of an unpacked weight is F.linear."""
     attribute = layers.COPY_ATTRIBUTE[path]
     weight = torch.randn(64, 32)
     monkeypatch.setattr(layers, "available_memory_bytes", lambda: 4 * weight.numel() * 4)
     assert not pack_cpu_weights([weight], path) and not hasattr(weight, attribute)
     monkeypatch.setattr(layers, "available_memory_bytes", lambda: 1 << 40)
-    assert not pack_cpu_weights([weight.to(torch.bfloat16)], path)
+    assert not pack_cpu_weights([weight.to(torch.float16)], path)
+    assert pack_cpu_weights([weight.to(torch.bfloat16)], path) == (path == ONEDNN)
+    assert not pack_cpu_weights([torch.randn(64, 32), torch.randn(64, 32).to(torch.bfloat16)], path)
     assert pack_cpu_weights([weight], path) and hasattr(weight, attribute)
     x, other = torch.randn(3, 32), torch.randn(64, 32)
     torch.testing.assert_close(layers._product(x, other, path), F.linear(x, other))
     monkeypatch.setattr(layers, "packs_on_this_cpu", lambda path=PACKED: False)
     assert not pack_cpu_weights([torch.randn(64, 32)], path)
+
+
+@needs_onednn
+def test_bf16_rows_over_onednn_are_the_fp32_product_rounded() -> None:
+    """oneDNN's bf16 product over a packed copy, at every few-row count and at many rows: bf16 rows of the
+    right shape, each within bf16 rounding of the fp32 product of the same bf16 values (it accumulates
+    in fp32) and of that row computed alone. (Bit for bit alone or among others only up to 1024-wide
+    inputs on the EPYC: wider ones are split differently by row count, as in fp32.)"""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    weight = torch.randn(384, 1536, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert pack_cpu_weights([weight], ONEDNN)
+        for rows in (*range(1, CPU_FEW_ROWS + 1), MANY_ROWS):
+            x = torch.randn(rows, 1536, generator=gen).to(torch.bfloat16)
+            together = layers._product(x, weight, ONEDNN)
+            assert together.dtype == torch.bfloat16 and together.shape == (rows, 384)
+            alone = torch.cat([layers._product(x[r : r + 1], weight, ONEDNN) for r in range(rows)])
+            torch.testing.assert_close(together, alone, rtol=1e-2, atol=1e-2, msg=f"{rows} rows")
+            exact = F.linear(x.float(), weight.float())
+            torch.testing.assert_close(together.float(), exact, rtol=1e-2, atol=1e-2)
+
+
+def test_each_dtype_has_its_own_measured_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model measured after an fp32 one keeps its choice apart: the fp32 weights still take the
+    fp32 choice (one process may hold engines of both dtypes: benchmarks, tests), and `linear` takes
+    each weight's dtype's choice."""
+    _keep_paths(monkeypatch)
+    _fake_pass_times({BY_LINEAR: 1.0, WEIGHT_FIRST: 0.5, AS_TWO_ROWS: 0.5, "other": 3.0}, monkeypatch)
+    monkeypatch.setattr(layers, "COPY_ATTRIBUTE", {})
+    fp32 = measure_cpu_linear_paths(torch.nn.Linear(8, 16))
+    assert fp32 is CPU_LINEAR_PATHS and fp32.by_rows[1] == WEIGHT_FIRST
+    _fake_pass_times({BY_LINEAR: 0.2, WEIGHT_FIRST: 0.5, AS_TWO_ROWS: 0.5, "other": 3.0}, monkeypatch)
+    bf16 = measure_cpu_linear_paths(torch.nn.Linear(8, 16).to(torch.bfloat16))
+    assert bf16 is layers.cpu_linear_paths(torch.bfloat16) and bf16 is not CPU_LINEAR_PATHS
+    assert bf16.by_rows == (BY_LINEAR,) * CPU_FEW_ROWS
+    assert CPU_LINEAR_PATHS.by_rows[1] == WEIGHT_FIRST  # the fp32 choice stands
+    taken = []
+    monkeypatch.setattr(
+        layers, "_product", lambda flat, weight, path: taken.append(path) or F.linear(flat, weight)
+    )
+    linear(torch.randn(2, 8), torch.randn(16, 8))
+    linear(torch.randn(2, 8).to(torch.bfloat16), torch.randn(16, 8).to(torch.bfloat16))
+    assert taken == [WEIGHT_FIRST]  # the bf16 product went to F.linear, its choice
 
 
 @pytest.mark.parametrize("path", PACKED_PATHS)

@@ -48,6 +48,10 @@ ONEDNN = "onednn"
 # bytes over the weight's (measured on SmolLM2's shapes: MKL's 2.06-2.29x, oneDNN's 1x; with room).
 COPY_ATTRIBUTE = {ONEDNN: "onednn_packed", PACKED: "mkl_packed"}
 COPY_SIZE = {ONEDNN: 1.1, PACKED: 2.5}
+# The weight dtypes each packed path takes: oneDNN's bf16 product accumulates in fp32 and, on a 2-core
+# AMD EPYC with AVX512-BF16, ran a pass over SmolLM2's weights in 8.5-9.5 ms at 1-8 rows (fp32's:
+# 19-24 ms; bf16 F.linear's 12-14 ms).
+PACKED_DTYPES = {ONEDNN: (torch.float32, torch.bfloat16), PACKED: (torch.float32,)}
 CANDIDATES = {1: (BY_LINEAR, AS_TWO_ROWS)}  # by row count; the rest: (BY_LINEAR, WEIGHT_FIRST)
 # The packed copies may take at most this share of the memory available when they are made.
 PACKED_MEMORY_SHARE = 0.25
@@ -96,23 +100,36 @@ class CpuLinearPaths:
         return f"{few} {CPU_FEW_ROWS + 1}+:{self.many_rows}"
 
 
+# The choice for fp32 weights; each other dtype's is measured on its own (`cpu_linear_paths`): which
+# path wins differs by dtype (bf16 has no MKL packing; its oneDNN product is twice fp32's speed).
 CPU_LINEAR_PATHS = CpuLinearPaths()
+_PATHS_BY_DTYPE: dict[torch.dtype, CpuLinearPaths] = {torch.float32: CPU_LINEAR_PATHS}
+
+
+def cpu_linear_paths(dtype: torch.dtype) -> CpuLinearPaths:
+    """The paths `linear` takes for CPU weights of `dtype` (the unmeasured default until a model of
+    that dtype is loaded)."""
+    paths = _PATHS_BY_DTYPE.get(dtype)
+    if paths is None:
+        paths = _PATHS_BY_DTYPE[dtype] = CpuLinearPaths()
+    return paths
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, computed on a CPU by the path measured fastest for its row count (`CPU_LINEAR_PATHS`)
-    and by the skinny-product kernel for a few rows on a GPU (`ops.few_rows_linear`). Other shapes:
-    F.linear."""
+    """F.linear, computed on a CPU by the path measured fastest for its row count and the weight's
+    dtype (`cpu_linear_paths`) and by the skinny-product kernel for a few rows on a GPU
+    (`ops.few_rows_linear`). Other shapes: F.linear."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu":
         # ops decides which products the kernel takes (rows, dtype, width); the rest go to F.linear.
         return F.linear(x, weight, bias) if bias is not None else ops.few_rows_linear(x, weight)
     if rows == 0:
         return F.linear(x, weight, bias)
-    path = CPU_LINEAR_PATHS.path(rows)
+    paths = _PATHS_BY_DTYPE.get(weight.dtype) or cpu_linear_paths(weight.dtype)
+    path = paths.path(rows)
     if path in COPY_ATTRIBUTE and (x.requires_grad or getattr(weight, COPY_ATTRIBUTE[path], None) is None):
         # No copy to read (or gradients wanted, which the packed products do not give).
-        path = CPU_LINEAR_PATHS.unpacked_path(rows)
+        path = paths.unpacked_path(rows)
     if path == BY_LINEAR:
         return F.linear(x, weight, bias)
     y = _product(x.reshape(rows, x.shape[-1]), weight, path)
@@ -159,9 +176,13 @@ def available_memory_bytes() -> int:
 
 
 def pack_cpu_weights(weights: Sequence[torch.Tensor], path: str = PACKED) -> bool:
-    """Give each fp32 weight a packed copy for `path` (`COPY_ATTRIBUTE`), if this CPU has that product
-    and the copies fit PACKED_MEMORY_SHARE of the available memory; whether it did."""
-    if not weights or not packs_on_this_cpu(path) or any(w.dtype != torch.float32 for w in weights):
+    """Give each weight a packed copy for `path` (`COPY_ATTRIBUTE`), if this CPU has that product, it
+    takes their dtype (`PACKED_DTYPES`; one dtype for all) and the copies fit PACKED_MEMORY_SHARE of
+    the available memory; whether it did."""
+    if not weights or not packs_on_this_cpu(path):
+        return False
+    dtype = weights[0].dtype
+    if dtype not in PACKED_DTYPES[path] or any(w.dtype != dtype for w in weights):
         return False
     needed = COPY_SIZE[path] * sum(w.numel() * w.element_size() for w in weights)
     if needed > PACKED_MEMORY_SHARE * available_memory_bytes():
@@ -176,7 +197,7 @@ def pack_cpu_weights(weights: Sequence[torch.Tensor], path: str = PACKED) -> boo
             setattr(w, COPY_ATTRIBUTE[path], reorder(w.detach(), 4))
         # One product over a copy: a build that packs but cannot multiply fails here, at load, not in
         # a step.
-        _product(torch.zeros(1, weights[0].shape[1]), weights[0], path)
+        _product(torch.zeros(1, weights[0].shape[1], dtype=dtype), weights[0], path)
     except RuntimeError:
         unpack_cpu_weights(weights, path)
         return False
@@ -191,12 +212,14 @@ def unpack_cpu_weights(weights: Sequence[torch.Tensor], path: str = PACKED) -> N
 
 
 def pack_like_measured(weights: Sequence[torch.Tensor]) -> None:
-    """Give CPU fp32 `weights` measured apart from the model (a drafter's) the copies of the packed
-    paths `CPU_LINEAR_PATHS` takes, where they fit."""
+    """Give CPU `weights` measured apart from the model (a drafter's) the copies of the packed paths
+    their dtype's choice (`cpu_linear_paths`) takes, where they fit."""
     weights = [w for w in weights if w.dim() == 2 and w.device.type == "cpu"]
     with torch.inference_mode():
-        for path in _packed_paths(CPU_LINEAR_PATHS):  # a weight shared with the model has its copy
-            pack_cpu_weights([w for w in weights if not hasattr(w, COPY_ATTRIBUTE[path])], path)
+        for dtype in {w.dtype for w in weights}:
+            alike = [w for w in weights if w.dtype == dtype]
+            for path in _packed_paths(cpu_linear_paths(dtype)):  # a weight shared with the model has its copy
+                pack_cpu_weights([w for w in alike if not hasattr(w, COPY_ATTRIBUTE[path])], path)
 
 
 # measure_cpu_linear_paths' choices, by weight shapes, and the packed paths chosen
@@ -205,8 +228,9 @@ _MEASURED: dict[tuple, CpuLinearPaths] = {}
 
 def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> CpuLinearPaths:
     """Time each row count's candidate paths over every 2-D weight of `module` (a whole pass, in
-    order, so that weights come from memory as in a step), 1..CPU_FEW_ROWS and MANY_ROWS, keep the
-    fastest per row count in `CPU_LINEAR_PATHS` and return the choice (F.linear unless another path
+    order, so that weights come from memory as in a step; one dtype, the first weight's, is measured),
+    1..CPU_FEW_ROWS and MANY_ROWS, keep the fastest per row count as that dtype's choice
+    (`cpu_linear_paths`) and return it (F.linear unless another path
     clearly wins: CLEAR_WIN). Only candidates within CLEAR_LOSS of the best are timed again; a model of
     the same weight shapes measured before in this process takes that choice (its packed copies made
     again where they fit, else the fastest unpacked path). A no-op returning the current choice off
@@ -214,6 +238,8 @@ def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> CpuLinearPat
     weights = [p for p in module.parameters() if p.dim() == 2 and p.device.type == "cpu"]
     if not weights:
         return CPU_LINEAR_PATHS
+    current = cpu_linear_paths(weights[0].dtype)
+    weights = [w for w in weights if w.dtype == weights[0].dtype]
     key = tuple((tuple(w.shape), w.dtype) for w in weights)
     known = _MEASURED.get(key)
     with torch.inference_mode():
@@ -225,8 +251,8 @@ def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> CpuLinearPat
     for path in set(packed) - set(_packed_paths(chosen)):
         unpack_cpu_weights(weights, path)
     for choice in fields(CpuLinearPaths):  # in place: `linear` reads this one object
-        setattr(CPU_LINEAR_PATHS, choice.name, getattr(chosen, choice.name))
-    return CPU_LINEAR_PATHS
+        setattr(current, choice.name, getattr(chosen, choice.name))
+    return current
 
 
 def _packed_paths(paths: CpuLinearPaths) -> tuple[str, ...]:
