@@ -70,6 +70,8 @@ MODES = {
     "default": {},
     # A fixed draft length (no gate): does a served drafting step cost more than an offline one by itself?
     "static": {"adaptive_speculation": False},
+    # The serve default without prompt lookup: the drafter drafts every block.
+    "default-nolookup": {"prompt_lookup": False},
     "default-inprocess": {"engine_process": False},
     # Responses unpaced (one whenever the engine commits): the same engines, the served side only.
     "off-unpaced": {"spec_mode": "off", "max_responses_per_s": 0},

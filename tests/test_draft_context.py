@@ -120,6 +120,7 @@ def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
         cuda_graph_max_tokens=32 if graphs else 0,
         adaptive_speculation=False,
         block_size=block_size,
+        prompt_lookup=False,  # the drafter's drafts, not copies of the request's tokens
     )
     llm = LLM(config)
     engine = llm.engine

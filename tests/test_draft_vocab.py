@@ -125,6 +125,7 @@ def test_greedy_output_is_plain_and_every_draft_is_a_draft_vocabulary_token(
             draft_vocab_size=3,
             device="cpu",
             draft_stop_survival=0.0,
+            prompt_lookup=False,  # the drafter's drafts, not copies of the request's tokens
         )
     )
     out = llm.generate(params=params, prompt_token_ids=prompts)

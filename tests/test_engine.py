@@ -50,8 +50,14 @@ def test_a_tight_token_budget_shortens_the_windows_and_stays_lossless(
     # Every step waits for the one before: launched ahead (on a GPU), a request near its end sits a
     # step out whatever the budget, which is not what this counts.
     prompts, expected = reference
+    # No prompt lookup: its copies commit more a step, so prefill steps would weigh more in the count.
     config = _config(
-        tiny_target_dir, tiny_drafter_dir, spec_mode="static", max_num_batched_tokens=16, launch_ahead=False
+        tiny_target_dir,
+        tiny_drafter_dir,
+        spec_mode="static",
+        max_num_batched_tokens=16,
+        launch_ahead=False,
+        prompt_lookup=False,
     )
     llm = LLM(config)
     outs = llm.generate(params=GREEDY, prompt_token_ids=prompts)
@@ -260,9 +266,12 @@ def test_loop_totals_count_steps_requests_and_where_their_time_went(
 
 def test_a_smaller_engine_block_counts_only_its_own_drafts(tiny_target_dir, tiny_drafter_dir) -> None:
     # The drafter was trained on blocks of 4 positions; an engine block of 2 drafts a block of 2,
-    # verifies and counts them, and greedy output stays the target's.
+    # verifies and counts them, and greedy output stays the target's. (No prompt lookup: its copies may
+    # be shorter than a block.)
     prompts = _prompts(3, seed=2)
-    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static", block_size=2))
+    llm = LLM(
+        _config(tiny_target_dir, tiny_drafter_dir, spec_mode="static", block_size=2, prompt_lookup=False)
+    )
     outs = llm.generate(params=GREEDY, prompt_token_ids=prompts)
     plain = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="off"))
     assert [o.token_ids for o in outs] == [

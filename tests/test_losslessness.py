@@ -16,6 +16,7 @@ from dspark import LLM, EngineConfig, SamplingParams
 from dspark.runner.models.dense import dense_logits
 from dspark.runner.models.loader import load_target_model
 from dspark.spec import planner as planner_module
+from dspark.spec.proposer import DSparkProposer
 from dspark.spec.sps_table import SpsTable
 
 SPEC_SETTINGS = [("static", "sync"), ("compact", "sync"), ("compact", "lagged"), ("cap-accept", "sync")]
@@ -192,8 +193,9 @@ NUM_SAMPLES = 3000
 TV_BOUND = 0.1
 
 
-def _exact_joint(target_dir, params: SamplingParams) -> torch.Tensor:
-    """P(x2, x3) of the target under `params`, by enumerating x1, x2 and summing x1 out: [8, 8]."""
+def _exact_joint(target_dir, params: SamplingParams, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """P(x2, x3) of the target after `prompt` under `params`, by enumerating x1, x2 and summing x1 out:
+    [8, 8]."""
     from dspark.sampling.sampler import filtered_probs
 
     model = load_target_model(target_dir)
@@ -202,22 +204,22 @@ def _exact_joint(target_dir, params: SamplingParams) -> torch.Tensor:
         logits = dense_logits(model, prefix)[-1]
         # Penalties and min_tokens (the tiny target's EOS is 0) as vLLM applies them, token by token.
         stop_ids = [TINY_EOS, *params.stop_token_ids]
-        logits = penalized_row(logits, PROMPT, prefix[len(PROMPT) :], params, stop_ids)
+        logits = penalized_row(logits, prompt, prefix[len(prompt) :], params, stop_ids)
         return filtered_probs(logits[None], params)[0].double()
 
     joint = torch.zeros(8, 8, dtype=torch.float64)
-    p1 = dist(PROMPT)
+    p1 = dist(prompt)
     for x1 in range(8):
-        p2 = dist(PROMPT + [x1])
+        p2 = dist(prompt + [x1])
         for x2 in range(8):
-            joint[x2] += p1[x1] * p2[x2] * dist(PROMPT + [x1, x2])
+            joint[x2] += p1[x1] * p2[x2] * dist(prompt + [x1, x2])
     return joint
 
 
-def _empirical_joint(llm: LLM, params: SamplingParams) -> torch.Tensor:
+def _empirical_joint(llm: LLM, params: SamplingParams, prompt: list[int] = PROMPT) -> torch.Tensor:
     seeds = random.Random().sample(range(10**9), NUM_SAMPLES)
     batch = [SamplingParams(**{**params.__dict__, "seed": s}) for s in seeds]
-    outs = llm.generate(params=batch, prompt_token_ids=[PROMPT] * NUM_SAMPLES)
+    outs = llm.generate(params=batch, prompt_token_ids=[prompt] * NUM_SAMPLES)
     counts = torch.zeros(8, 8, dtype=torch.float64)
     for out in outs:
         counts[out.token_ids[1], out.token_ids[2]] += 1
@@ -355,6 +357,44 @@ def test_sampling_with_a_draft_vocabulary_follows_target(tiny_target_dir, tiny_d
     )
     tv = _tv(_empirical_joint(llm, params), _exact_joint(tiny_target_dir, params))
     assert tv < TV_BOUND, f"order={order} tv={tv:.4f}"
+    assert llm.engine.total_spec_stats.accepted_tokens > 0
+
+
+# 5 followed by every token, and 5 last: whatever x1, the first block (x2, x3) is copied from the prompt
+# (`dspark.spec.lookup`): x2's draft is always 5, a certain choice.
+LOOKUP_PROMPT = [t for k in range(8) for t in (5, k)] + [5]
+
+
+@pytest.mark.parametrize("honest", [True, False])
+def test_sampling_with_copied_drafts_follows_target(
+    tiny_target_dir, tiny_drafter_dir, honest: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copied drafts are drawn from a one-hot distribution: accepted with the target's probability of
+    them, else the target's law without them. A proposer that claimed another draft law for them (here
+    uniform, so a copy is accepted 8x too often) is caught by the same bound."""
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
+    changes = {"max_num_seqs": 512, "num_kv_pages": 2048, "max_num_batched_tokens": 4096}
+    llm = LLM(tiny_engine_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static", **changes))
+    proposer = llm.engine.proposer
+    copies = []
+    real = DSparkProposer._with_copies
+
+    def with_copies(self, seqs, copied, drafted, inner):  # noqa: ANN001, ANN202
+        copies.append(sum(bool(c) for c in copied))
+        drafts = real(self, seqs, copied, drafted, inner)
+        if not honest:
+            for probs in drafts.probs:
+                if probs is not None:
+                    probs.fill_(1.0 / probs.shape[1])
+        return drafts
+
+    monkeypatch.setattr(DSparkProposer, "_with_copies", with_copies)
+    tv = _tv(
+        _empirical_joint(llm, params, LOOKUP_PROMPT), _exact_joint(tiny_target_dir, params, LOOKUP_PROMPT)
+    )
+    print(f"total variation {tv:.4f}")
+    assert isinstance(proposer, DSparkProposer) and sum(copies) >= NUM_SAMPLES  # every first block copied
+    assert (tv < TV_BOUND) if honest else (tv > TV_BOUND)
     assert llm.engine.total_spec_stats.accepted_tokens > 0
 
 

@@ -126,6 +126,19 @@ def test_a_warm_up_whose_drafts_all_failed_does_not_rule_out_the_longer_lengths(
     assert settled.count(3) >= 0.8 * len(settled), collections.Counter(settled)
 
 
+def test_positions_a_request_did_not_verify_are_not_counted_as_failed() -> None:
+    """Steps of length 3 whose requests verified only 1 draft (a copied block shorter than the length,
+    `spec.lookup`) and accepted it: positions 2-3 were never verified, so they keep their prior, not a
+    rate of 0; told nothing of what was verified, the gate counts them failed (as before)."""
+    told, untold = SpeculationGate(3, _Clock()), SpeculationGate(3, _Clock())
+    for gate, verified in ((told, [1, 1]), (untold, None)):
+        for _ in range(50):
+            gate.start_step(3)
+            gate.finish_step([2, 2], verified)
+    assert told._acceptance.tokens_per_request(3) > 3.5 > 2.1 > untold._acceptance.tokens_per_request(3)
+    assert told._acceptance.tokens_per_request(1) == pytest.approx(untold._acceptance.tokens_per_request(1))
+
+
 def test_gate_turns_speculation_off_where_it_loses_and_keeps_tiers_apart() -> None:
     clock = _Clock()
     gate = SpeculationGate(1, clock)
@@ -259,9 +272,9 @@ def test_gated_engine_is_lossless_and_speculates_on_some_steps_only(
         started.append((asked[0], length))
         real_start(length, at, prefill)
 
-    def finish(committed: list[int]) -> None:
+    def finish(committed: list[int], verified: list[int] | None = None) -> None:
         clock.now += 0.010 if launched.popleft() else 0.001
-        real_finish(committed)
+        real_finish(committed, verified)
 
     decisions: list[int] = []
     real_decide = gate.draft_length

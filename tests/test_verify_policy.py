@@ -80,9 +80,14 @@ def test_compact_under_a_flat_table_drafts_whole_blocks_inside_the_target_step()
 
 
 def test_static_verifies_and_commits_every_cap_whatever_the_confidences() -> None:
-    drafts = _drafts([[0.01] * BLOCK, [0.99] * BLOCK], lengths=[1, 4])
+    drafts = _drafts([[0.01] * BLOCK, [0.99] * BLOCK], lengths=[4, 4])
     plan = StaticPolicy().plan(drafts, [4, 2], VerifyPlanner("sync", STEEP_SPS))
     assert plan == VerifyPlan((4, 2), (4, 2), drafts)
+    # Lowered only to what a request drafted (a copied block shorter than the block, `spec.lookup`).
+    short = _drafts([[0.01] * BLOCK, [0.99] * BLOCK], lengths=[1, 4])
+    assert StaticPolicy().plan(short, [4, 2], VerifyPlanner("sync", STEEP_SPS)) == VerifyPlan(
+        (1, 2), (1, 2), short
+    )
 
 
 def test_compact_verifies_no_draft_past_a_requests_early_stop() -> None:

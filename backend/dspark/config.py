@@ -69,6 +69,12 @@ class EngineConfig:
     # acceptance of each draft position, and runs the fastest. Lossless either way; false: verify whole
     # blocks on every step (spec_mode alone decides).
     adaptive_speculation: bool = True
+    # Prompt lookup: where a request's last 2-3 tokens occurred earlier in its prompt or output, its
+    # next drafts are the tokens that followed them (`dspark.spec.lookup`), with no drafter pass; the
+    # drafter drafts the other requests' blocks. Used wherever a block is drafted apart from the target
+    # step (every CPU step; on a GPU, steps that cannot draft inside the target graph: sampling
+    # requests, compact under a measured table). Lossless either way.
+    prompt_lookup: bool = True
     # JSON file of measured target steps/s by batch tokens; "profile": measure it when the engine starts
     # (a few seconds; compact and cap-accept only); empty means flat (verify everything: compact then
     # runs as static).

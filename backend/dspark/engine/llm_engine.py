@@ -53,6 +53,7 @@ from dspark.spec.draft_vocab import load_draft_vocab
 from dspark.spec.drafter import Drafter
 from dspark.spec.drafts import Drafts
 from dspark.spec.gate import SpeculationGate
+from dspark.spec.lookup import PromptLookup
 from dspark.spec.planner import VerifyPlanner
 from dspark.spec.proposer import DSparkProposer, Proposer
 from dspark.spec.sps_table import SpsTable
@@ -185,13 +186,14 @@ class LLMEngine:
         self, config: EngineConfig, drafter: Drafter, block_size: int, device: torch.device
     ) -> DSparkProposer:
         """The DSpark drafter as this engine drafts with it: the target's vocabulary weights, the
-        policy's early stop, and on CUDA its greedy blocks in graphs."""
+        policy's early stop, prompt lookup (`prompt_lookup`), and on CUDA its greedy blocks in graphs."""
         embedding, lm_head = self.runner.vocab_weights()
         page_size = config.kv_page_size
         stop = self.policy.draft_stop_survival
         draft_vocab = load_draft_vocab(config.draft_model_path, config.draft_vocab_size, lm_head.shape[0])
+        lookup = PromptLookup() if config.prompt_lookup else None
         proposer = DSparkProposer(
-            drafter, embedding, lm_head, config.num_kv_pages, page_size, stop, block_size, draft_vocab
+            drafter, embedding, lm_head, config.num_kv_pages, page_size, stop, block_size, draft_vocab, lookup
         )
         if device.type == "cuda" and config.cuda_graph_max_tokens > 0:
             max_positions = self.model_config.max_position_embeddings
@@ -495,8 +497,10 @@ class LLMEngine:
         appended: dict[Sequence, list[int]] = {seq: [] for seq in processors}
         reasons: dict[Sequence, str] = {}
         committed: list[list[int]] = []  # per step, per request it moved on: tokens committed (the gate)
+        lens: list[list[int]] = []  # and the drafts it verified
         for windows, drafted_j, verified_j in zip(outcomes, drafted, verified, strict=True):
             committed.append([])
+            lens.append([])
             for r, (seq, window) in enumerate(zip(decode, windows, strict=True)):
                 if seq not in processors or seq in reasons:
                     continue
@@ -505,11 +509,12 @@ class LLMEngine:
                 tokens, reason = processors[seq].commit_ids(window.tokens)
                 appended[seq] += tokens
                 committed[-1].append(len(tokens))
+                lens[-1].append(verified_j[r])
                 if reason is not None:
                     reasons[seq] = reason
                     self._finish(seq, reason)
         if self.gate is not None:
-            self.gate.finish_burst(committed)
+            self.gate.finish_burst(committed, lens)
         done = [
             PendingDelta(processor, tuple(appended[seq]), reasons.get(seq))
             for seq, processor in processors.items()
@@ -594,7 +599,12 @@ class LLMEngine:
         done = [self._commit_tokens(c.seq, c.tokens, logprobs.get(c.seq.request_id)) for c in committed]
         if self.gate is not None:
             # Decode-only steps are comparable; a prefill chunk would charge its own cost to the length.
-            self.gate.finish_step([] if schedule.prefill else [len(pending.tokens) for pending in done])
+            if schedule.prefill:
+                self.gate.finish_step([])
+            else:  # `done` follows `committed`: the decoding requests that had not ended, in order
+                verify_lens = dict(zip(schedule.decode, plan.verify_lens, strict=True))
+                lens = [verify_lens[c.seq] for c in committed]
+                self.gate.finish_step([len(pending.tokens) for pending in done], lens)
         self.timer.lap("emit")  # committing counts with making the deltas, whenever that comes
         return done
 

@@ -267,18 +267,21 @@ class SpeculationGate:
             stats.chosen[chosen] += 1
         self._started.append(_Launched(self.clock() if at is None else at, length, prefill))
 
-    def finish_step(self, committed: Sequence[int]) -> None:
+    def finish_step(self, committed: Sequence[int], verified: Sequence[int] | None = None) -> None:
         """Record the oldest launched step, finished: the tokens each of its decoding requests committed
-        (empty for a step with prefill chunks: their cost would skew the step's time). Its time is from
-        its launch, or from the finish of the step before when that came later (steps overlap): the
-        wall time it added, measured only between neighbours like it (see the module docstring)."""
-        self.finish_burst([committed])
+        (empty for a step with prefill chunks: their cost would skew the step's time) and, where known,
+        the drafts each verified (None: the step's length each). Its time is from its launch, or from
+        the finish of the step before when that came later (steps overlap): the wall time it added,
+        measured only between neighbours like it (see the module docstring)."""
+        self.finish_burst([committed], None if verified is None else [verified])
 
-    def finish_burst(self, committed: Sequence[Sequence[int]]) -> None:
+    def finish_burst(
+        self, committed: Sequence[Sequence[int]], verified: Sequence[Sequence[int]] | None = None
+    ) -> None:
         """`finish_step` of a burst of steps launched as one (`start_step` once, `dspark.engine.burst`):
-        per step, the tokens each decoding request committed. Its wall time, split evenly among its
-        steps, is measured as one step of its length (a burst's steps share the host's work once); each
-        step's tokens count towards the acceptance."""
+        per step, the tokens each decoding request committed (and the drafts each verified). Its wall
+        time, split evenly among its steps, is measured as one step of its length (a burst's steps share
+        the host's work once); each step's tokens count towards the acceptance."""
         now = self.clock()
         step = self._started.popleft() if self._started else None
         previous, self._last_finish = self._last_finish, now
@@ -295,17 +298,26 @@ class SpeculationGate:
             seconds = max(now - max(step.began, previous), 1e-9) / len(committed)
             self._tier(len(committed[0])).seconds[length].add(seconds)
         acceptance = self._acceptance
-        for step_committed in committed:
-            # One pass over the requests (this runs every step): how many committed n tokens, n capped
-            # at length + 1; position k was reached by those with n >= k and passed by those with n > k.
-            committed_at = [0] * (length + 2)
-            for n in step_committed:
-                committed_at[min(n, length + 1)] += 1
-            at_least = len(step_committed) - committed_at[0]  # requests that committed >= 1 token
+        for j, step_committed in enumerate(committed):
+            # One pass over the requests (this runs every step): a request that committed n tokens
+            # having verified v drafts reached positions 1..min(n, v) and passed 1..n-1 (v: the step's
+            # length when not given). A request that verified fewer than the length (a copied block
+            # shorter than it, a cap) did not fail the positions it never verified.
+            reached_at = [0] * (length + 1)
+            passed_at = [0] * (length + 1)
+            lens = verified[j] if verified is not None else None
+            for r, n in enumerate(step_committed):
+                if n <= 0:
+                    continue
+                v = length if lens is None else min(lens[r], length)
+                reached_at[min(n, v)] += 1
+                passed_at[min(n - 1, length)] += 1
+            reached = sum(reached_at)  # requests reaching position >= 1 .. then >= k
+            passed = sum(passed_at)
             for position in range(1, length + 1):
-                passed = at_least - committed_at[position]
-                acceptance.add(position, at_least, passed)
-                at_least = passed
+                reached -= reached_at[position - 1]
+                passed -= passed_at[position - 1]
+                acceptance.add(position, reached, passed)
 
     def rates(self, num_requests: int) -> dict[int, float]:
         """Committed tokens per second estimated for this many requests, per draft length measured."""

@@ -20,6 +20,7 @@ from dspark.sequence import Sequence
 from dspark.spec.draft_graphs import DraftGraphs
 from dspark.spec.drafter import BlockHeads, Drafter
 from dspark.spec.drafts import Drafts
+from dspark.spec.lookup import LOOKUP_CONFIDENCE, PromptLookup, copied_blocks
 
 
 class Proposer(Protocol):
@@ -55,10 +56,13 @@ class DSparkProposer:
         stop_survival: float = 0.0,
         block_size: int = 0,
         draft_vocab: torch.Tensor | None = None,
+        lookup: PromptLookup | None = None,
     ) -> None:
         """block_size: positions a block drafts (0: the drafter's trained block size; fewer draft a
         shorter block, which costs less and changes which drafts come out, never the output).
-        draft_vocab: the sorted token ids drafts may take (`spec.draft_vocab`; None: every token)."""
+        draft_vocab: the sorted token ids drafts may take (`spec.draft_vocab`; None: every token).
+        lookup: where a request's last tokens occurred before, `propose` copies what followed them
+        instead of drafting (`spec.lookup`; None: the drafter drafts every block)."""
         cfg = drafter.config
         if not 0 <= block_size <= cfg.block_size:
             raise ValueError(f"block_size: the drafter drafts at most {cfg.block_size}")
@@ -95,6 +99,7 @@ class DSparkProposer:
         self.device = device
         # A request stops drafting once the survival of its next draft falls below this (0: never).
         self.stop_survival = stop_survival
+        self.lookup = lookup
         self._on_gpu = device.type == "cuda"
         # Captured greedy blocks (use_graphs); None: every block runs eagerly.
         self.graphs: DraftGraphs | None = None
@@ -153,11 +158,64 @@ class DSparkProposer:
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence], length: int | None = None) -> Drafts:
-        """Block pass, then left-to-right Markov decode with confidences. length: drafts past it are left
-        out (zeros, not counted as drafted); on the CPU they are not decoded at all, which saves their
-        vocabulary projections."""
+        """Copied drafts (`lookup`) for the requests whose last tokens occurred before; for the others
+        (all, without a lookup) a block pass, then left-to-right Markov decode with confidences. length:
+        drafts past it are left out (zeros, not counted as drafted); on the CPU they are not decoded at
+        all, which saves their vocabulary projections."""
+        length = self.block_size if length is None else min(length, self.block_size)
+        copied = None if self.lookup is None else copied_blocks(self.lookup, seqs, self._copy_count(length))
+        if copied is None or not any(copied):
+            return self._propose_drafted(seqs, length)
+        drafted = [r for r, block in enumerate(copied) if not block]
+        inner = self._propose_drafted([seqs[r] for r in drafted], length) if drafted else None
+        return self._with_copies(seqs, copied, drafted, inner)
+
+    def _copy_count(self, length: int) -> int:
+        """Most drafts a copied block takes: `length`, fewer where the early stop would end it sooner."""
+        count = length
+        while count and self.stop_survival > 0.0 and LOOKUP_CONFIDENCE**count < self.stop_survival:
+            count -= 1
+        return count
+
+    def _with_copies(
+        self, seqs: Seq[Sequence], copied: list[list[int]], drafted: list[int], inner: Drafts | None
+    ) -> Drafts:
+        """One block per request: the copied drafts, and `inner`'s rows (the drafter's) for the requests
+        `drafted` (those with no copy). Lengths always come (a copy may be shorter than the block)."""
+        num_requests, block_size = len(seqs), self.block_size
+        tokens = torch.zeros(num_requests, block_size, dtype=torch.long)
+        confidences = torch.zeros(num_requests, block_size, dtype=torch.float32)
+        lengths = torch.zeros(num_requests, dtype=torch.long)
+        probs: list[torch.Tensor | None] = [None] * num_requests
+        vocab = self.lm_head.shape[0]
+        for r, block in enumerate(copied):
+            if not block:
+                continue
+            n = len(block)
+            tokens[r, :n] = torch.tensor(block)
+            confidences[r, :n] = LOOKUP_CONFIDENCE
+            lengths[r] = n
+            if not seqs[r].params.greedy:  # a certain choice: one-hot, on the device acceptance reads
+                one_hot = torch.zeros(block_size, vocab, device=self.device)
+                one_hot[torch.arange(n, device=self.device), torch.tensor(block, device=self.device)] = 1.0
+                probs[r] = one_hot
+        # Greedy blocks' tokens stay on the device (as the drafter's); sampling ones come to the host.
+        on_device = all(seq.params.greedy for seq in seqs)
+        tokens = to_device(tokens, self.device) if on_device else tokens
+        confidences = to_device(confidences, self.device)
+        if inner is not None:
+            rows = torch.tensor(drafted)
+            tokens[rows.to(tokens.device)] = inner.tokens.to(tokens.device)
+            confidences[rows.to(self.device)] = inner.confidences
+            whole = torch.full((len(drafted),), block_size, dtype=torch.long)
+            lengths[rows] = whole if inner.lengths is None else inner.lengths
+            for i, r in enumerate(drafted):
+                probs[r] = inner.probs[i]
+        return Drafts(tokens, confidences, probs, lengths)
+
+    def _propose_drafted(self, seqs: Seq[Sequence], length: int) -> Drafts:
+        """The drafter's block for every request of `seqs` (`propose` without copies)."""
         block_size = self.block_size
-        length = block_size if length is None else min(length, block_size)
         num_requests = len(seqs)
         block = torch.full((num_requests, block_size), self.drafter.config.mask_token_id, dtype=torch.long)
         block[:, 0] = torch.tensor([s.anchor for s in seqs])

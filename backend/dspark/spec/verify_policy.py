@@ -93,7 +93,10 @@ class StaticPolicy:
     uses_planner: bool = False
 
     def plan(self, drafts: Drafts | InStepDrafts, caps: list[int], planner: VerifyPlanner) -> VerifyPlan:
-        return VerifyPlan(tuple(caps), tuple(caps), drafts)
+        # Drafts made apart may be shorter than a cap (a copied block, `spec.lookup`): never verify a
+        # position that holds no draft.
+        verified = tuple(caps) if isinstance(drafts, InStepDrafts) else drafted_caps(drafts, caps)
+        return VerifyPlan(verified, verified, drafts)
 
 
 @dataclass(frozen=True)

@@ -635,6 +635,12 @@ def eval_acceptance(argv: list[str]) -> int:
         default=0,
         help="draft from the K most frequent tokens (0: the drafter's own, -1: all)",
     )
+    parser.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        help="copy drafts where a request's last tokens occurred before (the serve default); off: every "
+        "block is the drafter's, so tau and calibration measure the drafter",
+    )
     parser.add_argument("--out", default=None, help="write the results (JSON) here")
     parser.add_argument("--markdown", default=None, help="write the table (markdown) here")
     args = parser.parse_args(argv)
@@ -663,6 +669,7 @@ def eval_acceptance(argv: list[str]) -> int:
         max_num_batched_tokens=max(2048, args.max_num_seqs * (block_size + 1)),
         seed=args.seed,
         draft_vocab_size=args.draft_vocab_size,
+        prompt_lookup=args.prompt_lookup,
     )
     modes = [m for m in args.modes.split(",") if m]
     temperatures = [float(t) for t in args.temperatures.split(",") if t]
