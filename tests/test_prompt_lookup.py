@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from tiny_models import tiny_engine_config
+from tiny_models import emulated_graphs_config, tiny_engine_config, use_emulated_graphs
 
 from dspark import LLM, SamplingParams
 from dspark.sequence import Sequence
@@ -89,9 +89,9 @@ class _Spy:
         real_propose, real_drafted = DSparkProposer.propose, DSparkProposer._propose_drafted
         spy = self
 
-        def propose(proposer, seqs, length=None):  # noqa: ANN001, ANN202
+        def propose(proposer, seqs, length=None, copies=True):  # noqa: ANN001, ANN202
             spy._ran = False
-            drafts = real_propose(proposer, seqs, length)
+            drafts = real_propose(proposer, seqs, length, copies)
             copied = sum(bool(proposer.lookup.drafts(s, 1)) for s in seqs) if proposer.lookup else 0
             spy.steps.append((len(seqs), copied, spy._ran))
             return drafts
@@ -178,3 +178,30 @@ def test_static_verifies_no_position_past_a_short_copy() -> None:
     )
     plan = StaticPolicy().plan(drafts, [3, 2], None)  # type: ignore[arg-type]
     assert plan.verify_lens == (1, 2)
+
+
+def test_windows_laid_out_before_drafting_take_no_copies(
+    tiny_target_dir, tiny_drafter_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`static` on (emulated) CUDA graphs lays a step's windows out before drafting; a step with sampling
+    requests then drafts apart (`InStepDrafts.pack`) and must draft whole drafter blocks: a copy shorter
+    than its window would leave a window position with no draft law to accept by."""
+    llm = LLM(emulated_graphs_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static"))
+    use_emulated_graphs(llm.engine)
+    copied, asked = [], []
+    real_copies, real_propose = DSparkProposer._with_copies, DSparkProposer.propose
+
+    def with_copies(*args):  # noqa: ANN002, ANN202
+        copied.append(True)
+        return real_copies(*args)
+
+    def propose(proposer, seqs, length=None, copies=True):  # noqa: ANN001, ANN202
+        asked.append(copies)
+        return real_propose(proposer, seqs, length, copies)
+
+    monkeypatch.setattr(DSparkProposer, "_with_copies", with_copies)
+    monkeypatch.setattr(DSparkProposer, "propose", propose)
+    every = [t for k in range(8) for t in (5, k)] + [5]  # a copy is found whatever comes next
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in range(3)]
+    llm.generate(params=params, prompt_token_ids=[every] * 3)
+    assert asked and not any(asked) and not copied

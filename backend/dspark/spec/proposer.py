@@ -157,13 +157,16 @@ class DSparkProposer:
             self.graphs.capture_all()
 
     @torch.inference_mode()
-    def propose(self, seqs: Seq[Sequence], length: int | None = None) -> Drafts:
+    def propose(self, seqs: Seq[Sequence], length: int | None = None, copies: bool = True) -> Drafts:
         """Copied drafts (`lookup`) for the requests whose last tokens occurred before; for the others
-        (all, without a lookup) a block pass, then left-to-right Markov decode with confidences. length:
-        drafts past it are left out (zeros, not counted as drafted); on the CPU they are not decoded at
-        all, which saves their vocabulary projections."""
+        (all, without a lookup or with `copies` false) a block pass, then left-to-right Markov decode
+        with confidences. length: drafts past it are left out (zeros, not counted as drafted); on the
+        CPU they are not decoded at all, which saves their vocabulary projections. copies: false where
+        the verify windows were fixed before drafting (`InStepDrafts`): a copy may be shorter than its
+        window, and a window position without a draft must not be verified."""
         length = self.block_size if length is None else min(length, self.block_size)
-        copied = None if self.lookup is None else copied_blocks(self.lookup, seqs, self._copy_count(length))
+        lookup = self.lookup if copies else None
+        copied = None if lookup is None else copied_blocks(lookup, seqs, self._copy_count(length))
         if copied is None or not any(copied):
             return self._propose_drafted(seqs, length)
         drafted = [r for r, block in enumerate(copied) if not block]

@@ -39,9 +39,11 @@ class InStepDrafts:
     ) -> Drafts:
         """Draft and pack the drafts into `out` (`VerifyDrafts.pack`): from the filled target layout
         when `in_layout` and the block can read it, else apart (`DSparkProposer.propose`) and packed the
-        usual way. Returns the drafts."""
+        usual way (the drafter's blocks: no copies, `spec.lookup`). Returns the drafts."""
         drafts = self.proposer.propose_in_step(self.seqs) if in_layout else None
         if drafts is None:
-            drafts = self.proposer.propose(self.seqs)
+            # The windows were laid out before drafting: whole drafter blocks, no copies (a copy may be
+            # shorter than its window).
+            drafts = self.proposer.propose(self.seqs, copies=False)
             write_verify_tokens(token_ids, window_lens, drafts.tokens, out)
         return drafts
