@@ -188,6 +188,7 @@ def test_trained_drafter_commits_more_tokens_per_step_in_the_engine(
             spec_mode="static",
             num_kv_pages=128,
             adaptive_speculation=False,  # tau of the drafter on every step
+            prompt_lookup=False,  # the drafter's blocks only, none copied
         )
         outs = LLM(config).generate(
             params=SamplingParams(max_tokens=24, ignore_eos=True),

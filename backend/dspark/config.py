@@ -72,8 +72,9 @@ class EngineConfig:
     # Prompt lookup: where a request's last 2-3 tokens occurred earlier in its prompt or output, its
     # next drafts are the tokens that followed them (`dspark.spec.lookup`), with no drafter pass; the
     # drafter drafts the other requests' blocks. Used wherever a block is drafted apart from the target
-    # step (every CPU step; on a GPU, steps that cannot draft inside the target graph: sampling
-    # requests, compact under a measured table). Lossless either way.
+    # step and its windows follow the drafts (every CPU step; on a GPU, compact under a measured table
+    # and tensor-parallel steps; not static's blocks drafted inside, or laid out before, the target
+    # step). Lossless either way.
     prompt_lookup: bool = True
     # JSON file of measured target steps/s by batch tokens; "profile": measure it when the engine starts
     # (a few seconds; compact and cap-accept only); empty means flat (verify everything: compact then

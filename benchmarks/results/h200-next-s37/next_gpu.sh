@@ -11,7 +11,8 @@
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
 #   83f678b has run on a GPU: the gate's median step times, the frozen startup heaps, session 36's
-#   benchmark changes, session 37's acceptance prior in the gate; its oneDNN path is CPU only).
+#   benchmark changes, session 37's acceptance prior in the gate; its oneDNN path is CPU only; session
+#   38's prompt lookup: copies on CUDA in the sampling and eager paths, the gate's verified counts).
 # bench (~480 s): issue 18's table with the new gate and frozen heaps and each side's loop-thread clock
 #   (CPU share, involuntary switches: a descheduled served loop against one that runs slower), then the
 #   offline engine beside spinning and memory-streaming neighbours (host_neighbours.py: does the host's
