@@ -1,0 +1,133 @@
+"""Engine configurations side by side in one process, timed in alternation: tokens/s of each, its ratio
+to the first's, tokens a step, and how many greedy outputs equal the first engine's.
+
+    python benchmarks/side_by_side.py --device cpu --engine plain:spec_mode=off --engine default: \
+        --engine no-lookup:prompt_lookup=false --prompts fresh --max-tokens 96 --rounds 2
+
+Each `--engine NAME:FIELD=VALUE,...` is an `EngineConfig` with those fields changed (values read as the
+field's type). The engines are built once; each round runs every engine over the prompt set, `--batch`
+prompts at a time (1: one question at a time), in turn, so a slow spell of the host falls on all of
+them; the figures are medians over rounds. Prompt sets: `bench` (`dspark-client bench`'s questions),
+`fresh` (24 everyday questions written for session 33's comparison, never trained on), `eval` (four a
+domain of `training/prompts_eval.jsonl`, held out by source, past the first eight of each), or a JSON
+lines file of {"prompt": ...}. Prompts are chat-formatted as the training prompts are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from e2e import _prompt_ids, bench_config
+
+from dspark import LLM, EngineConfig, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+FRESH = ROOT / "benchmarks/results/cpu-2026-12-04-s33/fresh_everyday_24.jsonl"
+EVAL = ROOT / "training/prompts_eval.jsonl"
+
+
+def parse_engine(spec: str) -> tuple[str, dict[str, object]]:
+    """`NAME:FIELD=VALUE,...` -> (NAME, {FIELD: VALUE}) with each value read as its field's type."""
+    name, _, fields = spec.partition(":")
+    types = {f.name: f.type for f in dataclasses.fields(EngineConfig)}
+    changes: dict[str, object] = {}
+    for item in filter(None, fields.split(",")):
+        key, _, text = item.partition("=")
+        kind = types.get(key)
+        if kind is None:
+            raise SystemExit(f"--engine {spec}: EngineConfig has no field {key!r}")
+        if kind in (bool, "bool"):
+            changes[key] = text.lower() in ("1", "true", "yes", "on")
+        elif kind in (int, "int"):
+            changes[key] = int(text)
+        elif kind in (float, "float"):
+            changes[key] = float(text)
+        else:
+            changes[key] = text
+    return name, changes
+
+
+def prompt_set(name: str) -> list[str]:
+    """The user texts of a named prompt set or a JSON lines file."""
+    if name == "bench":
+        sys.path.insert(0, str(ROOT / "client"))
+        from prompts import PROMPTS
+
+        return list(PROMPTS)
+    if name == "fresh":
+        return [json.loads(line)["prompt"] for line in FRESH.read_text().splitlines() if line.strip()]
+    if name == "eval":
+        by_domain: dict[str, list[str]] = collections.defaultdict(list)
+        for line in EVAL.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                by_domain[record["domain"]].append(record["prompt"])
+        return [p for domain in sorted(by_domain) for p in by_domain[domain][8:12]]
+    return [json.loads(line)["prompt"] for line in Path(name).read_text().splitlines() if line.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Build the engines, run the rounds, print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", action="append", required=True, help="NAME:FIELD=VALUE,... (repeat)")
+    parser.add_argument("--model", default="", help="target directory (default: the embedded SmolLM2)")
+    parser.add_argument("--draft-model", default="", help="drafter directory (default: the shipped one)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--prompts", default="bench", help="bench, fresh, eval or a JSON lines file")
+    parser.add_argument("--batch", type=int, default=1, help="prompts run at once")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    specs = [parse_engine(spec) for spec in args.engine]
+    engines = {
+        name: LLM(bench_config(args.model, args.draft_model, args.device, args.batch, **changes))
+        for name, changes in specs
+    }
+    first = next(iter(engines))
+    texts = prompt_set(args.prompts)
+    ids = _prompt_ids(engines[first], len(texts), texts)
+    batches = [ids[i : i + args.batch] for i in range(0, len(ids), args.batch)]
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    for llm in engines.values():  # warm-up
+        llm.generate(params=SamplingParams(max_tokens=8, ignore_eos=True), prompt_token_ids=batches[0])
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    per_step: dict[str, list[float]] = {name: [] for name in engines}
+    outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
+    for round_index in range(args.rounds):
+        for name, llm in engines.items():
+            tokens, seconds = 0, 0.0
+            steps_before = llm.engine.load().loop.steps
+            for batch in batches:
+                start = time.perf_counter()
+                outs = llm.generate(params=params, prompt_token_ids=batch)
+                seconds += time.perf_counter() - start
+                tokens += sum(len(o.token_ids) for o in outs)
+                if round_index == 0:
+                    outputs[name] += [list(o.token_ids) for o in outs]
+            rates[name].append(tokens / seconds)
+            per_step[name].append(tokens / max(llm.engine.load().loop.steps - steps_before, 1))
+    print(
+        f"{args.prompts}: {len(ids)} prompts, batch {args.batch}, {args.max_tokens} greedy tokens, "
+        f"{args.rounds} rounds, device {args.device}"
+    )
+    base = statistics.median(rates[first])
+    for name, values in rates.items():
+        rate = statistics.median(values)
+        same = sum(a == b for a, b in zip(outputs[name], outputs[first], strict=True))
+        print(
+            f"{name:24s} {rate:7.1f} tok/s {rate / base:.3f}x {first}  "
+            f"{statistics.median(per_step[name]):.2f} tokens a step  identical {same}/{len(ids)}  "
+            f"{[round(v, 1) for v in values]}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

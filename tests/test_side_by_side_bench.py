@@ -1,0 +1,43 @@
+"""benchmarks/side_by_side.py on the tiny models: engine specs read as EngineConfig fields, every engine
+timed over the prompts, its ratio to the first and its greedy outputs against the first's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import side_by_side  # noqa: E402
+
+
+def test_engine_specs_take_each_fields_type() -> None:
+    assert side_by_side.parse_engine("plain:spec_mode=off") == ("plain", {"spec_mode": "off"})
+    assert side_by_side.parse_engine("default:") == ("default", {})
+    name, changes = side_by_side.parse_engine("x:prompt_lookup=false,block_size=2,draft_stop_survival=0.5")
+    assert name == "x" and changes == {"prompt_lookup": False, "block_size": 2, "draft_stop_survival": 0.5}
+    with pytest.raises(SystemExit, match="no field"):
+        side_by_side.parse_engine("x:no_such_field=1")
+
+
+def test_engines_side_by_side_report_ratios_and_identical_outputs(
+    tiny_target_dir, tiny_drafter_dir, tmp_path, capsys
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("w1 w2 w3", "w4 w5 w4 w5", "w6")))
+    static = "static:spec_mode=static,adaptive_speculation=false"
+    side_by_side.main(
+        [
+            "--model", str(tiny_target_dir), "--draft-model", str(tiny_drafter_dir), "--device", "cpu",
+            "--engine", "plain:spec_mode=off", "--engine", static,
+            "--prompts", str(prompts), "--max-tokens", "8", "--rounds", "2", "--batch", "2",
+        ]
+    )  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{prompts}: 3 prompts, batch 2, 8 greedy tokens, 2 rounds")
+    plain, static = (line.split() for line in lines[1:3])
+    assert plain[0] == "plain" and plain[3] == "1.000x" and plain[plain.index("identical") + 1] == "3/3"
+    assert static[0] == "static" and float(static[5]) > 1.0  # tokens a step: drafts were accepted
+    assert static[static.index("identical") + 1] == "3/3"  # greedy: speculation keeps the tokens
