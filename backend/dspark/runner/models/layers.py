@@ -49,8 +49,8 @@ ONEDNN = "onednn"
 COPY_ATTRIBUTE = {ONEDNN: "onednn_packed", PACKED: "mkl_packed"}
 COPY_SIZE = {ONEDNN: 1.1, PACKED: 2.5}
 # The weight dtypes each packed path takes: oneDNN's bf16 product accumulates in fp32 and, on a 2-core
-# AMD EPYC with AVX512-BF16, ran a pass over SmolLM2's weights in 8.5-9.5 ms at 1-8 rows (fp32's:
-# 19-24 ms; bf16 F.linear's 12-14 ms).
+# AMD EPYC with AVX512-BF16, ran a pass over SmolLM2's weights in 8.5-10.3 ms at 1-8 rows (fp32's:
+# 18.5-24 ms; bf16 F.linear's 12-14 ms; two runs).
 PACKED_DTYPES = {ONEDNN: (torch.float32, torch.bfloat16), PACKED: (torch.float32,)}
 CANDIDATES = {1: (BY_LINEAR, AS_TWO_ROWS)}  # by row count; the rest: (BY_LINEAR, WEIGHT_FIRST)
 # The packed copies may take at most this share of the memory available when they are made.
