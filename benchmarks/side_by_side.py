@@ -6,11 +6,12 @@ to the first's, tokens a step, and how many greedy outputs equal the first engin
 
 Each `--engine NAME:FIELD=VALUE,...` is an `EngineConfig` with those fields changed (values read as the
 field's type). The engines are built once; each round runs every engine over the prompt set, `--batch`
-prompts at a time (1: one question at a time), in turn, so a slow spell of the host falls on all of
-them; the figures are medians over rounds. Prompt sets: `bench` (`dspark-client bench`'s questions),
-`fresh` (24 everyday questions written for session 33's comparison, never trained on), `eval` (four a
-domain of `training/prompts_eval.jsonl`, held out by source, past the first eight of each), or a JSON
-lines file of {"prompt": ...}. Prompts are chat-formatted as the training prompts are.
+prompts at a time (1: one question at a time), in turn and in an order rotated round by round
+(`e2e._time_engines`), so a slow spell of the host falls on all of them; tokens/s are medians over
+rounds, tokens a step and outputs the first round's. Prompt sets: `bench` (`dspark-client bench`'s
+questions), `fresh` (24 everyday questions written for session 33's comparison, never trained on),
+`eval` (four a domain of `training/prompts_eval.jsonl`, held out by source, past the first eight of
+each), or a JSON lines file of {"prompt": ...}. Prompts are chat-formatted as the training prompts are.
 """
 
 from __future__ import annotations
@@ -19,14 +20,12 @@ import argparse
 import collections
 import dataclasses
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
-from e2e import _prompt_ids, bench_config
+from e2e import _prompt_ids, _time_engines, bench_config, identical_share
 
-from dspark import LLM, EngineConfig, SamplingParams
+from dspark import LLM, EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 FRESH = ROOT / "benchmarks/results/cpu-2026-12-04-s33/fresh_everyday_24.jsonl"
@@ -86,45 +85,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     specs = [parse_engine(spec) for spec in args.engine]
+    texts = prompt_set(args.prompts)
+    if len(texts) % args.batch:
+        raise SystemExit(f"--batch {args.batch}: the {len(texts)} prompts do not split into whole batches")
     engines = {
         name: LLM(bench_config(args.model, args.draft_model, args.device, args.batch, **changes))
         for name, changes in specs
     }
     first = next(iter(engines))
-    texts = prompt_set(args.prompts)
     ids = _prompt_ids(engines[first], len(texts), texts)
-    batches = [ids[i : i + args.batch] for i in range(0, len(ids), args.batch)]
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    for llm in engines.values():  # warm-up
-        llm.generate(params=SamplingParams(max_tokens=8, ignore_eos=True), prompt_token_ids=batches[0])
-    rates: dict[str, list[float]] = {name: [] for name in engines}
-    per_step: dict[str, list[float]] = {name: [] for name in engines}
-    outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
-    for round_index in range(args.rounds):
-        for name, llm in engines.items():
-            tokens, seconds = 0, 0.0
-            steps_before = llm.engine.load().loop.steps
-            for batch in batches:
-                start = time.perf_counter()
-                outs = llm.generate(params=params, prompt_token_ids=batch)
-                seconds += time.perf_counter() - start
-                tokens += sum(len(o.token_ids) for o in outs)
-                if round_index == 0:
-                    outputs[name] += [list(o.token_ids) for o in outs]
-            rates[name].append(tokens / seconds)
-            per_step[name].append(tokens / max(llm.engine.load().loop.steps - steps_before, 1))
+    # The batches run one after another in each timed run, engines in rotated order round by round.
+    results = _time_engines(engines, ids, args.max_tokens, None, args.rounds, len(ids) // args.batch)
     print(
         f"{args.prompts}: {len(ids)} prompts, batch {args.batch}, {args.max_tokens} greedy tokens, "
         f"{args.rounds} rounds, device {args.device}"
     )
-    base = statistics.median(rates[first])
-    for name, values in rates.items():
-        rate = statistics.median(values)
-        same = sum(a == b for a, b in zip(outputs[name], outputs[first], strict=True))
+    base, reference, _ = results[first]
+    for name, (rate, tokens, stats) in results.items():
+        same = round(identical_share(reference, tokens) * len(ids))
         print(
             f"{name:24s} {rate:7.1f} tok/s {rate / base:.3f}x {first}  "
-            f"{statistics.median(per_step[name]):.2f} tokens a step  identical {same}/{len(ids)}  "
-            f"{[round(v, 1) for v in values]}",
+            f"{stats['mean_committed_per_step']:.2f} tokens a step  identical {same}/{len(ids)}",
             flush=True,
         )
 

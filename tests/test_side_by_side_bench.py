@@ -26,7 +26,8 @@ def test_engines_side_by_side_report_ratios_and_identical_outputs(
     tiny_target_dir, tiny_drafter_dir, tmp_path, capsys
 ) -> None:
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("w1 w2 w3", "w4 w5 w4 w5", "w6")))
+    texts = ("w1 w2 w3", "w4 w5 w4 w5", "w6", "w7 w1")
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in texts))
     static = "static:spec_mode=static,adaptive_speculation=false"
     side_by_side.main(
         [
@@ -36,8 +37,15 @@ def test_engines_side_by_side_report_ratios_and_identical_outputs(
         ]
     )  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith(f"{prompts}: 3 prompts, batch 2, 8 greedy tokens, 2 rounds")
+    assert lines[0].startswith(f"{prompts}: 4 prompts, batch 2, 8 greedy tokens, 2 rounds")
     plain, static = (line.split() for line in lines[1:3])
-    assert plain[0] == "plain" and plain[3] == "1.000x" and plain[plain.index("identical") + 1] == "3/3"
+    assert plain[0] == "plain" and plain[3] == "1.000x" and plain[plain.index("identical") + 1] == "4/4"
     assert static[0] == "static" and float(static[5]) > 1.0  # tokens a step: drafts were accepted
-    assert static[static.index("identical") + 1] == "3/3"  # greedy: speculation keeps the tokens
+    assert static[static.index("identical") + 1] == "4/4"  # greedy: speculation keeps the tokens
+
+
+def test_prompts_that_do_not_split_into_whole_batches_are_refused(tmp_path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("w1", "w2", "w3")))
+    with pytest.raises(SystemExit, match="whole batches"):
+        side_by_side.main(["--engine", "plain:spec_mode=off", "--prompts", str(prompts), "--batch", "2"])

@@ -15,7 +15,6 @@ on rejection the target's distribution without it is sampled).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence as Seq
 from weakref import WeakKeyDictionary
 
 from dspark.sequence import Sequence
@@ -74,8 +73,3 @@ def _latest_earlier(data: bytearray, key: bytes, end: int) -> int | None:
         if at % _ITEM == 0:
             return at // _ITEM
         end = at + len(key) - 1  # a match straddling tokens: look before it
-
-
-def copied_blocks(lookup: PromptLookup, seqs: Seq[Sequence], count: int) -> list[list[int]]:
-    """Every request's copied drafts (an empty list where none was found)."""
-    return [lookup.drafts(seq, count) for seq in seqs]

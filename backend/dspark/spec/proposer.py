@@ -20,7 +20,7 @@ from dspark.sequence import Sequence
 from dspark.spec.draft_graphs import DraftGraphs
 from dspark.spec.drafter import BlockHeads, Drafter
 from dspark.spec.drafts import Drafts
-from dspark.spec.lookup import LOOKUP_CONFIDENCE, PromptLookup, copied_blocks
+from dspark.spec.lookup import LOOKUP_CONFIDENCE, PromptLookup
 
 
 class Proposer(Protocol):
@@ -165,8 +165,10 @@ class DSparkProposer:
         the verify windows were fixed before drafting (`InStepDrafts`): a copy may be shorter than its
         window, and a window position without a draft must not be verified."""
         length = self.block_size if length is None else min(length, self.block_size)
-        lookup = self.lookup if copies else None
-        copied = None if lookup is None else copied_blocks(lookup, seqs, self._copy_count(length))
+        copied = None
+        if copies and self.lookup is not None:
+            count = self._copy_count(length)
+            copied = [self.lookup.drafts(seq, count) for seq in seqs]
         if copied is None or not any(copied):
             return self._propose_drafted(seqs, length)
         drafted = [r for r, block in enumerate(copied) if not block]
@@ -210,8 +212,7 @@ class DSparkProposer:
             rows = torch.tensor(drafted)
             tokens[rows.to(tokens.device)] = inner.tokens.to(tokens.device)
             confidences[rows.to(self.device)] = inner.confidences
-            whole = torch.full((len(drafted),), block_size, dtype=torch.long)
-            lengths[rows] = whole if inner.lengths is None else inner.lengths
+            lengths[rows] = torch.tensor(inner.drafted(block_size))
             for i, r in enumerate(drafted):
                 probs[r] = inner.probs[i]
         return Drafts(tokens, confidences, probs, lengths)

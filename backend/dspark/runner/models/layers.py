@@ -125,7 +125,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias) if bias is not None else ops.few_rows_linear(x, weight)
     if rows == 0:
         return F.linear(x, weight, bias)
-    paths = _PATHS_BY_DTYPE.get(weight.dtype) or cpu_linear_paths(weight.dtype)
+    paths = cpu_linear_paths(weight.dtype)
     path = paths.path(rows)
     if path in COPY_ATTRIBUTE and (x.requires_grad or getattr(weight, COPY_ATTRIBUTE[path], None) is None):
         # No copy to read (or gradients wanted, which the packed products do not give).
