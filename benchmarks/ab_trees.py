@@ -108,6 +108,16 @@ def _gate_rates(llm, batch: int) -> dict[int, int]:  # noqa: ANN001 - a tree's L
     return {} if gate is None else {n: round(rate) for n, rate in gate.rates(batch).items()}
 
 
+def _gate_chosen(llm) -> dict[int, int]:  # noqa: ANN001 - a tree's LLM
+    """How many steps the adaptive gate ran at each draft length, over every tier (empty: no gate)."""
+    gate = llm.engine.gate
+    chosen: dict[int, int] = {}
+    for stats in [] if gate is None else gate._tiers.values():
+        for length, count in stats.chosen.items():
+            chosen[length] = chosen.get(length, 0) + count
+    return dict(sorted(chosen.items()))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the rounds, print a JSON line per (batch, mode) and a markdown table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -160,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             }
             if mode == "default":  # what each tree's gate believes, per draft length, at this batch
                 row["gate_rates"] = {t.name: _gate_rates(engines[(t.name, mode)], batch) for t in trees}
+                row["gate_chosen"] = {t.name: _gate_chosen(engines[(t.name, mode)]) for t in trees}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("| batch | mode | base tok/s | new tok/s | new / base (paired, median) | quartiles | identical |")

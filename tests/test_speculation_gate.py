@@ -81,8 +81,9 @@ def test_gate_tries_every_length_then_follows_the_fastest_and_probes_the_others(
     assert 0 < len(probes) <= len(settled) // PROBE_INTERVAL + 1
     assert set(probes) == {1, 2, 3}  # every loser is probed in turn
     rates = gate.rates(8)
-    # Within the prior's share: PRIOR_REQUESTS requests against ~160 a position in the faded counts.
-    assert rates == pytest.approx({0: 8000, 1: 11 / 0.0015, 2: 6000, 3: 5200}, rel=0.015)
+    # Within the prior's share: PRIOR_REQUESTS requests against ~160 a position in the faded counts
+    # (fewer at the positions plain steps between probes do not verify, which fade slowly).
+    assert rates == pytest.approx({0: 8000, 1: 11 / 0.0015, 2: 6000, 3: 5200}, rel=0.025)
 
 
 def test_gate_picks_a_short_window_where_it_pays() -> None:
@@ -439,3 +440,20 @@ def test_a_choice_counts_once_its_step_starts():
         decisions.append(length)
     tries = WARM_UP_TRIES * (WARM_UP_STEPS + RUN_EDGES)
     assert decisions[: 2 * tries] == [1] * tries + [0] * tries
+
+
+def test_a_stretch_of_rejections_past_the_first_draft_does_not_lock_the_gate_into_length_1() -> None:
+    """One request whose first 150 steps accept no draft or one (the second always rejected), then
+    every draft, windows of 2-3 much dearer than 1: while the gate runs length 1, its steps never
+    verify positions 2-3, so what the stretch said of them must fade (towards their prior) rather
+    than stand until enough probes of the block outweigh it (it took ~80 steps here; served on the
+    CPU the gate so kept length 1 for hundreds of steps)."""
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    cost = [1.0, 1.05, 1.3, 1.4]
+    mix = _cycle({0: 1, 1: 1})
+    decisions = _run_steps(
+        gate, clock, 1, 200, lambda n: 0.001 * cost[n], lambda s: mix(s) if s < 150 else [3]
+    )
+    assert decisions[100:150].count(1) >= 45  # the stretch made length 1 the best
+    assert decisions[150:].count(3) >= 35, decisions[150:]

@@ -17,7 +17,8 @@ halves of that rate are measured apart:
 - tokens, shared by the tiers (acceptance is the drafter's and the requests', not the batch's): 1 +
   the sum over positions k <= length of the chance that drafts 1..k are all accepted, the product of
   each position's chance given the ones before it, each from the requests that reached and passed that
-  position in every step that verified it (older steps fading), plus PRIOR_REQUESTS requests' worth of
+  position in every step that verified it (older steps fading; a position a step did not verify
+  fades too, more slowly the more requests the step had), plus PRIOR_REQUESTS requests' worth of
   a prior: the chance of the position before it (the first position's: FIRST_PRIOR). A step that
   verified L drafts so says what every shorter length would have committed (acceptance stops at the
   first rejected draft, whatever follows), so the lengths are compared on the same steps' acceptance,
@@ -124,6 +125,14 @@ class _Acceptance:
         keep = 1.0 - SMOOTHING
         self.reached[position] = keep * self.reached[position] + reached
         self.passed[position] = keep * self.passed[position] + passed
+
+    def fade(self, positions: range, rate: float) -> None:
+        """Fade these positions' counts by `rate` (positions a step did not verify)."""
+        keep = 1.0 - rate
+        for position in positions:
+            if position in self.reached:
+                self.reached[position] *= keep
+                self.passed[position] *= keep
 
     def chance(self, position: int, prior: float) -> float:
         """The chance a request that reached this position passes it: its counts with PRIOR_REQUESTS
@@ -318,6 +327,13 @@ class SpeculationGate:
                 reached -= reached_at[position - 1]
                 passed -= passed_at[position - 1]
                 acceptance.add(position, reached, passed)
+            # The positions past this step's length fade too, towards their prior, by SMOOTHING / the
+            # step's requests: at one request what a stretch of rejected drafts said of them is one
+            # request's luck, and it stood while the gate ran length 1, whose steps never verify them
+            # (served on the CPU the gate so locked into length 1); at many requests a probe's counts
+            # pool many requests, and fading them at the full rate between probes would leave the
+            # estimate to the prior.
+            acceptance.fade(range(length + 1, self.lengths[-1] + 1), SMOOTHING / len(step_committed))
 
     def rates(self, num_requests: int) -> dict[int, float]:
         """Committed tokens per second estimated for this many requests, per draft length measured."""
