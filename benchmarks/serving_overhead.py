@@ -73,6 +73,9 @@ MODES = {
     # The serve default without prompt lookup: the drafter drafts every block.
     "default-nolookup": {"prompt_lookup": False},
     "default-inprocess": {"engine_process": False},
+    # Each step waits for its device work before the next is scheduled (on a CPU, where the device is
+    # the host: does the overlap's concurrent emit cost the served plain step?).
+    "off-nooverlap": {"spec_mode": "off", "overlap_scheduling": False},
     # Responses unpaced (one whenever the engine commits): the same engines, the served side only.
     "off-unpaced": {"spec_mode": "off", "max_responses_per_s": 0},
     "default-unpaced": {"max_responses_per_s": 0},

@@ -8,6 +8,17 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True)
+def _overlap_as_on_a_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine overlaps its steps only where the device runs them while the host goes on (a GPU;
+    `llm_engine.device_runs_ahead`). Here every engine built on the CPU takes the overlap path as a GPU
+    would (the engine tests all ran it on the CPU before the engine turned it off there, and only the
+    CPU runs in CI), and the tests that set `overlap_scheduling=False` keep the other path; a test
+    marked `shipped_overlap` sees the engine's own choice."""
+    if request.node.get_closest_marker("shipped_overlap") is None:
+        monkeypatch.setattr("dspark.engine.llm_engine.device_runs_ahead", lambda device: True)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct in Hugging Face layout, converted once from its packaged GGUF."""

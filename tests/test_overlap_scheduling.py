@@ -105,6 +105,21 @@ def test_a_call_returns_with_the_next_step_launched(tiny_target_dir) -> None:
         assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.shipped_overlap
+def test_on_a_cpu_a_call_returns_the_tokens_of_the_step_it_ran(tiny_target_dir) -> None:
+    """A CPU runs a step inside its launch: overlap there would only hold each step's tokens back a
+    call, so the engine (overlap_scheduling on, the default) waits for each step on the CPU."""
+    import torch
+
+    from dspark.engine.llm_engine import device_runs_ahead
+
+    assert not device_runs_ahead(torch.device("cpu")) and device_runs_ahead(torch.device("cuda"))
+    engine = LLMEngine(tiny_engine_config(tiny_target_dir, spec_mode="off", device="cpu"))
+    assert engine.config.overlap_scheduling and not engine.overlaps
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [len(d.new_token_ids) for d in engine.step()] == [1]
+
+
 def test_an_abort_while_a_step_is_launched_ends_after_its_committed_tokens(tiny_target_dir) -> None:
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     params = [SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1)] * 2

@@ -126,7 +126,9 @@ class EngineConfig:
     # Overlap each step's host work with the device: a step's committed tokens are turned into text and
     # responses while the device runs the next step (one launched step ahead; the next step is still
     # scheduled after the last one's acceptance, so output is the same either way). false: each step
-    # waits for its device work before the next one is scheduled and launched.
+    # waits for its device work before the next one is scheduled and launched. A GPU only: a CPU runs a
+    # step inside its launch, so there the engine waits for each step whatever this says (overlap would
+    # only hold each step's tokens back a step).
     overlap_scheduling: bool = True
     # With overlap_scheduling: launch the next step before the one on the device is accepted, when
     # every running request allows (greedy, no penalties, stop strings or logprobs; plain steps or

@@ -65,6 +65,14 @@ logger = logging.getLogger(__name__)
 MEMORY_READ_INTERVAL_S = 0.5  # how stale the load's GPU memory figures may be
 
 
+def device_runs_ahead(device: torch.device) -> bool:
+    """Whether a step launched on this device runs while the host goes on (a GPU's queue): where
+    `overlap_scheduling` overlaps anything. A CPU runs a step inside its launch, so there overlap would
+    only hold each step's tokens back a step (through the server at one stream on a 2-core CPU: TTFT
+    p50 51 against 35 ms, the same tokens/s)."""
+    return device.type == "cuda"
+
+
 @dataclass(frozen=True)
 class ResolvedLimits:
     """Values derived from the config and the checkpoints (the config keeps what the user wrote)."""
@@ -177,7 +185,9 @@ class LLMEngine:
         self._logprobs_formatter = LogprobsFormatter(self.tokenizer)
         self._pending: list[RequestDelta] = []  # failed before they ran
         self._aborts: list[str] = []
-        # overlap_scheduling: launched, not yet accepted (a step, or a burst of steps)
+        # overlap_scheduling, where the device runs a step while the host goes on (not a CPU's).
+        self.overlaps = config.overlap_scheduling and device_runs_ahead(device)
+        # With it: launched, not yet accepted (a step, or a burst of steps)
         self._in_flight: LaunchedStep | LaunchedBurst | None = None
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
@@ -337,7 +347,7 @@ class LLMEngine:
         """Run one step and return the deltas it completes: schedule -> drafts -> verify plan -> target
         step -> acceptance -> commit, each stage a new value (`dspark.engine.step`).
 
-        With `overlap_scheduling` a call accepts and commits the step the previous call launched,
+        With `overlap_scheduling` (on a GPU) a call accepts and commits the step the previous call launched,
         launches the next one, and makes the committed tokens' text and deltas while the device runs
         it: the call returns with the device busy, and whatever its caller does with the deltas overlaps
         the step too. Without it a call launches a step and waits for it. The scheduling of a step
@@ -345,7 +355,7 @@ class LLMEngine:
         timer = self.timer
         started = timer.start()
         failed, self._pending = self._pending, []
-        if self.config.overlap_scheduling:
+        if self.overlaps:
             earlier, launched, done = self._in_flight, None, []
             if earlier is not None:
                 launched, queued = self._launch_ahead(earlier)
