@@ -7,16 +7,31 @@ from pathlib import Path
 import pytest
 import torch
 
+_SHIPPED_DEVICE_RUNS_AHEAD = []  # the engine's own device_runs_ahead, while the session's patch holds
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _overlap_as_on_a_gpu():
+    """The engine overlaps its steps only where the device runs them while the host goes on (a GPU;
+    `llm_engine.device_runs_ahead`). Here every engine built on the CPU, module fixtures' too, takes
+    the overlap path as a GPU would (the engine tests all ran it on the CPU before the engine turned it
+    off there, and only the CPU runs in CI), and the tests that set `overlap_scheduling=False` keep the
+    other path; a test marked `shipped_overlap` sees the engine's own choice."""
+    from dspark.engine import llm_engine
+
+    _SHIPPED_DEVICE_RUNS_AHEAD.append(llm_engine.device_runs_ahead)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llm_engine, "device_runs_ahead", lambda device: True)
+        yield
+
 
 @pytest.fixture(autouse=True)
-def _overlap_as_on_a_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine overlaps its steps only where the device runs them while the host goes on (a GPU;
-    `llm_engine.device_runs_ahead`). Here every engine built on the CPU takes the overlap path as a GPU
-    would (the engine tests all ran it on the CPU before the engine turned it off there, and only the
-    CPU runs in CI), and the tests that set `overlap_scheduling=False` keep the other path; a test
-    marked `shipped_overlap` sees the engine's own choice."""
-    if request.node.get_closest_marker("shipped_overlap") is None:
-        monkeypatch.setattr("dspark.engine.llm_engine.device_runs_ahead", lambda device: True)
+def _shipped_overlap(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's own overlap choice for a test marked `shipped_overlap`."""
+    if request.node.get_closest_marker("shipped_overlap") is not None:
+        from dspark.engine import llm_engine
+
+        monkeypatch.setattr(llm_engine, "device_runs_ahead", _SHIPPED_DEVICE_RUNS_AHEAD[0])
 
 
 @pytest.fixture(scope="session")
