@@ -6,7 +6,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from dspark_client.prompts import PROMPTS
@@ -133,8 +133,14 @@ class Streamer:
             self._session.close()
 
 
-def run_level(concurrency: int, num_requests: int, make_streamer: Callable[[], Streamer]) -> LevelResult:
-    """Run num_requests prompts with `concurrency` workers, each owning one connection."""
+def run_level(
+    concurrency: int,
+    num_requests: int,
+    make_streamer: Callable[[], Streamer],
+    prompts: Sequence[str] = PROMPTS,
+) -> LevelResult:
+    """Run num_requests prompts (`prompts` in turn) with `concurrency` workers, each owning one
+    connection."""
     result = LevelResult(concurrency, num_requests, 0.0)
     work = iter(range(num_requests))
     lock = threading.Lock()
@@ -150,7 +156,7 @@ def run_level(concurrency: int, num_requests: int, make_streamer: Callable[[], S
                 return
             sent = time.perf_counter()
             try:
-                timing = measure(stream(PROMPTS[index % len(PROMPTS)]), sent)
+                timing = measure(stream(prompts[index % len(prompts)]), sent)
                 with lock:
                     result.timings.append(timing)
             except Exception as exc:  # report and go on: one failure must not hide the others

@@ -9,6 +9,7 @@ import time
 from functools import partial
 
 from dspark_client.bench import Streamer, format_table, run_level
+from dspark_client.prompts import PROMPTS, read_prompts
 from dspark_client.streaming import (
     DEFAULT_GRPC_URL,
     DEFAULT_HTTP_URL,
@@ -34,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--num-prompts", type=int, default=16, help="requests per level (default %(default)s)")
     bench.add_argument("--json", dest="json_out", help="also write the results to this JSON file")
+    bench.add_argument(
+        "--prompts",
+        help='send these prompts in turn: a .jsonl file of {"prompt": ...} objects or a text file, one '
+        "a line (default: eight everyday questions)",
+    )
     for sub in (generate, bench):
         _connection_args(sub)
         _sampling_args(sub, max_tokens=64 if sub is generate else 32)
@@ -107,9 +113,14 @@ def _generate(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     levels = [int(level) for level in args.concurrency.split(",") if level.strip()]
     make_streamer = partial(Streamer, args.http, _url(args), args.model, _params(args))
+    try:
+        prompts = read_prompts(args.prompts) if args.prompts else PROMPTS
+    except (OSError, ValueError) as exc:
+        print(f"dspark-client: --prompts: {exc}", file=sys.stderr)
+        return 2
     rows = []
     for concurrency in levels:
-        result = run_level(concurrency, args.num_prompts, make_streamer)
+        result = run_level(concurrency, args.num_prompts, make_streamer, prompts)
         rows.append(result.summary())
         for error in result.errors[:3]:
             print(f"error at concurrency {concurrency}: {error}", file=sys.stderr)

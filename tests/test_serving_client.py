@@ -49,3 +49,15 @@ def test_bench_reports_latency_throughput_and_acceptance_per_level(triton_server
         assert row["itl_p50_s"] > 0 and row["output_tokens_per_s"] > 0
         assert row["acceptance_length"] >= 1.0
     assert "TTFT p50" in capsys.readouterr().out
+
+
+def test_bench_sends_the_prompts_of_a_file(triton_server, tmp_path, capsys):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "Name a color."}\n\n{"prompt": "Name a fruit.", "id": 2}\n')
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--url", triton_server.grpc_url, "--concurrency", "1", "--num-prompts", "2"]
+    assert main([*argv, "--prompts", str(prompts), "--max-tokens", "4", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())[0]["errors"] == 0
+    prompts.write_text('{"text": "no prompt field"}\n')
+    assert main([*argv, "--prompts", str(prompts)]) == 2
+    assert "mine.jsonl:1" in capsys.readouterr().err
