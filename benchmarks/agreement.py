@@ -98,9 +98,17 @@ class OfflineEngine:
             torch.cuda.empty_cache()
 
 
+_PROMPTS = list(PROMPTS)  # what bench_prompts cycles through (`use_prompts`)
+
+
+def use_prompts(prompts: list[str]) -> None:
+    """Cycle through these prompts from now on (default: `dspark-client bench`'s)."""
+    _PROMPTS[:] = prompts
+
+
 def bench_prompts(count: int, shift: int = 0) -> list[str]:
-    """`count` of the bench prompts, cycled, from the `shift`-th on."""
-    return [PROMPTS[(shift + i) % len(PROMPTS)] for i in range(count)]
+    """`count` of the bench prompts (`use_prompts`), cycled, from the `shift`-th on."""
+    return [_PROMPTS[(shift + i) % len(_PROMPTS)] for i in range(count)]
 
 
 def timed_generate(

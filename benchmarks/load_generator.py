@@ -95,6 +95,7 @@ def _stream_loop(
     lock: threading.Lock,
     go: Any,
     report: Callable[[Any], None],
+    prompts: list[str],
 ):
     from dspark_client.streaming import GrpcSession, ServerError
 
@@ -112,7 +113,7 @@ def _stream_loop(
     arrival_tokens: list[int] = []
     try:
         for index in range(count):
-            prompt = PROMPTS[(offset + index) % len(PROMPTS)]
+            prompt = prompts[(offset + index) % len(prompts)]
             sent = time.monotonic()
             first_sent = sent if first_sent is None else first_sent
             if ended is not None:
@@ -166,13 +167,15 @@ def _worker(
     params: dict,
     offset: int,
     go: Any,
+    prompts: list[str],
     report: Callable[[Any], None],
 ) -> dict:
     stats = StreamStats()
     lock = threading.Lock()
     threads = [
         threading.Thread(
-            target=_stream_loop, args=(url, per_stream[i], params, offset + i, stats, lock, go, report)
+            target=_stream_loop,
+            args=(url, per_stream[i], params, offset + i, stats, lock, go, report, prompts),
         )
         for i in range(streams)
     ]
@@ -270,8 +273,10 @@ def run_load(
     max_tokens: int = 128,
     processes: int | None = None,
     params: dict | None = None,
+    prompts: list[str] | None = None,
 ) -> LoadResult:
-    """Run `requests` requests over `concurrency` streams in up to `processes` worker processes."""
+    """Run `requests` requests over `concurrency` streams in up to `processes` worker processes; stream
+    i sends prompts i, i + 1, ... of `prompts` (None: `dspark-client bench`'s)."""
     processes = max(1, min(processes or os.cpu_count() or 1, concurrency))
     params = {"max_tokens": max_tokens, "ignore_eos": True, **(params or {})}
     per_stream = split_evenly(requests, concurrency)
@@ -285,7 +290,17 @@ def run_load(
 
     worker_args, stream = [], 0
     for streams in split_evenly(concurrency, processes):
-        worker_args.append((url, streams, per_stream[stream : stream + streams], params, stream, go))
+        worker_args.append(
+            (
+                url,
+                streams,
+                per_stream[stream : stream + streams],
+                params,
+                stream,
+                go,
+                list(prompts or PROMPTS),
+            )
+        )
         stream += streams
     returned = run_in_processes(_worker, worker_args, on_progress)
     for value in returned:

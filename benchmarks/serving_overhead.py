@@ -53,7 +53,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from agreement import OfflineEngine, loop_shares, timed_generate  # noqa: E402
+from agreement import OfflineEngine, loop_shares, timed_generate, use_prompts  # noqa: E402
 from load_generator import LoadResult, run_load  # noqa: E402
 from serving_ceiling import _process_table, start_server, stat_cpu_seconds, stat_fields  # noqa: E402
 
@@ -64,6 +64,7 @@ from dspark.serving.triton_config import (  # noqa: E402
     DEFAULT_MODEL_REPOSITORY,
     render_config_pbtxt,
 )
+from dspark_client.prompts import read_prompts  # noqa: E402
 
 MODES = {
     "off": {"spec_mode": "off"},
@@ -256,7 +257,13 @@ def model_repository(root: Path, config: EngineConfig, instances: int) -> Path:
 
 
 def served_load(
-    url: str, metrics_port: int, streams: int, requests: int, max_tokens: int, engine_pid: int = 0
+    url: str,
+    metrics_port: int,
+    streams: int,
+    requests: int,
+    max_tokens: int,
+    engine_pid: int = 0,
+    prompts: list[str] | None = None,
 ) -> tuple[LoadResult, dict, str, str]:
     """One load of `requests` over `streams` streams: the load generator's result, the served loop's
     shares over it (`loop_shares`; with `engine_pid`, its loop thread's clock: `thread_shares`), and the
@@ -264,7 +271,7 @@ def served_load(
     time.sleep(0.3)  # the last load's counters published
     before = metrics_text(metrics_port)
     clock = thread_clock(engine_pid, engine_pid) if engine_pid else None
-    result = run_load(url, streams, requests, max_tokens)
+    result = run_load(url, streams, requests, max_tokens, prompts=prompts)
     threads = thread_shares(clock, thread_clock(engine_pid, engine_pid), result.seconds) if clock else {}
     time.sleep(0.3)
     after = metrics_text(metrics_port)
@@ -287,6 +294,7 @@ def served(
     offline: Offline | None = None,
     instances: int = DEFAULT_INSTANCES,
     rounds: int = 1,
+    prompts: list[str] | None = None,
 ) -> dict[int, list[dict]]:
     """The same engine behind `dspark serve`: per concurrency, each round's load generator result with
     the served loop and intake figures (and, in the last round at `profile_levels`, py-spy's samples of
@@ -311,12 +319,12 @@ def served(
                 rate, _, offline_loop = offline.measure(level)
                 offline_figures = {"offline_tokens_per_s": rate, "offline_loop": offline_loop}
             result, loop, before, after = served_load(
-                url, ports[2], level, requests_per_stream * level, max_tokens, engine_pid
+                url, ports[2], level, requests_per_stream * level, max_tokens, engine_pid, prompts
             )
             intake = intake_split(intake_counters(before), intake_counters(after))
             if level in profile_levels and r == rounds - 1:  # a longer run, sampled, not timed
                 profiler = start_profile(server.pid, root / f"py-spy-{level}.txt", profile_s)
-                run_load(url, level, max(10 * level, 1280), max_tokens)
+                run_load(url, level, max(10 * level, 1280), max_tokens, prompts=prompts)
                 if profiler is not None:
                     profiler.wait(profile_s + 30)
             results[level].append(asdict(result) | {"loop": loop, "intake": intake} | offline_figures)
@@ -529,12 +537,22 @@ def main(argv: list[str] | None = None) -> int:
         "the rest of the server and the load generator to the others (`pin_server`)",
     )
     parser.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help='both sides\' prompts: a .jsonl file of {"prompt": ...} or one a line (default: '
+        "`dspark-client bench`'s questions)",
+    )
+    parser.add_argument(
         "--user-defaults",
         action="store_true",
         help="both sides run the engine's defaults but the mode (max_num_seqs, the KV cache sized at "
         "start; the offline engine's cache is sized first, the server's from what is left)",
     )
     args = parser.parse_args(argv)
+    prompts = read_prompts(args.prompts) if args.prompts else None
+    if prompts is not None:
+        use_prompts(prompts)  # the offline side's (`agreement.bench_prompts`)
     profile_levels = tuple(int(x) for x in args.profile_levels.split(",") if x)
     levels = [int(x) for x in args.levels.split(",")]
     ports = [int(p) for p in args.ports.split(",")]
@@ -563,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine,
                 args.instances,
                 args.rounds,
+                prompts,
             )
         finally:
             if engine is not None:
