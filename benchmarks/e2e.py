@@ -38,15 +38,9 @@ PROMPTS = [
 
 def bench_config(model: str, draft_model: str, device: str, max_batch: int, **fields: object) -> EngineConfig:
     """The benchmarks' engine: these checkpoints on `device`, with cache pages and request slots for
-    `max_batch` requests at once, and `fields` (e.g. spec_mode) set."""
-    return EngineConfig(
-        model=model,
-        draft_model=draft_model,
-        device=device,
-        num_kv_pages=max(1024, 16 * max_batch),
-        max_num_seqs=max(32, max_batch),
-        **fields,
-    )
+    `max_batch` requests at once, and `fields` (e.g. spec_mode, or other cache sizes) set."""
+    sized: dict[str, object] = {"num_kv_pages": max(1024, 16 * max_batch), "max_num_seqs": max(32, max_batch)}
+    return EngineConfig(model=model, draft_model=draft_model, device=device, **(sized | fields))
 
 
 def _prompt_ids(

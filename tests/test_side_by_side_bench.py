@@ -49,3 +49,33 @@ def test_prompts_that_do_not_split_into_whole_batches_are_refused(tmp_path) -> N
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("w1", "w2", "w3")))
     with pytest.raises(SystemExit, match="whole batches"):
         side_by_side.main(["--engine", "plain:spec_mode=off", "--prompts", str(prompts), "--batch", "2"])
+
+
+def test_served_side_by_side_summarizes_rounds_against_the_first_server() -> None:
+    """benchmarks/served_side_by_side.py's summary: medians over each server's rounds, the ratio of
+    tokens/s to the first server's, the range, errors summed; tokens a step from the step counters."""
+    import served_side_by_side
+
+    def run(rate: float, ttft: float, errors: int = 0) -> dict:
+        return {
+            "tokens_per_s": rate,
+            "ttft_p50_ms": ttft,
+            "gap_p50_ms": 20.0,
+            "errors": errors,
+            "tokens_per_step": 1.5,
+        }
+
+    rows = served_side_by_side.summarize(
+        {
+            "plain": [run(40, 30), run(44, 34), run(42, 50)],
+            "default": [run(63, 31), run(50, 30, 1), run(60, 29)],
+        }
+    )
+    assert [r["name"] for r in rows] == ["plain", "default"]
+    assert rows[0]["tokens_per_s"] == 42 and rows[0]["ratio"] == 1.0 and rows[0]["range"] == [40, 44]
+    assert rows[1]["tokens_per_s"] == 60 and rows[1]["ratio"] == pytest.approx(60 / 42, abs=1e-3)
+    assert rows[1]["ttft_p50_ms"] == 30 and rows[1]["errors"] == 1
+    before = 'dspark_engine_steps_total{model="dspark"} 100\n'
+    after = 'dspark_engine_steps_total{model="dspark"} 140\n'
+    assert served_side_by_side.tokens_per_step(before, after, 60) == 1.5
+    assert served_side_by_side.tokens_per_step(before, before, 60) == 0.0
