@@ -446,8 +446,7 @@ def test_a_stretch_of_rejections_past_the_first_draft_does_not_lock_the_gate_int
     """One request whose first 150 steps accept no draft or one (the second always rejected), then
     every draft, windows of 2-3 much dearer than 1: while the gate runs length 1, its steps never
     verify positions 2-3, so what the stretch said of them must fade (towards their prior) rather
-    than stand until enough probes of the block outweigh it (it took ~80 steps here; served on the
-    CPU the gate so kept length 1 for hundreds of steps)."""
+    than stand until enough probes of the block outweigh it (it took ~80 steps here)."""
     clock = _Clock()
     gate = SpeculationGate(3, clock)
     cost = [1.0, 1.05, 1.3, 1.4]

@@ -329,10 +329,10 @@ class SpeculationGate:
                 acceptance.add(position, reached, passed)
             # The positions past this step's length fade too, towards their prior, by SMOOTHING / the
             # step's requests: at one request what a stretch of rejected drafts said of them is one
-            # request's luck, and it stood while the gate ran length 1, whose steps never verify them
-            # (served on the CPU the gate so locked into length 1); at many requests a probe's counts
-            # pool many requests, and fading them at the full rate between probes would leave the
-            # estimate to the prior.
+            # request's luck, and it stood while the gate ran length 1, whose steps never verify them,
+            # until enough probes of the longer lengths outweighed it (~80 steps in the gate's test);
+            # at many requests a probe's counts pool many requests, and fading them at the full rate
+            # between probes would leave the estimate to the prior.
             acceptance.fade(range(length + 1, self.lengths[-1] + 1), SMOOTHING / len(step_committed))
 
     def rates(self, num_requests: int) -> dict[int, float]:
