@@ -9,7 +9,8 @@ whose speed drifts by tens of percent within minutes its served ratio between mo
 to 1.34x between runs, while engines timed in alternation (`side_by_side.py`) keep their ratios. Here
 every server is up for the whole run and each round loads each of them once, so a slow spell falls on
 all. Per server: median output tokens/s over the rounds, the ratio to the first server's, TTFT and
-inter-token gap p50 (medians of the rounds'), tokens a step (the served engine's own counters) and
+inter-token gap p50 (medians of the rounds'), tokens a step (the served engine's own counters,
+`serving_overhead.served_load`) and
 errors. `--engine NAME:FIELD=VALUE,...` as in `side_by_side.py` (an `EngineConfig` with those fields
 changed, sized for `--streams`); prompts: `dspark-client bench`'s questions or a file's
 (`dspark_client.prompts.read_prompts`), every stream sending each prompt once a round.
@@ -21,19 +22,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from load_generator import run_load  # noqa: E402
 from serving_ceiling import start_server  # noqa: E402
-from serving_overhead import (  # noqa: E402
-    DEFAULT_INSTANCES,
-    metrics_text,
-    model_repository,
-    served_loop_totals,
-)
+from serving_overhead import DEFAULT_INSTANCES, model_repository, served_load  # noqa: E402
 from side_by_side import parse_engine  # noqa: E402
 
 from dspark.config import EngineConfig  # noqa: E402
@@ -63,13 +58,6 @@ def summarize(rounds: dict[str, list[dict]]) -> list[dict]:
             }
         )
     return rows
-
-
-def tokens_per_step(before: str, after: str, output_tokens: int) -> float:
-    """Output tokens a step of the served engine, from its step counter in two metrics readings around
-    a load that received `output_tokens` (0.0: no step)."""
-    steps = served_loop_totals(after).steps - served_loop_totals(before).steps
-    return output_tokens / steps if steps else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,21 +100,21 @@ def main(argv: list[str] | None = None) -> int:
         rounds: dict[str, list[dict]] = {name: [] for name in names}
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                metrics_port = servers[name][1]
-                time.sleep(0.3)  # the last load's counters published
-                before = metrics_text(metrics_port)
-                result = run_load(
-                    urls[name], args.streams, args.streams * len(prompts), args.max_tokens, prompts=prompts
+                # The load between two readings of the server's counters (`served_load`).
+                result, loop, _, _ = served_load(
+                    urls[name],
+                    servers[name][1],
+                    args.streams,
+                    args.streams * len(prompts),
+                    args.max_tokens,
+                    prompts=prompts,
                 )
-                time.sleep(0.3)
                 figures = {
                     "tokens_per_s": result.tokens_per_s,
                     "ttft_p50_ms": result.ttft_p50_ms,
                     "gap_p50_ms": result.gap_p50_ms,
                     "errors": result.errors,
-                    "tokens_per_step": tokens_per_step(
-                        before, metrics_text(metrics_port), result.output_tokens
-                    ),
+                    "tokens_per_step": loop["tokens_per_step"],
                 }
                 rounds[name].append(figures)
                 print(f"round {r} {name}: {json.dumps(figures)}", flush=True)

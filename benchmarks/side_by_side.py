@@ -11,7 +11,8 @@ prompts at a time (1: one question at a time), in turn and in an order rotated r
 rounds, tokens a step and outputs the first round's. Prompt sets: `bench` (`dspark-client bench`'s
 questions), `fresh` (24 everyday questions written for session 33's comparison, never trained on),
 `eval` (four a domain of `training/prompts_eval.jsonl`, held out by source, past the first eight of
-each), or a JSON lines file of {"prompt": ...}. Prompts are chat-formatted as the training prompts are.
+each), or a file as `dspark-client bench --prompts` reads it (a .jsonl of {"prompt": ...}, or one a
+line). Prompts are chat-formatted as the training prompts are.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import argparse
 import collections
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 from e2e import _prompt_ids, _time_engines, bench_config, identical_share
 
 from dspark import LLM, EngineConfig
+from dspark_client.prompts import PROMPTS, read_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 FRESH = ROOT / "benchmarks/results/cpu-2026-12-04-s33/fresh_everyday_24.jsonl"
@@ -54,14 +55,11 @@ def parse_engine(spec: str) -> tuple[str, dict[str, object]]:
 
 
 def prompt_set(name: str) -> list[str]:
-    """The user texts of a named prompt set or a JSON lines file."""
+    """The user texts of a named prompt set or a file (`dspark_client.prompts.read_prompts`)."""
     if name == "bench":
-        sys.path.insert(0, str(ROOT / "client"))
-        from prompts import PROMPTS
-
         return list(PROMPTS)
     if name == "fresh":
-        return [json.loads(line)["prompt"] for line in FRESH.read_text().splitlines() if line.strip()]
+        return read_prompts(FRESH)
     if name == "eval":
         by_domain: dict[str, list[str]] = collections.defaultdict(list)
         for line in EVAL.read_text().splitlines():
@@ -69,7 +67,7 @@ def prompt_set(name: str) -> list[str]:
                 record = json.loads(line)
                 by_domain[record["domain"]].append(record["prompt"])
         return [p for domain in sorted(by_domain) for p in by_domain[domain][8:12]]
-    return [json.loads(line)["prompt"] for line in Path(name).read_text().splitlines() if line.strip()]
+    return read_prompts(name)
 
 
 def main(argv: list[str] | None = None) -> None:
