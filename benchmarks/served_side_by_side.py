@@ -13,14 +13,19 @@ inter-token gap p50 (medians of the rounds'), tokens a step (the served engine's
 `serving_overhead.served_load`) and
 errors. `--engine NAME:FIELD=VALUE,...` as in `side_by_side.py` (an `EngineConfig` with those fields
 changed, sized for `--streams`); prompts: `dspark-client bench`'s questions or a file's
-(`dspark_client.prompts.read_prompts`), every stream sending each prompt once a round.
+(`dspark_client.prompts.read_prompts`), every stream sending each prompt once a round; every request
+`--max-tokens` long (ignore_eos), or ended by the target's EOS with `--eos` (as `dspark-client bench`
+sends them). `--client-bench ARGS`: each load is instead a run of the client users run, `dspark-client
+bench --url URL ARGS`, and its own figures are reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,6 +65,25 @@ def summarize(rounds: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
+def client_bench_load(url: str, client_args: str, out: Path) -> dict:
+    """One run of `dspark-client bench` against `url` with `client_args` (one concurrency level): its
+    figures in this tool's terms (tokens a step: the client's acceptance length, 1 without drafts)."""
+    client = Path(sys.executable).with_name("dspark-client")
+    command = [str(client), "bench", "--url", url, "--json", str(out), *shlex.split(client_args)]
+    subprocess.run(command, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = json.loads(out.read_text())
+    if len(rows) != 1:
+        raise SystemExit("--client-bench: give one --concurrency level")
+    row = rows[0]
+    return {
+        "tokens_per_s": round(row["output_tokens_per_s"], 1),
+        "ttft_p50_ms": round(1e3 * row["ttft_p50_s"], 2),
+        "gap_p50_ms": round(1e3 * row["itl_p50_s"], 2),
+        "errors": row["errors"],
+        "tokens_per_step": round(row["acceptance_length"] or 1.0, 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", action="append", required=True, help="NAME:FIELD=VALUE,... (repeat)")
@@ -67,10 +91,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=Path, default=None, help="a .jsonl of {prompt} or one a line")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--client-bench",
+        default=None,
+        metavar="ARGS",
+        help="each load is a run of the client users run, `dspark-client bench --url URL ARGS` (e.g. "
+        '"--concurrency 1 --num-prompts 16 --max-tokens 32"): its own tokens/s, TTFT, inter-token '
+        "latency and acceptance length; --prompts, --max-tokens and --eos then do not apply (--streams still "
+        "sizes the servers: give the client's concurrency)",
+    )
+    parser.add_argument(
+        "--eos",
+        action="store_true",
+        help="requests end at the target's EOS, as `dspark-client bench` sends them (default: ignore_eos, "
+        "every request --max-tokens long)",
+    )
     parser.add_argument("--first-port", type=int, default=18700, help="three ports a server from here")
     parser.add_argument("--out", type=Path, default=Path("/tmp/dspark-served-side-by-side"))
     args = parser.parse_args(argv)
     prompts = read_prompts(args.prompts) if args.prompts else list(PROMPTS)
+    params = {"ignore_eos": not args.eos}
     specs = [parse_engine(spec) for spec in args.engine]
     servers, urls = {}, {}
     try:
@@ -95,11 +135,28 @@ def main(argv: list[str] | None = None) -> int:
             urls[name] = f"localhost:{grpc}"
             print(f"{name}: serving on {urls[name]}", flush=True)
         for name in servers:  # warm-up: kernels, the gate's first lengths
-            run_load(urls[name], args.streams, args.streams * len(prompts), args.max_tokens, prompts=prompts)
+            if args.client_bench:
+                client_bench_load(urls[name], args.client_bench, args.out / name / "client.json")
+                continue
+            run_load(
+                urls[name],
+                args.streams,
+                args.streams * len(prompts),
+                args.max_tokens,
+                params=params,
+                prompts=prompts,
+            )
         names = list(servers)
         rounds: dict[str, list[dict]] = {name: [] for name in names}
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
+                if args.client_bench:
+                    figures = client_bench_load(
+                        urls[name], args.client_bench, args.out / name / "client.json"
+                    )
+                    rounds[name].append(figures)
+                    print(f"round {r} {name}: {json.dumps(figures)}", flush=True)
+                    continue
                 # The load between two readings of the server's counters (`served_load`).
                 result, loop, _, _ = served_load(
                     urls[name],
@@ -108,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.streams * len(prompts),
                     args.max_tokens,
                     prompts=prompts,
+                    params=params,
                 )
                 figures = {
                     "tokens_per_s": result.tokens_per_s,
@@ -127,10 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "served_side_by_side.json").write_text(
         json.dumps({"rounds": rounds, "summary": rows}, indent=1)
     )
-    print(
-        f"{len(prompts)} prompts, {args.streams} stream(s), {args.max_tokens} greedy tokens "
-        f"(ignore_eos), {args.rounds} rounds"
-    )
+    if args.client_bench:
+        print(f"dspark-client bench {args.client_bench}, {args.rounds} rounds")
+    else:
+        print(
+            f"{len(prompts)} prompts, {args.streams} stream(s), up to {args.max_tokens} greedy tokens "
+            f"({'to EOS' if args.eos else 'ignore_eos'}), {args.rounds} rounds"
+        )
     for row in rows:
         print(
             f"{row['name']:20s} {row['tokens_per_s']:8.1f} tok/s ({row['range'][0]}-{row['range'][1]}) "

@@ -264,14 +264,16 @@ def served_load(
     max_tokens: int,
     engine_pid: int = 0,
     prompts: list[str] | None = None,
+    params: dict | None = None,
 ) -> tuple[LoadResult, dict, str, str]:
-    """One load of `requests` over `streams` streams: the load generator's result, the served loop's
-    shares over it (`loop_shares`; with `engine_pid`, its loop thread's clock: `thread_shares`), and the
-    server's metrics text before and after it."""
+    """One load of `requests` over `streams` streams (`params`: sampling parameters over the load
+    generator's), the load generator's result, the served loop's shares over it (`loop_shares`; with
+    `engine_pid`, its loop thread's clock: `thread_shares`), and the server's metrics text before and
+    after it."""
     time.sleep(0.3)  # the last load's counters published
     before = metrics_text(metrics_port)
     clock = thread_clock(engine_pid, engine_pid) if engine_pid else None
-    result = run_load(url, streams, requests, max_tokens, prompts=prompts)
+    result = run_load(url, streams, requests, max_tokens, params=params, prompts=prompts)
     threads = thread_shares(clock, thread_clock(engine_pid, engine_pid), result.seconds) if clock else {}
     time.sleep(0.3)
     after = metrics_text(metrics_port)

@@ -12,6 +12,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from dspark.prompts import check_prompt
+from dspark.sampling_params import SamplingParams
 from dspark.tokenizer import Tokenizer
 from dspark.training.data import encode_prompt, read_prompts
 
@@ -145,3 +147,15 @@ def test_a_multi_turn_prompt_is_encoded_as_its_whole_conversation(chat_tokenizer
     assert (
         chat_tokenizer.decode(encode_prompt(chat_tokenizer, single.prompt), False).count("<|im_start|>") == 2
     )
+
+
+def test_a_raw_prompt_is_encoded_as_the_server_encodes_a_text_request(chat_tokenizer: Tokenizer) -> None:
+    # The raw form is what a text_input request becomes in the server, template-free.
+    question = "What does it mean?"
+    served = check_prompt(question, None, SamplingParams(), chat_tokenizer, 300, 1024)
+    assert encode_prompt(chat_tokenizer, question, "raw") == served
+    assert "<|im_start|>" not in chat_tokenizer.decode(served, False)
+    turns = [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "No."}]
+    assert chat_tokenizer.decode(encode_prompt(chat_tokenizer, turns, "raw"), False) == "Tell me.\n\nNo."
+    with pytest.raises(ValueError, match="prompt form"):
+        encode_prompt(chat_tokenizer, question, "markdown")

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 from dspark_client.cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import served_side_by_side  # noqa: E402
 
 pytestmark = pytest.mark.server
 
@@ -61,3 +66,13 @@ def test_bench_sends_the_prompts_of_a_file(triton_server, tmp_path, capsys):
     prompts.write_text('{"text": "no prompt field"}\n')
     assert main([*argv, "--prompts", str(prompts)]) == 2
     assert "mine.jsonl:1" in capsys.readouterr().err
+
+
+def test_served_side_by_side_times_a_load_with_the_client_users_run(triton_server, tmp_path):
+    # benchmarks/served_side_by_side.py --client-bench: the console script's own figures, one level.
+    args = "--concurrency 1 --num-prompts 2 --max-tokens 6 --ignore-eos"
+    figures = served_side_by_side.client_bench_load(triton_server.grpc_url, args, tmp_path / "c.json")
+    assert figures["errors"] == 0 and figures["tokens_per_s"] > 0 and figures["tokens_per_step"] >= 1.0
+    with pytest.raises(SystemExit, match="one --concurrency level"):
+        two_levels = "--concurrency 1,2 --num-prompts 2 --max-tokens 2"
+        served_side_by_side.client_bench_load(triton_server.grpc_url, two_levels, tmp_path / "d.json")

@@ -11,8 +11,13 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
+from tiny_models import write_tiny_target
+
 from dspark import LLM, EngineConfig, SamplingParams
+from dspark.tokenizer import Tokenizer
 from dspark.tools.cli import main as dspark
+from dspark.training.data import encode_prompt
 from dspark.training.shards import read_shard
 
 
@@ -117,3 +122,37 @@ def test_the_gpu_scripts_join_gguf_parts_carried_now_and_parked_before(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / ".carry" / name).read_bytes() == content
     assert f"dspark import-gguf --gguf {tmp_path / '.carry' / name}" in done.stdout
+
+
+def test_distill_data_sends_its_raw_share_of_training_prompts_without_the_template(tmp_path) -> None:
+    # w1 opens a turn, w0 closes it, w2 opens the answer: a chat prompt starts with w1, a raw one does not.
+    target = write_tiny_target(tmp_path / "target", vocab_size=64, seed=2)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    template = (
+        "{% for m in messages %}w1 {{ m['content'] }} w0 {% endfor %}"
+        "{% if add_generation_prompt %}w2 {% endif %}"
+    )
+    (target / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    tokenizer = Tokenizer.from_dir(target)
+    prompts = tmp_path / "prompts.jsonl"
+    _write_prompts(prompts)
+    texts = {json.loads(line)["id"]: json.loads(line)["prompt"] for line in prompts.read_text().splitlines()}
+    forms: dict[float, Counter[str]] = {}
+    for share in (0.0, 0.5, 1.0):
+        out = tmp_path / f"data-{share}"
+        command = f"distill-data --target {target} --prompts {prompts} --out-dir {out} --max-new-tokens 4 "
+        assert dspark([*command.split(), "--val-prompts", "6", "--raw-share", str(share)]) == 0
+        shard = read_shard(out / "distill-000.npz")
+        # Held-out prompts stay chat whatever the share: the calibration judges the shipped form.
+        assert all(r.prompt_ids == encode_prompt(tokenizer, texts[r.id]) for r in shard.held_out)
+        forms[share] = Counter()
+        for record in shard.train:
+            raw = record.prompt_ids == encode_prompt(tokenizer, texts[record.id], "raw")
+            assert raw or record.prompt_ids == encode_prompt(tokenizer, texts[record.id])
+            forms[share]["raw" if raw else "chat"] += 1
+    assert forms[0.0] == Counter(chat=12) and forms[1.0] == Counter(raw=12)
+    assert forms[0.5]["raw"] > 0 and forms[0.5]["chat"] > 0
+    with pytest.raises(SystemExit):
+        dspark(
+            f"distill-data --target {target} --prompts {prompts} --out-dir {tmp_path}/x --raw-share 2".split()
+        )

@@ -42,6 +42,9 @@ RESPONSES=${RESPONSES:-1}
 DATA_MINUTES=${DATA_MINUTES:-2.5}
 SAMPLE_FRACTION=${SAMPLE_FRACTION:-0.5}
 DATA_SEED=${DATA_SEED:-0}
+# The share of training prompts sent as their text alone, without the chat template (as a text_input
+# request reaches the server, which the target continues): `distill-data --raw-share`.
+RAW_SHARE=${RAW_SHARE:-0}
 # Requests the target writes itself (`dspark self-prompts`; 0: none) and the most minutes that takes:
 # answered with the training prompts, as their own domain (`self`), in the same data stage.
 SELF_PROMPTS=${SELF_PROMPTS:-0}
@@ -108,7 +111,8 @@ run() {
     stage "self-distillation data ($NUM_PROMPTS prompts, up to $MAX_NEW new tokens each, seed $DATA_SEED)"
     local distill=(distill-data --prompts "$prompts" --out-dir "$WORK/data"
       --num-prompts "$NUM_PROMPTS" --val-prompts "$VAL_PROMPTS" --max-new-tokens "$MAX_NEW"
-      --responses-per-prompt "$RESPONSES" --sample-fraction "$SAMPLE_FRACTION" --batch-size "$GEN_BATCH"
+      --responses-per-prompt "$RESPONSES" --sample-fraction "$SAMPLE_FRACTION" --raw-share "$RAW_SHARE"
+      --batch-size "$GEN_BATCH"
       --max-minutes "$DATA_MINUTES" --seed "$DATA_SEED" --shard-name "distill-seed$DATA_SEED")
     # The dense generator is the fallback: a run on a bare machine must not end without data.
     dspark "${distill[@]}" || { echo "the engine's generation failed: dense batches"; dspark "${distill[@]}" --generator dense; }

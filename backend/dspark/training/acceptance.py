@@ -165,10 +165,12 @@ def evaluate_acceptance(
     temperatures: Seq[float],
     max_tokens: int,
     seed: int,
+    prompt_form: str = "chat",
 ) -> Iterator[dict]:
     """Run every (temperature, mode, domain) through `dspark.LLM`, yielding each result row as it is
     measured, and an "all" row per (mode, temperature) pooling the domains. Temperatures are the outer
-    loop, so a run cut short still has every mode at the first temperature (greedy, as listed first)."""
+    loop, so a run cut short still has every mode at the first temperature (greedy, as listed first).
+    The prompts are sent in `prompt_form` (`dspark.training.data.PROMPT_FORMS`)."""
     from dspark.llm import LLM
     from dspark.training.data import encode_prompt
 
@@ -190,7 +192,8 @@ def evaluate_acceptance(
             for mode in modes:
                 llm, recorder = engine(mode)
                 encoded = {
-                    d: [encode_prompt(llm.tokenizer, p) for p in texts] for d, texts in prompts.items()
+                    d: [encode_prompt(llm.tokenizer, p, prompt_form) for p in texts]
+                    for d, texts in prompts.items()
                 }
                 pooled = RunTally()
                 # Sampled drafts' confidences can be judged where every draft is verified whatever its

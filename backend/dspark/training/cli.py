@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dspark.config import DEFAULT_TARGET_DIR
+from dspark.training.records import PROMPT_FORMS
 
 if TYPE_CHECKING:
     import torch
@@ -134,6 +135,13 @@ def distill_data(argv: list[str]) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     parser.add_argument("--sample-fraction", type=float, default=0.5, help="share answered at temperature 1")
     parser.add_argument(
+        "--raw-share",
+        type=float,
+        default=0.0,
+        help="share of the training prompts sent as their text alone, without the chat template, as a "
+        "text_input request reaches the server: the target continues them (held-out prompts stay chat)",
+    )
+    parser.add_argument(
         "--responses-per-prompt",
         type=int,
         default=1,
@@ -169,6 +177,8 @@ def distill_data(argv: list[str]) -> int:
         parser.error("--responses-per-prompt: must be >= 1")
     if args.phase_answers < 0:
         parser.error("--phase-answers: must be >= 0")
+    if not 0.0 <= args.raw_share <= 1.0:
+        parser.error("--raw-share: must be in [0, 1]")
 
     from dspark.tokenizer import Tokenizer
     from dspark.training.data import read_prompts
@@ -190,7 +200,10 @@ def distill_data(argv: list[str]) -> int:
     rest = [p for p in prompts if p.key not in held_keys]
     # A key may hold more prompts than asked for; the training side keeps its count.
     train_count = wanted - min(len(held), val)
-    encoded = held + _encoded_prompts(tokenizer, rest, train_count, args.max_prompt_tokens)
+    # Drawn apart from `rng`, so that a seed's other draws (order, temperatures) do not depend on the share.
+    form_rng = random.Random(f"prompt-form-{args.seed}")
+    forms = ["raw" if form_rng.random() < args.raw_share else "chat" for _ in rest]
+    encoded = held + _encoded_prompts(tokenizer, rest, train_count, args.max_prompt_tokens, forms)
     print(f"distill: {len(held)} held-out prompts of {len(held_keys)} keys", file=sys.stderr, flush=True)
     temperatures = [1.0 if rng.random() < args.sample_fraction else 0.0 for _ in encoded]
     # The held-out prompts come first, one answer each; every training prompt's extra answers follow.
@@ -203,6 +216,7 @@ def distill_data(argv: list[str]) -> int:
         "generator": args.generator,
         "max_new_tokens": args.max_new_tokens,
         "sample_fraction": args.sample_fraction,
+        "raw_share": args.raw_share,
         "responses_per_prompt": args.responses_per_prompt,
     }
     out = Path(args.out_dir)
@@ -273,16 +287,21 @@ def _held_out_prompts(
 
 
 def _encoded_prompts(
-    tokenizer: Tokenizer, prompts: list[Prompt], wanted: int, max_tokens: int
+    tokenizer: Tokenizer,
+    prompts: list[Prompt],
+    wanted: int,
+    max_tokens: int,
+    forms: list[str] | None = None,
 ) -> list[tuple[str, str, list[int]]]:
-    """(id, domain, token ids) of the first `wanted` prompts of at most `max_tokens` tokens."""
+    """(id, domain, token ids) of the first `wanted` prompts of at most `max_tokens` tokens, each in its
+    form of `forms` (`dspark.training.data.PROMPT_FORMS`; default: every one chat)."""
     from dspark.training.data import encode_prompt
 
     encoded: list[tuple[str, str, list[int]]] = []
     if wanted <= 0:
         return encoded
-    for prompt in prompts:
-        ids = encode_prompt(tokenizer, prompt.conversation)
+    for i, prompt in enumerate(prompts):
+        ids = encode_prompt(tokenizer, prompt.conversation, forms[i] if forms else "chat")
         if len(ids) <= max_tokens:
             encoded.append((prompt.id, prompt.domain, ids))
         if len(encoded) == wanted:
@@ -641,6 +660,13 @@ def eval_acceptance(argv: list[str]) -> int:
         help="copy drafts where a request's last tokens occurred before (the serve default); off: every "
         "block is the drafter's, so tau and calibration measure the drafter",
     )
+    parser.add_argument(
+        "--prompt-form",
+        default="chat",
+        choices=PROMPT_FORMS,
+        help="chat: under the model's chat template; raw: the text alone, as a text_input request reaches "
+        "the server (the target continues it)",
+    )
     parser.add_argument("--out", default=None, help="write the results (JSON) here")
     parser.add_argument("--markdown", default=None, help="write the table (markdown) here")
     args = parser.parse_args(argv)
@@ -681,9 +707,13 @@ def eval_acceptance(argv: list[str]) -> int:
         "max_tokens": args.max_tokens,
         "sps_table": args.sps_table or "flat",
         "device": args.device,
+        "prompt_form": args.prompt_form,
         "rows": [],
     }
-    for row in evaluate_acceptance(config, by_domain, modes, temperatures, args.max_tokens, args.seed):
+    rows = evaluate_acceptance(
+        config, by_domain, modes, temperatures, args.max_tokens, args.seed, args.prompt_form
+    )
+    for row in rows:
         result["rows"].append(row)
         print(
             f"eval: {row['domain']} {row['mode']} T={row['temperature']:g}: tau {row['tau']:.3f}, "

@@ -20,7 +20,7 @@ import torch
 from dspark.runner.models.llama import CausalLM
 from dspark.tokenizer import Tokenizer
 from dspark.training.feed import Deadline, answer_dense, answer_with_engine
-from dspark.training.records import DistillRecord
+from dspark.training.records import PROMPT_FORMS, DistillRecord
 
 if TYPE_CHECKING:
     from dspark.llm import LLM
@@ -58,12 +58,15 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     return [Prompt(**{k: v for k, v in row.items() if k in names}) for row in rows]
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
-    """Token ids of `prompt`, a user message's text or a whole conversation (a user turn last), under the
-    model's chat template, exactly as `dspark generate --chat` and the evaluation send it; without a
-    template, the turns' texts joined by blank lines."""
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict[str, str]], form: str = "chat") -> list[int]:
+    """Token ids of `prompt`, a user message's text or a whole conversation (a user turn last), in `form`
+    (`PROMPT_FORMS`): under the model's chat template, exactly as `dspark generate --chat` and the
+    evaluation send it; raw, or without a template, the turns' texts joined by blank lines, encoded as the
+    server encodes a request's text."""
+    if form not in PROMPT_FORMS:
+        raise ValueError(f"prompt form must be one of {PROMPT_FORMS}, got {form!r}")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if not tokenizer.chat_template:
+    if form == "raw" or not tokenizer.chat_template:
         return tokenizer.encode("\n\n".join(m["content"] for m in messages))
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return tokenizer.encode(rendered, add_special_tokens=False)

@@ -1,9 +1,15 @@
-"""DistillRecord: the target's answer to one prompt, as distill-data writes it and training reads it
-(its own module so that the data pipeline's modules share it without importing each other)."""
+"""DistillRecord: the target's answer to one prompt, as distill-data writes it and training reads it, and
+the forms a prompt is sent in (its own module so that the data pipeline's modules share them without
+importing each other)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# How a prompt reaches the target: "chat", under the model's chat template (`dspark generate --chat`, the
+# OpenAI chat endpoint), or "raw", the text alone, as a `text_input` request reaches the server
+# (`dspark.prompts.check_prompt`), which the target continues rather than answers in its chat format.
+PROMPT_FORMS = ("chat", "raw")
 
 
 @dataclass
