@@ -62,6 +62,8 @@ def summarize(rounds: dict[str, list[dict]]) -> list[dict]:
                 "errors": sum(r["errors"] for r in runs),
             }
         )
+        if all("step_ms" in r for r in runs):  # the served engine's own counters (not --client-bench)
+            rows[-1]["step_ms"] = round(statistics.median(r["step_ms"] for r in runs), 2)
     return rows
 
 
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                     "gap_p50_ms": result.gap_p50_ms,
                     "errors": result.errors,
                     "tokens_per_step": loop["tokens_per_step"],
+                    "step_ms": loop["step_ms"],
                 }
                 rounds[name].append(figures)
                 print(f"round {r} {name}: {json.dumps(figures)}", flush=True)
@@ -196,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{row['name']:20s} {row['tokens_per_s']:8.1f} tok/s ({row['range'][0]}-{row['range'][1]}) "
             f"{row['ratio']:.3f}x {rows[0]['name']}  TTFT p50 {row['ttft_p50_ms']:.1f} ms  gap p50 "
-            f"{row['gap_p50_ms']:.1f} ms  {row['tokens_per_step']:.2f} tokens a step  errors {row['errors']}"
+            f"{row['gap_p50_ms']:.1f} ms  {row['tokens_per_step']:.2f} tokens a step"
+            + (f" ({row['step_ms']:.1f} ms a step)" if "step_ms" in row else "")
+            + f"  errors {row['errors']}"
         )
     return 0
 

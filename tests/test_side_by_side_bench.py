@@ -75,3 +75,8 @@ def test_served_side_by_side_summarizes_rounds_against_the_first_server() -> Non
     assert rows[0]["tokens_per_s"] == 42 and rows[0]["ratio"] == 1.0 and rows[0]["range"] == [40, 44]
     assert rows[1]["tokens_per_s"] == 60 and rows[1]["ratio"] == pytest.approx(60 / 42, abs=1e-3)
     assert rows[1]["ttft_p50_ms"] == 30 and rows[1]["errors"] == 1
+    assert "step_ms" not in rows[0]  # loads of --client-bench: no engine counters
+    timed = served_side_by_side.summarize(
+        {"plain": [run(40, 30) | {"step_ms": s} for s in (21.0, 25.0, 22.0)]}
+    )
+    assert timed[0]["step_ms"] == 22.0

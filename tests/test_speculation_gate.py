@@ -15,6 +15,7 @@ from dspark.spec.gate import (
     PROBE_INTERVAL,
     PROBE_MOST_STEPS,
     RUN_EDGES,
+    SMOOTHING,
     WARM_UP_STEPS,
     WARM_UP_TRIES,
     SpeculationGate,
@@ -456,3 +457,16 @@ def test_a_stretch_of_rejections_past_the_first_draft_does_not_lock_the_gate_int
     )
     assert decisions[100:150].count(1) >= 45  # the stretch made length 1 the best
     assert decisions[150:].count(3) >= 35, decisions[150:]
+
+
+def test_a_burst_whose_last_steps_had_no_requests_left_counts_the_others() -> None:
+    # A burst's requests can all finish (EOS, max_tokens) before its last steps: those steps committed
+    # nothing for anyone, and the steps before them still count.
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    gate.start_step(3)
+    clock.now += 0.004
+    gate.finish_burst([[1], [2], [2], []], [[3], [3], [3], []])
+    keep = 1.0 - SMOOTHING  # three steps reached position 1, the last two passed it
+    assert gate._acceptance.reached[1] == pytest.approx(keep * keep + keep + 1)
+    assert gate._acceptance.passed[1] == pytest.approx(keep + 1)

@@ -308,6 +308,8 @@ class SpeculationGate:
             self._tier(len(committed[0])).seconds[length].add(seconds)
         acceptance = self._acceptance
         for j, step_committed in enumerate(committed):
+            if not step_committed:  # a burst's step after its requests had all finished
+                continue
             # One pass over the requests (this runs every step): a request that committed n tokens
             # having verified v drafts reached positions 1..min(n, v) and passed 1..n-1 (v: the step's
             # length when not given). A request that verified fewer than the length (a copied block
