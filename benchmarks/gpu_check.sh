@@ -79,6 +79,17 @@ if compgen -G ".carry/*.whl.part-*" >/dev/null || compgen -G ".carry/*.whl" >/de
   python3 -c "import numpy, importlib.util as u, tritonclient.grpc; assert u.find_spec('pytriton'); print('serving wheels: numpy', numpy.__version__)"
 fi
 
+# A stage stopped by its timeout leaves the servers it started (each in its own session) serving: the
+# next stage's server would find its ports taken. (Bracketed patterns: pkill must not match this shell.)
+end_leftover_servers() {
+  pkill -TERM -f "[t]riton_launcher" 2>/dev/null
+  pkill -TERM -f "[t]ritonserver" 2>/dev/null
+  sleep 3
+  pkill -KILL -f "[t]ritonserver" 2>/dev/null
+  pkill -KILL -f "[t]riton_launcher" 2>/dev/null
+  true
+}
+
 # The serving stages need tritonserver (the nvidia-pytriton wheel) and its gRPC client here.
 serving_wheels_installed() {
   python3 -c "import importlib.util as u, tritonclient.grpc; assert u.find_spec('pytriton')" 2>/dev/null
@@ -193,6 +204,7 @@ else
     > "$OUT/gpu-serving-tests.log" 2>&1
   echo "pytest exit $? after $((SECONDS - started)) s"
   tail -3 "$OUT/gpu-serving-tests.log"
+  end_leftover_servers
 fi
 
 echo "=== benchmarks/engine_process_check.py (offline, in-process loop, engine process; no server)"
@@ -203,6 +215,7 @@ else
   timeout "$EPC_S" python3 benchmarks/engine_process_check.py --out "$OUT/epc.json" ${EPC_ARGS:-} \
     > "$OUT/epc.log" 2>&1
   echo "engine_process_check exit $?"
+  end_leftover_servers
   grep "^level\|^synchronizing" "$OUT/epc.log" | tail -10
 fi
 
@@ -214,6 +227,7 @@ else
   timeout "$OVERHEAD_S" python3 benchmarks/serving_overhead.py --out "$OUT/overhead" ${OVERHEAD_ARGS:-} \
     > "$OUT/overhead.log" 2>&1
   echo "serving_overhead exit $?"
+  end_leftover_servers
   grep -v "^=== " "$OUT/overhead.log" | tail -20
   cp "$OUT"/overhead/overhead.{json,md} "$OUT"/ 2>/dev/null
   for profile in "$OUT"/overhead/*/py-spy-*.txt; do  # --profile-levels in OVERHEAD_ARGS
@@ -233,6 +247,7 @@ else
   # shellcheck disable=SC2086  # DRIFT_ARGS is a list of arguments
   timeout "$DRIFT_S" python3 benchmarks/served_drift.py --out "$OUT/drift" ${DRIFT_ARGS:-} > "$OUT/drift.log" 2>&1
   echo "served_drift exit $?"
+  end_leftover_servers
   cat "$OUT/drift/drift.md" 2>/dev/null
   cp "$OUT"/drift/drift.{md,json} "$OUT"/ 2>/dev/null
   rm -rf "$OUT/drift"
@@ -248,5 +263,6 @@ else
   timeout "$STRESS_S" python3 benchmarks/stress.py --out "$OUT/stress" --deadline-s "$((STRESS_S - 15))" \
     ${STRESS_ARGS:-} > "$OUT/stress.log" 2>&1
   echo "stress exit $? (0 passed, 1 a check failed, 2 a phase did not run)"
+  end_leftover_servers
   tail -40 "$OUT/stress.log"
 fi

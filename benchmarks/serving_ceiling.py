@@ -26,6 +26,7 @@ import json
 import os
 import resource
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -72,7 +73,17 @@ def render_repository(
 def start_server(
     repo: Path, http_port: int, grpc_port: int, metrics_port: int, log: Path
 ) -> subprocess.Popen:
-    """`dspark serve` on the repository; returns once the model is ready."""
+    """`dspark serve` on the repository; returns once the model is ready. Refuses ports already taken:
+    a server left over from an earlier run (one whose harness was killed by a timeout) would answer the
+    readiness check and the load in this one's place."""
+    for port in (http_port, grpc_port, metrics_port):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError as exc:
+                raise SystemExit(
+                    f"port {port} is taken ({exc.strerror}): a server from an earlier run?"
+                ) from exc
     command = [
         sys.executable, "-m", "dspark.serving.triton_launcher", "--model-repository", str(repo),
         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),

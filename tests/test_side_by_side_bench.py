@@ -80,3 +80,19 @@ def test_served_side_by_side_summarizes_rounds_against_the_first_server() -> Non
         {"plain": [run(40, 30) | {"step_ms": s} for s in (21.0, 25.0, 22.0)]}
     )
     assert timed[0]["step_ms"] == 22.0
+
+
+def test_a_benchmark_server_refuses_ports_a_leftover_server_holds(tmp_path) -> None:
+    """benchmarks' start_server: a server left running by a harness killed by its timeout answered the
+    next run's readiness check and load in place of the server that run configured (session 40, H200)."""
+    import socket
+
+    import serving_ceiling
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"port {port} is taken"):
+            serving_ceiling.start_server(tmp_path, port, port + 1, port + 2, tmp_path / "server.log")
+    assert not (tmp_path / "server.log").exists()  # refused before anything started
