@@ -12,7 +12,11 @@ engine's lines from the cache they share, and taking memory bandwidth), rounds a
     python benchmarks/host_neighbours.py --tiny --batch-sizes 64 --neighbours none,spin:1,stream:1:64
 
 A neighbour is `none`, `spin:K` (K processes) or `stream:K:MB` (K processes, each adding to a float64
-buffer of MB megabytes over and over). Prints, per batch size and neighbour, the median output
+buffer of MB megabytes over and over), placed on the other CPUs in turn, or with `@sibling` on the
+engine core's SMT siblings only, with `@apart` on the CPUs of other physical cores only (e.g.
+`spin:1@sibling,spin:7@apart`: is it the hyperthread beside the loop, or the host's clock with more cores
+busy, that slows it? Session 40 on the H200: spin:8 on CPUs 1-8 made a batch-64 step 1.23x).
+Prints, per batch size and neighbour, the median output
 tokens/s, ms a step and the host's ms a step in each phase, and each one's ratio to `none`.
 `--tiny`: the tests' 2-layer random target on the CPU through emulated CUDA graphs (host work of a GPU
 step plus a small CPU forward).
@@ -38,9 +42,41 @@ SPIN = "x = 0\nwhile True:\n    x += 1\n"
 STREAM = "import numpy as np\na = np.ones({words})\nwhile True:\n    a += 1.0\n"
 
 
+def smt_siblings(cpu: int) -> set[int]:
+    """The logical CPUs sharing `cpu`'s physical core (itself included; just it where unreadable)."""
+    try:
+        text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
+    except OSError:
+        return {cpu}
+    siblings: set[int] = set()
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        siblings.update(range(int(first), int(last or first) + 1))
+    return siblings
+
+
+def placement(spec: str, engine_cpu: int, cpus: list[int]) -> list[int]:
+    """The CPUs a neighbour spec's processes take in turn: every CPU but the engine's, its SMT siblings
+    (`@sibling`) or the CPUs of other physical cores (`@apart`)."""
+    where = spec.partition("@")[2] or "any"
+    siblings = smt_siblings(engine_cpu) & set(cpus)
+    chosen = {
+        "any": [c for c in cpus if c != engine_cpu],
+        "sibling": [c for c in cpus if c in siblings and c != engine_cpu],
+        "apart": [c for c in cpus if c not in siblings],
+    }.get(where)
+    if chosen is None:
+        raise ValueError(f"--neighbours: unknown placement @{where} in {spec!r} (sibling, apart)")
+    if not chosen:
+        raise SystemExit(
+            f"--neighbours {spec}: no such CPU here (engine on {engine_cpu}, siblings {siblings})"
+        )
+    return chosen
+
+
 def neighbour_code(spec: str) -> tuple[int, str | None]:
-    """(processes, Python source each runs) of a neighbour spec."""
-    kind, *rest = spec.split(":")
+    """(processes, Python source each runs) of a neighbour spec (its placement aside)."""
+    kind, *rest = spec.partition("@")[0].split(":")
     if kind == "none":
         return 0, None
     if kind == "spin":
@@ -116,11 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[0]})  # the engine's loop on one core, the neighbours on the others
-    others = cpus[1:] or cpus
+    siblings = sorted(smt_siblings(cpus[0]))
+    print(f"engine loop on CPU {cpus[0]} (SMT siblings {siblings}) of {len(cpus)}", flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     specs = args.neighbours.split(",")
-    for spec in specs:
-        neighbour_code(spec)  # a bad spec fails before any engine loads
+    # A bad spec, or a placement with no CPU here, fails before any engine loads.
+    places = {spec: placement(spec, cpus[0], cpus) if neighbour_code(spec)[0] else [] for spec in specs}
     rows = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         llm, ids = engine(args, args.mode, batch)
@@ -128,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list[dict]] = {spec: [] for spec in specs}
         for _ in range(args.rounds):
             for spec in specs:
-                neighbours = start_neighbours(spec, others)
+                neighbours = start_neighbours(spec, places[spec])
                 try:
                     time.sleep(args.settle_s if neighbours else 0.0)
                     runs[spec].append(timed(llm, ids, params))
@@ -152,13 +189,14 @@ def main(argv: list[str] | None = None) -> int:
                 if row.get(key := f"host_{phase}_ms", 0) > 0.001
             )
             print(
-                f"batch {batch:4d} {spec:14s} {row['tokens_per_s']:9.0f} tok/s, {row['step_ms']:.3f} ms a "
+                f"batch {batch:4d} {spec:16s} {row['tokens_per_s']:9.0f} tok/s, {row['step_ms']:.3f} ms a "
                 f"step ({row['ratio_step_ms']:.2f}x); host ms a step: {phases}",
                 flush=True,
             )
     if args.out is not None:
         run = vars(args) | {"out": str(args.out)}
-        args.out.write_text(json.dumps({"cpus": len(cpus), "args": run, "rows": rows}, indent=1))
+        summary = {"cpus": len(cpus), "engine_cpu": cpus[0], "smt_siblings": siblings}
+        args.out.write_text(json.dumps(summary | {"args": run, "rows": rows}, indent=1))
     return 0
 
 

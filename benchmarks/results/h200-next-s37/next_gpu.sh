@@ -7,6 +7,7 @@
 # /tmp/carry/") for N = 1, 2, 3, 5; put the two paths back; then
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh tests   carry [".carry/c4"]        (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh bench   carry [".carry/c4", ".carry/base35"]
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh smt   carry [".carry/c4"]          (~430 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh diagnose   carry [".carry/c4"]     (~450 s)
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
@@ -52,6 +53,30 @@ case "${1:-}" in
       --out "$OUT/ab-gate.json" > "$OUT/ab-gate.log" 2>&1
     echo "ab gate: exit $?"; grep -E "^\{" "$OUT/ab-gate.log"
     ;;
+  smt)
+    # Session 40 (bench, H200): spinning neighbours on CPUs 1-8 made the pinned offline engine's batch-64
+    # step 1.23x (every host phase 1.14-1.31x), memory-streaming ones no worse: the CPU, not the memory.
+    # Which: the hyperthread beside the loop, or the host's clock with more cores busy? Then the served
+    # engine process on a physical core of its own (CPU 2 and its SMT siblings; the rest of the server
+    # and the load generator on the others) against unpinned, served / offline at 64 and 256 (~420 s).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    (cd benchmarks && timeout "${SMT_S:-130}" python3 host_neighbours.py --device cuda --batch-sizes 64 \
+      --neighbours none,spin:1@sibling,spin:7@apart,spin:8 --rounds 4 --max-tokens 96 --out "$OUT/smt.json" \
+      > "$OUT/smt.log" 2>&1)
+    echo "neighbours: exit $?"; grep -E "^engine|^batch" "$OUT/smt.log"
+    core=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import host_neighbours as h; \
+      print(','.join(map(str, sorted(h.smt_siblings(2)))))")
+    for pin in "" "$core"; do
+      name=overhead-${pin:+pinned-}${pin:-unpinned}
+      # shellcheck disable=SC2086  # the pin's flag is one or no argument
+      timeout "${PIN_S:-130}" python3 benchmarks/serving_overhead.py --out "$OUT/$name" --levels 64,256 \
+        --modes off --requests-per-stream 8 --user-defaults --rounds 2 ${pin:+--engine-cpus $pin} \
+        > "$OUT/$name.log" 2>&1
+      echo "$name: exit $?"; pkill -f "[t]riton_launcher"; pkill -f "[t]ritonserver"; sleep 2
+      cp "$OUT/$name/overhead.md" "$OUT/$name.md" 2>/dev/null && head -6 "$OUT/$name.md"
+      rm -rf "${OUT:?}/$name"
+    done
+    ;;
   diagnose)
     # A third call, if the bench's loop table leaves the served steps' 1.5x unexplained: the engine
     # process without tritonserver against the offline engine and the in-process closed loop (py-spy
@@ -64,7 +89,7 @@ case "${1:-}" in
     for f in "$OUT"/epc/*-top.txt; do [[ -e "$f" ]] && head -30 "$f"; done
     ;;
   *)
-    echo "usage: next_gpu.sh tests|tests-lite|bench|diagnose" >&2
+    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose" >&2
     exit 2
     ;;
 esac
