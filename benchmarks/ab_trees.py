@@ -108,6 +108,21 @@ def _gate_rates(llm, batch: int) -> dict[int, int]:  # noqa: ANN001 - a tree's L
     return {} if gate is None else {n: round(rate) for n, rate in gate.rates(batch).items()}
 
 
+def _gate_timed(llm, batch: int) -> dict[int, dict]:  # noqa: ANN001 - a tree's LLM
+    """Per draft length, in `batch`'s tier: how many of its steps the gate timed, and the latest times
+    its estimate reads (ms; a gate keeping a moving average instead: its value), to tell a length's
+    estimate made of warm-up steps from one kept fresh by its runs (empty: no gate, or no such tier)."""
+    gate = llm.engine.gate
+    tier = 1 << max(batch - 1, 0).bit_length()  # the gate's tier: the power of two >= batch
+    stats = None if gate is None else gate._tiers.get(tier)
+    timed = {}
+    for length, seconds in sorted(({} if stats is None else stats.seconds).items()):
+        values = getattr(seconds, "recent", None)
+        values = [getattr(seconds, "value", 0.0)] if values is None else list(values)
+        timed[length] = {"count": getattr(seconds, "count", 0), "ms": [round(1e3 * v, 3) for v in values]}
+    return timed
+
+
 def _gate_chosen(llm) -> dict[int, int]:  # noqa: ANN001 - a tree's LLM
     """How many steps the adaptive gate ran at each draft length, over every tier (empty: no gate)."""
     gate = llm.engine.gate
@@ -171,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
             if mode == "default":  # what each tree's gate believes, per draft length, at this batch
                 row["gate_rates"] = {t.name: _gate_rates(engines[(t.name, mode)], batch) for t in trees}
                 row["gate_chosen"] = {t.name: _gate_chosen(engines[(t.name, mode)]) for t in trees}
+                row["gate_timed"] = {t.name: _gate_timed(engines[(t.name, mode)], batch) for t in trees}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("| batch | mode | base tok/s | new tok/s | new / base (paired, median) | quartiles | identical |")
