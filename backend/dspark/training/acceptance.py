@@ -170,7 +170,7 @@ def evaluate_acceptance(
     """Run every (temperature, mode, domain) through `dspark.LLM`, yielding each result row as it is
     measured, and an "all" row per (mode, temperature) pooling the domains. Temperatures are the outer
     loop, so a run cut short still has every mode at the first temperature (greedy, as listed first).
-    The prompts are sent in `prompt_form` (`dspark.training.data.PROMPT_FORMS`)."""
+    The prompts are sent in `prompt_form` (`dspark.training.records.PROMPT_FORMS`)."""
     from dspark.llm import LLM
     from dspark.training.data import encode_prompt
 

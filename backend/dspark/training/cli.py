@@ -294,7 +294,7 @@ def _encoded_prompts(
     forms: list[str] | None = None,
 ) -> list[tuple[str, str, list[int]]]:
     """(id, domain, token ids) of the first `wanted` prompts of at most `max_tokens` tokens, each in its
-    form of `forms` (`dspark.training.data.PROMPT_FORMS`; default: every one chat)."""
+    form of `forms` (`dspark.training.records.PROMPT_FORMS`; default: every one chat)."""
     from dspark.training.data import encode_prompt
 
     encoded: list[tuple[str, str, list[int]]] = []
