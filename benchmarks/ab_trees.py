@@ -113,8 +113,8 @@ def _gate_timed(llm, batch: int) -> dict[int, dict]:  # noqa: ANN001 - a tree's 
     its estimate reads (ms; a gate keeping a moving average instead: its value), to tell a length's
     estimate made of warm-up steps from one kept fresh by its runs (empty: no gate, or no such tier)."""
     gate = llm.engine.gate
-    tier = 1 << max(batch - 1, 0).bit_length()  # the gate's tier: the power of two >= batch
-    stats = None if gate is None else gate._tiers.get(tier)
+    # The tier by the tree's own rule (its gate module's `next_pow2`, as `SpeculationGate.rates` reads it).
+    stats = None if gate is None else gate._tiers.get(sys.modules[type(gate).__module__].next_pow2(batch))
     timed = {}
     for length, seconds in sorted(({} if stats is None else stats.seconds).items()):
         values = getattr(seconds, "recent", None)

@@ -215,7 +215,6 @@ else
   timeout "$EPC_S" python3 benchmarks/engine_process_check.py --out "$OUT/epc.json" ${EPC_ARGS:-} \
     > "$OUT/epc.log" 2>&1
   echo "engine_process_check exit $?"
-  end_leftover_servers
   grep "^level\|^synchronizing" "$OUT/epc.log" | tail -10
 fi
 

@@ -31,7 +31,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from load_generator import run_load  # noqa: E402
 from serving_ceiling import start_server  # noqa: E402
 from serving_overhead import DEFAULT_INSTANCES, model_repository, served_load  # noqa: E402
 from side_by_side import parse_engine  # noqa: E402
@@ -136,47 +135,37 @@ def main(argv: list[str] | None = None) -> int:
             )
             urls[name] = f"localhost:{grpc}"
             print(f"{name}: serving on {urls[name]}", flush=True)
-        for name in servers:  # warm-up: kernels, the gate's first lengths
+
+        def load(name: str) -> dict:
+            """One load of a server: a run of the client, or the load generator's between two readings
+            of the server's counters (`served_load`)."""
             if args.client_bench:
-                client_bench_load(urls[name], args.client_bench, args.out / name / "client.json")
-                continue
-            run_load(
+                return client_bench_load(urls[name], args.client_bench, args.out / name / "client.json")
+            result, loop, _, _ = served_load(
                 urls[name],
+                servers[name][1],
                 args.streams,
                 args.streams * len(prompts),
                 args.max_tokens,
-                params=params,
                 prompts=prompts,
+                params=params,
             )
+            return {
+                "tokens_per_s": result.tokens_per_s,
+                "ttft_p50_ms": result.ttft_p50_ms,
+                "gap_p50_ms": result.gap_p50_ms,
+                "errors": result.errors,
+                "tokens_per_step": loop["tokens_per_step"],
+                "step_ms": loop["step_ms"],
+            }
+
+        for name in servers:  # warm-up: kernels, the gate's first lengths
+            load(name)
         names = list(servers)
         rounds: dict[str, list[dict]] = {name: [] for name in names}
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                if args.client_bench:
-                    figures = client_bench_load(
-                        urls[name], args.client_bench, args.out / name / "client.json"
-                    )
-                    rounds[name].append(figures)
-                    print(f"round {r} {name}: {json.dumps(figures)}", flush=True)
-                    continue
-                # The load between two readings of the server's counters (`served_load`).
-                result, loop, _, _ = served_load(
-                    urls[name],
-                    servers[name][1],
-                    args.streams,
-                    args.streams * len(prompts),
-                    args.max_tokens,
-                    prompts=prompts,
-                    params=params,
-                )
-                figures = {
-                    "tokens_per_s": result.tokens_per_s,
-                    "ttft_p50_ms": result.ttft_p50_ms,
-                    "gap_p50_ms": result.gap_p50_ms,
-                    "errors": result.errors,
-                    "tokens_per_step": loop["tokens_per_step"],
-                    "step_ms": loop["step_ms"],
-                }
+                figures = load(name)
                 rounds[name].append(figures)
                 print(f"round {r} {name}: {json.dumps(figures)}", flush=True)
     finally:
