@@ -119,7 +119,17 @@ def _gate_timed(llm, batch: int) -> dict[int, dict]:  # noqa: ANN001 - a tree's 
     for length, seconds in sorted(({} if stats is None else stats.seconds).items()):
         values = getattr(seconds, "recent", None)
         values = [getattr(seconds, "value", 0.0)] if values is None else list(values)
-        timed[length] = {"count": getattr(seconds, "count", 0), "ms": [round(1e3 * v, 3) for v in values]}
+        # A tree whose gate marks warm-up times provisional keeps (time, provisional) pairs: "w" marks one.
+        timed[length] = {
+            "count": getattr(seconds, "count", 0),
+            "ms": [
+                f"{1e3 * v[0]:.3f}w"
+                if isinstance(v, tuple) and v[1]
+                else round(1e3 * (v[0] if isinstance(v, tuple) else v), 3)
+                for v in values
+            ],
+            "value_ms": round(1e3 * getattr(seconds, "value", 0.0), 3),
+        }
     return timed
 
 

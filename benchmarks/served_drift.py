@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from load_generator import run_load  # noqa: E402
-from serving_ceiling import start_server  # noqa: E402
+from serving_ceiling import start_server, stop_server  # noqa: E402
 from serving_overhead import MODES, Offline, engine_config, model_repository, served_load  # noqa: E402
 
 from dspark.outputs import STEP_PHASES  # noqa: E402
@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     finally:
-        server.terminate()
-        server.wait(120)
+        stop_server(server, ports)
         offline.close()
     markdown = table(rows)
     print(markdown)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving_ceiling import start_server  # noqa: E402
+from serving_ceiling import start_server, stop_server  # noqa: E402
 from serving_overhead import DEFAULT_INSTANCES, model_repository, served_load  # noqa: E402
 from side_by_side import parse_engine  # noqa: E402
 
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                     root / "server.log",
                 ),
                 metrics,
+                (http, grpc, metrics),
             )
             urls[name] = f"localhost:{grpc}"
             print(f"{name}: serving on {urls[name]}", flush=True)
@@ -169,10 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                 rounds[name].append(figures)
                 print(f"round {r} {name}: {json.dumps(figures)}", flush=True)
     finally:
-        for server, _ in servers.values():
-            server.terminate()
-        for server, _ in servers.values():
-            server.wait(120)
+        for server, _, ports in servers.values():
+            stop_server(server, ports)
     rows = summarize(rounds)
     (args.out / "served_side_by_side.json").write_text(
         json.dumps({"rounds": rounds, "summary": rows}, indent=1)

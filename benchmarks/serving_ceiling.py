@@ -26,6 +26,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -70,6 +71,37 @@ def render_repository(
     return model.parent
 
 
+def port_taken(port: int) -> bool:
+    """Whether a socket listens on this port. The probe binds as a server does (SO_REUSEADDR): the
+    connections a stopped server's clients left in TIME_WAIT (up to a minute) do not count; without it
+    the harness refused the next mode's server right after stopping the last one (session 41, H100)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def stop_server(process: subprocess.Popen, ports: tuple[int, ...] | list[int], timeout: float = 120) -> None:
+    """Stop a server `start_server` started and wait (up to 30 s) until nothing listens on its ports:
+    a next server in the same run must find them free. Whatever of its session outlived the launcher
+    is killed."""
+    process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(port_taken(port) for port in ports):
+        time.sleep(0.25)
+
+
 def start_server(
     repo: Path, http_port: int, grpc_port: int, metrics_port: int, log: Path
 ) -> subprocess.Popen:
@@ -77,13 +109,8 @@ def start_server(
     a server left over from an earlier run (one whose harness was killed by a timeout) would answer the
     readiness check and the load in this one's place."""
     for port in (http_port, grpc_port, metrics_port):
-        with socket.socket() as probe:
-            try:
-                probe.bind(("", port))
-            except OSError as exc:
-                raise SystemExit(
-                    f"port {port} is taken ({exc.strerror}): a server from an earlier run?"
-                ) from exc
+        if port_taken(port):
+            raise SystemExit(f"port {port} is taken (a socket listens on it): a server from an earlier run?")
     command = [
         sys.executable, "-m", "dspark.serving.triton_launcher", "--model-repository", str(repo),
         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
@@ -269,8 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             for level in profile_levels:
                 profile(server.pid, level, args, Path(tmp), grpc_port)
         finally:
-            server.terminate()
-            server.wait(120)
+            stop_server(server, (http_port, grpc_port, metrics_port))
     if args.out:
         config = {k: v for k, v in vars(args).items() if k != "out"}
         args.out.write_text(json.dumps({"config": config, "results": results}, indent=1, default=str))

@@ -55,7 +55,7 @@ sys.path.insert(0, str(HERE))
 
 from agreement import OfflineEngine, loop_shares, timed_generate, use_prompts  # noqa: E402
 from load_generator import LoadResult, run_load  # noqa: E402
-from serving_ceiling import _process_table, start_server, stat_cpu_seconds, stat_fields  # noqa: E402
+from serving_ceiling import _process_table, start_server, stat_cpu_seconds, stat_fields, stop_server  # noqa: E402
 
 from dspark.config import EngineConfig  # noqa: E402
 from dspark.outputs import STEP_PHASES, LoopTotals  # noqa: E402
@@ -338,8 +338,7 @@ def served(
             )
     finally:
         os.sched_setaffinity(0, everything)
-        server.terminate()
-        server.wait(120)
+        stop_server(server, ports)
     return results
 
 

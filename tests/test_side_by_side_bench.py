@@ -96,3 +96,28 @@ def test_a_benchmark_server_refuses_ports_a_leftover_server_holds(tmp_path) -> N
         with pytest.raises(SystemExit, match=f"port {port} is taken"):
             serving_ceiling.start_server(tmp_path, port, port + 1, port + 2, tmp_path / "server.log")
     assert not (tmp_path / "server.log").exists()  # refused before anything started
+
+
+def test_a_port_whose_server_stopped_is_free_though_its_connections_linger() -> None:
+    """The harness probes a port as a server binds it: connections a stopped server closed sit in
+    TIME_WAIT for up to a minute, and a probe without SO_REUSEADDR took them for a leftover server,
+    refusing the next mode's server in the same run (session 41, H100)."""
+    import socket
+
+    import serving_ceiling
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    assert serving_ceiling.port_taken(port)
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server's side closes first: its end of the connection lingers in TIME_WAIT
+    client.recv(1)
+    client.close()
+    listener.close()
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("", port))  # what the old probe did: refused
+    assert not serving_ceiling.port_taken(port)

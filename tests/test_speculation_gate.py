@@ -470,3 +470,49 @@ def test_a_burst_whose_last_steps_had_no_requests_left_counts_the_others() -> No
     keep = 1.0 - SMOOTHING  # three steps reached position 1, the last two passed it
     assert gate._acceptance.reached[1] == pytest.approx(keep * keep + keep + 1)
     assert gate._acceptance.passed[1] == pytest.approx(keep + 1)
+
+
+def test_a_warm_up_slower_than_later_steps_of_its_length_does_not_keep_it_losing() -> None:
+    """A length's warm-up steps can run slow (its first runs at that shape; on the H100 plain decoding's
+    warm-up steps at 128 requests took 2.5-2.7 ms, its later steps ~2.0): a losing length is re-measured
+    only by probes, and a median over its slow warm-up times outvoted the probe. Here plain costs 1.6 ms
+    a step in its warm-up and 1.0 ms afterwards, drafting 1.3 ms for 1.2 tokens a request: once a probe
+    measures plain, it must win."""
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    steps = collections.Counter()
+
+    def prepare(length: int) -> float:
+        steps["all"] += 1
+        if length == 0:
+            return 0.0016 if steps["all"] <= 4 * (WARM_UP_STEPS + RUN_EDGES) else 0.001
+        return 0.0013
+
+    accepted = _cycle({0: 80, 1: 20}, requests=128)
+    decisions = _run_overlapped(gate, clock, 128, 900, prepare, accepted)
+    assert gate.rates(128)[0] == pytest.approx(128 / 0.001)
+    settled = decisions[-300:]
+    assert settled.count(0) >= 0.9 * len(settled), "".join(map(str, decisions))
+
+
+def test_a_probe_begun_beside_prefill_chunks_runs_until_its_length_is_measured() -> None:
+    """Served, requests arrive all the time and many steps carry a prefill chunk (unmeasured, and so
+    are their neighbours). A probe whose three steps met one ended unmeasured, and the losing length's
+    estimate stood for another PROBE_INTERVAL steps a probe step: here a chunk comes every fourth step,
+    and every probe must still measure its length."""
+    clock = _Clock()
+    gate = SpeculationGate(1, clock)
+    # Drafting (2 tokens a request for 1.5 ms) beats plain (1 token for 1 ms).
+    _run_overlapped(
+        gate,
+        clock,
+        4,
+        1200,
+        lambda n: 0.0015 if n else 0.001,
+        lambda s: [1] * 4,
+        prefill=lambda step: step % 4 == 0,
+    )
+    stats = gate._tiers[4]
+    assert stats.probes >= 3
+    # The warm-up's measured steps, then one for each probe but perhaps the last (still running).
+    assert stats.measured(0) >= WARM_UP_STEPS + stats.probes - 1, (stats.measured(0), stats.probes)

@@ -13,7 +13,9 @@ halves of that rate are measured apart:
   in single steps; one of them in a moving average made a length look twice its cost until ~15 more
   of its steps were timed, and a losing length is timed only by the occasional probe, so a choice made
   on one pause could stand for thousands of steps: the likely reason, not yet confirmed there, why the
-  serve default at 128 requests ran 0.72x plain decoding offline on the H200);
+  serve default at 128 requests ran 0.72x plain decoding offline on the H200); a warm-up's times
+  are provisional, dropped once a later step of the length runs faster (a losing length is re-timed
+  only by probes, and its slow first steps at a shape outvoted them);
 - tokens, shared by the tiers (acceptance is the drafter's and the requests', not the batch's): 1 +
   the sum over positions k <= length of the chance that drafts 1..k are all accepted, the product of
   each position's chance given the ones before it, each from the requests that reached and passed that
@@ -46,8 +48,9 @@ in a row without overlap, five with it: the first and last of a run are not meas
 every later tier until it has two (the acceptance is known by then, only the step times are new:
 served, the request count moves between tiers as requests come and go, and a full warm-up in each was
 most of a short run). A probe re-measures a losing length now and then, in turn, for as many steps in
-a row as it takes to measure it once, and the next comes PROBE_INTERVAL steps later for each step it
-took (probes of 3 steps under overlap, as often as those of 1 step, would run 3x the losing steps).
+a row as it takes to measure it once (its steps with a prefill chunk not counted, up to a bound), and
+the next comes PROBE_INTERVAL steps later for each step it took (probes of 3 steps under overlap, as
+often as those of 1 step, would run 3x the losing steps).
 A warm-up or probe run keeps its length whatever the tier of the steps it runs (a tier's own steps
 interleaved with another's would never be neighbours), and a choice counts once its step starts (a
 launch given up and tried again asks twice).
@@ -77,6 +80,9 @@ RUN_EDGES = 2  # unmeasured steps of a run of one length under overlap: its firs
 WARM_UP_TRIES = 3  # most warm-up choices of a length per tier, measured or not, in measured steps' worth
 PROBE_INTERVAL = 32  # a tier probes a losing length after this many steps per step of its last probe
 PROBE_MOST_STEPS = 1 + RUN_EDGES  # a probe runs until its length is measured once, at most this long
+# (in steps without a prefill chunk, which cannot be measured: a probe begun as requests arrive would
+# end unmeasured; at most PROBE_PREFILL_BOUND times as many steps in all)
+PROBE_PREFILL_BOUND = 4
 SMOOTHING = 0.05  # weight of the newest step in each moving average, once it has 1 / SMOOTHING steps
 RECENT_STEPS = 9  # step times a length's median is taken over, per tier
 PRIOR_REQUESTS = 2.0  # requests' worth of prior added to each position's acceptance counts
@@ -95,19 +101,31 @@ def draft_lengths(block_size: int) -> tuple[int, ...]:
 
 class _RecentMedian:
     """The lower median of the latest RECENT_STEPS values (of two, the smaller): robust to a value far
-    off now and then, and following a lasting change within a few values."""
+    off now and then, and following a lasting change within a few values. Values from a warm-up are
+    provisional: a later value below them displaces them (see `add`)."""
 
     __slots__ = ("count", "recent", "value")
 
     def __init__(self) -> None:
         self.count = 0
-        self.recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
+        self.recent: collections.deque[tuple[float, bool]] = collections.deque(maxlen=RECENT_STEPS)
         self.value = 0.0
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, provisional: bool = False) -> None:
+        """One more value; `provisional`: measured in a warm-up. A value that is not drops the
+        provisional ones above it: a step's time only ever errs long (a pause, the host's other work),
+        so a warm-up step slower than a later step of its length measured the warm-up (the length's
+        first runs at that shape, right after the engine started or the batch changed), not the length.
+        A losing length is re-measured only by probes, one in hundreds of steps: its warm-up steps, on
+        the H100 1.2-1.5x the later steps of plain decoding, stood against the winner's fresh ones and
+        kept the serve default drafting at 128 requests, 0.80x plain."""
         self.count += 1
-        self.recent.append(value)
-        ordered = sorted(self.recent)
+        if not provisional and any(p and v > value for v, p in self.recent):
+            kept = [(v, p) for v, p in self.recent if not (p and v > value)]
+            self.recent.clear()
+            self.recent.extend(kept)
+        self.recent.append((value, provisional))
+        ordered = sorted(v for v, _ in self.recent)
         self.value = ordered[(len(ordered) - 1) // 2]
 
 
@@ -190,20 +208,24 @@ class _Run:
     target: int
     most: int
     probe: bool
-    steps: int = 0
+    steps: int = 0  # steps started (a probe's: those without a prefill chunk)
+    started: int = 0  # steps started, all
 
     def going(self) -> bool:
+        if self.probe and self.started >= PROBE_PREFILL_BOUND * self.most:
+            return False
         return self.steps < self.most and self.tier.measured(self.length) < self.target
 
 
 @dataclass(frozen=True)
 class _Launched:
-    """A launched step, until it finishes: when its preparation began, its length and whether it
-    carries a prefill chunk."""
+    """A launched step, until it finishes: when its preparation began, its length, whether it
+    carries a prefill chunk and whether a warm-up chose it (its time is then provisional)."""
 
     began: float
     length: int
     prefill: bool
+    warm_up: bool = False
 
     @property
     def kind(self) -> tuple[int, bool]:
@@ -236,7 +258,7 @@ class SpeculationGate:
         run = self._run
         if run is not None and not run.going():
             if run.probe:
-                run.tier.next_probe = run.tier.steps + PROBE_INTERVAL * max(run.steps, 1)
+                run.tier.next_probe = run.tier.steps + PROBE_INTERVAL * max(run.started, 1)
             run = self._run = None
         if run is None:
             run = self._run = self._warm_up(stats)
@@ -266,15 +288,19 @@ class SpeculationGate:
         preparation began `at` (the clock's time; None: now), with a prefill chunk or not. Each launched
         step is finished, in launch order."""
         choice, self._choice = self._choice, None
+        warm_up = False
         if choice is not None:
             stats, chosen = choice
             stats.steps += 1
             run = self._run
             if run is not None and run.length == chosen:
-                run.steps += 1
+                run.started += 1
+                if not (run.probe and prefill):
+                    run.steps += 1
                 stats = run.tier  # a run's steps count as its tier's tries
+                warm_up = not run.probe and length == chosen
             stats.chosen[chosen] += 1
-        self._started.append(_Launched(self.clock() if at is None else at, length, prefill))
+        self._started.append(_Launched(self.clock() if at is None else at, length, prefill, warm_up))
 
     def finish_step(self, committed: Sequence[int], verified: Sequence[int] | None = None) -> None:
         """Record the oldest launched step, finished: the tokens each of its decoding requests committed
@@ -305,7 +331,7 @@ class SpeculationGate:
             steady = before == after == (length, False)
         if steady:
             seconds = max(now - max(step.began, previous), 1e-9) / len(committed)
-            self._tier(len(committed[0])).seconds[length].add(seconds)
+            self._tier(len(committed[0])).seconds[length].add(seconds, provisional=step.warm_up)
         acceptance = self._acceptance
         for j, step_committed in enumerate(committed):
             if not step_committed:  # a burst's step after its requests had all finished
