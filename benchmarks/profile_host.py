@@ -2,6 +2,9 @@
 
     python benchmarks/profile_host.py --device cuda --batch 64 --max-tokens 32 --out /tmp/profile
 
+Mode `gated-plain`: the serve default's engine (drafter, gate) with its gate held at plain steps, to
+compare what a plain step costs there with the plain engine's (`off`).
+
 Writes <out>/<mode>-b<batch>.txt (the host's milliseconds per step in each engine phase, then the
 top functions by own time and by cumulative time) and prints a line per mode with tokens/s. With
 --kernels (a GPU), the table is torch.profiler's instead: the device kernels of the whole generate()
@@ -23,6 +26,8 @@ from e2e import _prompt_ids, bench_config
 
 from dspark import LLM, SamplingParams
 
+GATED_PLAIN = "gated-plain"  # a mode: the serve default's engine whose gate chooses plain steps only
+
 
 def main(argv: list[str] | None = None) -> None:
     """Profile each mode and write the tables."""
@@ -32,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--modes", default="off,static,compact")
+    parser.add_argument("--modes", default="off,static,compact", help=f"spec modes, or {GATED_PLAIN}")
     parser.add_argument("--top", type=int, default=35)
     parser.add_argument("--kernels", action="store_true", help="device kernels, not cProfile")
     parser.add_argument("--decode-burst", type=int, default=1, help="decode_burst (1: no bursts)")
@@ -40,10 +45,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for mode in args.modes.split(","):
+        gated_plain = mode == GATED_PLAIN
         config = bench_config(
-            args.model, args.draft_model, args.device, args.batch, spec_mode=mode, adaptive_speculation=False
+            args.model,
+            args.draft_model,
+            args.device,
+            args.batch,
+            spec_mode="static" if gated_plain else mode,
+            adaptive_speculation=gated_plain,
         ).replace(decode_burst=args.decode_burst)
         llm = LLM(config)
+        if gated_plain:
+            # The serve default's engine (drafter loaded, its graphs and features) with every step plain:
+            # what a plain step costs there against the plain engine's (`off`).
+            llm.engine.gate.draft_length = lambda num_requests: 0
         ids = _prompt_ids(llm, args.batch)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         llm.generate(params=params, prompt_token_ids=ids)  # warm-up: kernels compiled, graphs captured

@@ -9,6 +9,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh bench   carry [".carry/c4", ".carry/base35"]
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh smt   carry [".carry/c4"]          (~430 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh diagnose   carry [".carry/c4"]     (~450 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh plain-cost   carry [".carry/c4"]   (~200 s)
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
 #   83f678b has run on a GPU: the gate's median step times, the frozen startup heaps, session 36's
@@ -88,8 +89,26 @@ case "${1:-}" in
     echo "diagnose: exit $?"; tail -20 "$OUT/epc.log" 2>/dev/null; head -8 "$OUT/overhead.md"
     for f in "$OUT"/epc/*-top.txt; do [[ -e "$f" ]] && head -30 "$f"; done
     ;;
+  plain-cost)
+    # Session 41 (H100): the serve default ran 0.87x / 0.73x plain decoding offline at 128 / 256
+    # requests, and its gate's probes timed a plain step at 2.2-3.2 ms where the plain engine's step
+    # is ~1.9 ms (128). Does a plain step cost more in the serve default's engine (drafter loaded, its
+    # features captured, its graphs) than in the plain engine? Host phases, then device kernels, of the
+    # plain engine and of the default's engine held at plain steps (`profile_host.py`'s gated-plain),
+    # at 128 and 256 requests (~200 s, carry [".carry/c4"] after parking c1-c3, c5).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    for batch in 128 256; do
+      (cd benchmarks && timeout 100 python3 profile_host.py --device cuda --batch $batch --max-tokens 64 \
+        --modes off,gated-plain,static --out "$OUT/plain-cost" > "$OUT/plain-cost-b$batch.log" 2>&1)
+      echo "b$batch: exit $?"; cat "$OUT/plain-cost-b$batch.log"
+      for mode in off gated-plain static; do echo "$mode: $(head -1 "$OUT/plain-cost/$mode-b$batch.txt")"; done
+      (cd benchmarks && timeout 80 python3 profile_host.py --device cuda --batch $batch --max-tokens 64 \
+        --modes off,gated-plain --kernels --out "$OUT/plain-cost-kernels" > /dev/null 2>&1)
+      for mode in off gated-plain; do echo "$mode kernels: $(sed -n 2p "$OUT/plain-cost-kernels/$mode-b$batch.txt")"; done
+    done
+    ;;
   *)
-    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose" >&2
+    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost" >&2
     exit 2
     ;;
 esac
