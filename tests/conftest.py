@@ -88,6 +88,15 @@ def two_layer_drafter_dir(tiny_target_dir: Path, tmp_path_factory: pytest.TempPa
 
 
 @pytest.fixture(scope="session")
+def anchor_drafter_dir(tiny_target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random DSpark drafter with an anchor feature (block size 4) for the tiny target."""
+    from tiny_models import write_tiny_drafter
+
+    path = tmp_path_factory.mktemp("anchor-drafter")
+    return write_tiny_drafter(tiny_target_dir, path, seed=2, anchor_feature=True)
+
+
+@pytest.fixture(scope="session")
 def triton_server(smollm2_dir, tmp_path_factory):
     """One real tritonserver (`dspark serve` on a repository rendered into tmp with test settings)
     for the whole session, on free ports; stopped at the end, leaving no tritonserver or stub."""

@@ -116,3 +116,18 @@ def test_the_gpu_cache_is_sized_from_free_memory_and_serves(smollm2_dir, smollm2
     assert all(len(o.token_ids) == 16 for o in outputs)
     assert free_device_bytes(device) > 0.1 * free_before  # left for activations and graphs
     llm.engine.close()
+
+
+def test_an_anchor_feature_counts_its_projection_and_a_context_row_per_slot(
+    tiny_target_dir, tiny_drafter_dir
+) -> None:
+    """A drafter with an anchor feature holds one more hidden x hidden projection and, in its proposer,
+    one context row per cache slot (`DSparkProposer.context_rows`)."""
+    import dataclasses
+
+    target, drafter = ModelConfig.load(tiny_target_dir), DraftConfig.load(tiny_drafter_dir)
+    plain = footprint(target, drafter, 4, torch.float32, tp_size=1)
+    anchored = footprint(target, dataclasses.replace(drafter, anchor_feature=True), 4, torch.float32, 1)
+    width, hidden = 4, drafter.hidden_size
+    assert anchored.page_bytes - plain.page_bytes == hidden * 4 * width
+    assert anchored.weight_bytes - plain.weight_bytes == hidden * hidden * width

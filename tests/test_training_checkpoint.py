@@ -25,6 +25,7 @@ from dspark.training.trainer import (
     drafter_loss,
     new_drafter,
     trainable_from_checkpoint,
+    with_anchor_feature,
 )
 
 
@@ -154,3 +155,31 @@ def test_a_deepened_drafter_computes_what_it_did_then_trains_its_new_layers(
         assert layer.self_attn.o_proj.weight.abs().sum() > 0 and layer.mlp.down_proj.weight.abs().sum() > 0
     save_drafter(trained, tmp_path / "three", dtype=torch.float32)
     assert load_drafter(tmp_path / "three", torch.float32, "cpu").config.num_hidden_layers == 3
+
+
+def test_an_anchor_feature_starts_at_zero_trains_and_survives_the_checkpoint(
+    tiny_target_dir, tmp_path
+) -> None:
+    """A drafter grown an anchor feature (the anchor's context row into every block input) computes what
+    it did; training moves the new projection; it saves and loads."""
+    target, drafter = _trained(tiny_target_dir, tmp_path)
+    save_drafter(drafter, tmp_path / "base", dtype=torch.float32)
+    grown = with_anchor_feature(trainable_from_checkpoint(tmp_path / "base", 4))
+    assert grown.config.anchor_feature and with_anchor_feature(grown) is grown
+    with torch.no_grad():
+        for a, b in zip(_outputs(target, drafter), _outputs(target, grown), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    rng = random.Random(5)
+    prompts = [(str(i), "code", [rng.randrange(1, 8) for _ in range(4)]) for i in range(8)]
+    records = distill(target, prompts, [0.0] * 8, [], 12, 8, seed=0)
+    config = TrainConfig(steps=2, batch_size=4, anchors_per_sequence=2, warmup_steps=1, save_every=100)
+    trained = Trainer(target, grown, records, config, tmp_path / "work-anchor", torch.device("cpu")).run()
+    assert trained.anchor_fc.weight.abs().sum() > 0
+    with torch.no_grad():  # the anchor's row now changes the blocks
+        assert not torch.allclose(_outputs(target, trained)[0], _outputs(target, drafter)[0])
+    save_drafter(trained, tmp_path / "anchor", dtype=torch.float32)
+    loaded = load_drafter(tmp_path / "anchor", torch.float32, "cpu")
+    assert loaded.config.anchor_feature
+    torch.testing.assert_close(loaded.anchor_fc.weight, trained.anchor_fc.weight, atol=0, rtol=0)
+    fresh = new_drafter(target.config, 4, 1, 4, 2, seed=0, mask_token_id=1, anchor_feature=True)
+    assert fresh.anchor_fc.weight.abs().sum() == 0

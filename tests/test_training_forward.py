@@ -67,7 +67,7 @@ def _inference_block(drafter, model, features: torch.Tensor, anchor: int) -> tup
     return proposer, seq
 
 
-@pytest.mark.parametrize("drafter_dir", ["tiny_drafter_dir", "two_layer_drafter_dir"])
+@pytest.mark.parametrize("drafter_dir", ["tiny_drafter_dir", "two_layer_drafter_dir", "anchor_drafter_dir"])
 def test_training_block_forward_equals_the_inference_block_pass(
     tiny_target_dir, drafter_dir, request
 ) -> None:
@@ -81,12 +81,14 @@ def test_training_block_forward_equals_the_inference_block_pass(
         proposer, seq = _inference_block(drafter, model, features[0], anchor)
         block = torch.tensor([SEQUENCE[anchor]] + [mask_id] * (block_size - 1))
         batch = AttentionBatch.build([seq.pages], [anchor], [block_size], PAGE, False, torch.device("cpu"))
+        positions = torch.arange(anchor, anchor + block_size)
         heads = drafter.block_pass(
             F.embedding(block, model.embed_tokens.weight),
-            torch.arange(anchor, anchor + block_size),
+            positions,
             batch,
             proposer.cache,
             model.lm_head.weight,
+            anchor_rows=proposer._anchor_rows(positions, batch),
         )
         torch.testing.assert_close(trained[0, j], heads.hidden[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(
@@ -94,7 +96,7 @@ def test_training_block_forward_equals_the_inference_block_pass(
         )
 
 
-@pytest.mark.parametrize("drafter_dir", ["tiny_drafter_dir", "two_layer_drafter_dir"])
+@pytest.mark.parametrize("drafter_dir", ["tiny_drafter_dir", "two_layer_drafter_dir", "anchor_drafter_dir"])
 def test_training_heads_reproduce_the_proposers_drafts_and_confidences(
     tiny_target_dir, drafter_dir, request
 ) -> None:

@@ -1,5 +1,6 @@
 """The capacity variants train and serve: `train-draft` builds drafters with two layers, chosen target
-layers and another Markov rank; a two-layer drafter drafts in the engine (eagerly and through emulated
+layers, another Markov rank and an anchor feature; a two-layer drafter and an anchor-feature one draft
+in the engine (eagerly and through emulated
 draft graphs, in the step too) with greedy output equal to plain decoding; `draft-cost` times a step."""
 
 from __future__ import annotations
@@ -35,19 +36,24 @@ def _config(target_dir, draft_dir, spec_mode: str, sps_table: str = "") -> Engin
     )
 
 
+@pytest.mark.parametrize("drafter", ["two_layer_drafter_dir", "anchor_drafter_dir"])
 @pytest.mark.parametrize("spec_mode", ["static", "compact"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
-def test_two_layer_drafter_keeps_the_greedy_output_of_plain_decoding(
-    tiny_target_dir, two_layer_drafter_dir, spec_mode, graphs, tmp_path
+def test_a_variant_drafter_keeps_the_greedy_output_of_plain_decoding(
+    tiny_target_dir, drafter, spec_mode, graphs, tmp_path, request
 ) -> None:
-    assert len(load_drafter(two_layer_drafter_dir, torch.float32, "cpu").layers) == 2
+    """A two-layer drafter, and one with an anchor feature (its rows kept per cache slot and read
+    by every block, in the step too), draft with greedy output equal to plain decoding."""
+    draft_dir = request.getfixturevalue(drafter)
+    loaded = load_drafter(draft_dir, torch.float32, "cpu")
+    assert len(loaded.layers) == 2 if drafter == "two_layer_drafter_dir" else loaded.anchor_fc is not None
     rng = random.Random(4)
     prompts = [[rng.randrange(1, 8) for _ in range(rng.randrange(2, 20))] for _ in range(6)]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     plain = LLM(_config(tiny_target_dir, "", "off")).generate(params=params, prompt_token_ids=prompts)
     # `compact` under a table where verifying costs: it plans from the confidences, drafting apart.
     table = decaying_sps_table(tmp_path) if spec_mode == "compact" else ""
-    config = _config(tiny_target_dir, two_layer_drafter_dir, spec_mode, table)
+    config = _config(tiny_target_dir, draft_dir, spec_mode, table)
     llm = LLM(config)
     if graphs:
         runner = llm.engine.runner
@@ -72,6 +78,7 @@ def test_train_draft_builds_each_capacity_variant(tiny_target_dir, tmp_path) -> 
         "layers-0-1": ("--target-layers 0,1", {"target_layer_ids": [0, 1]}),
         "rank-8": ("--markov-rank 8 --num-target-features 1", {"markov_rank": 8, "target_layer_ids": [1]}),
         "argmax-ce": ("--ce-target argmax --target-layers 1", {"target_layer_ids": [1]}),
+        "anchor-feature": ("--anchor-feature", {"anchor_feature": True}),
     }
     for name, (flags, expected) in variants.items():
         out = tmp_path / name

@@ -3,6 +3,7 @@ DSpark drafters for it. Small enough that a test can enumerate the target's exac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -85,9 +86,16 @@ def write_tiny_target(
 
 
 def write_tiny_drafter(
-    target_dir: Path, path: Path, block_size: int = 4, seed: int = 0, std: float = 0.3, num_layers: int = 1
+    target_dir: Path,
+    path: Path,
+    block_size: int = 4,
+    seed: int = 0,
+    std: float = 0.3,
+    num_layers: int = 1,
+    anchor_feature: bool = False,
 ) -> Path:
-    """A randomly initialised DSpark drafter (Markov + confidence heads) for a tiny target."""
+    """A randomly initialised DSpark drafter (Markov + confidence heads; an anchor feature if asked)
+    for a tiny target."""
     target = ModelConfig.load(target_dir)
     cfg = fresh_draft_config(
         target,
@@ -97,6 +105,7 @@ def write_tiny_drafter(
         mask_token_id=1,
         num_target_features=2,
     )
+    cfg = dataclasses.replace(cfg, anchor_feature=anchor_feature)
     save_drafter(create_random_drafter(cfg, seed=seed, std=std), path, dtype=torch.float32)
     return path
 

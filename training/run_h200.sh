@@ -63,6 +63,9 @@ PROFILE_SPS=${PROFILE_SPS:-1}
 # Drafter layers (0: a fresh drafter's 1, else INIT_DRAFT's own; more than INIT_DRAFT's grows it, each new
 # layer starting as a copy of its last whose output projections are zero: the same drafter, deeper).
 NUM_LAYERS=${NUM_LAYERS:-0}
+# 1: the drafter gets an anchor feature (the anchor's context row into every block input, as EAGLE feeds
+# the target's state; with INIT_DRAFT, grown at zero: the same drafter until training moves it).
+ANCHOR_FEATURE=${ANCHOR_FEATURE:-0}
 # The cross-entropy's label: target (the target's distribution there) or data (the answers' next tokens);
 # empty: train-draft's default (target).
 CE_TARGET=${CE_TARGET:-}
@@ -133,13 +136,15 @@ run() {
   fi
   local init=()
   [[ -z "$INIT_DRAFT" ]] || init=(--init-draft "$INIT_DRAFT")
-  local ce=()
-  [[ -z "$CE_TARGET" ]] || ce=(--ce-target "$CE_TARGET")
-  stage "train the drafter (block size 7, layers ${NUM_LAYERS} (0: 1 or INIT_DRAFT's), Markov rank 32," \
+  local shape=()  # the flags set only when asked
+  [[ -z "$CE_TARGET" ]] || shape+=(--ce-target "$CE_TARGET")
+  (( ! ANCHOR_FEATURE )) || shape+=(--anchor-feature)
+  stage "train the drafter (block size 7, layers ${NUM_LAYERS} (0: 1 or INIT_DRAFT's), anchor feature" \
+    "${ANCHOR_FEATURE}, Markov rank 32," \
     "cross-entropy against the ${CE_TARGET:-target}; time budget ${minutes} min, 0: steps only;" \
     "start: ${INIT_DRAFT:-a fresh drafter}; data: ${data[*]})"
   dspark train-draft --data "${data[@]}" --out "$WORK/drafter" --work-dir "$WORK/train" \
-    --block-size 7 --num-layers "$NUM_LAYERS" "${ce[@]}" --markov-rank 32 \
+    --block-size 7 --num-layers "$NUM_LAYERS" "${shape[@]}" --markov-rank 32 \
     --num-target-features 3 --seed 0 --lr "$LR" \
     --lr-run-decay "$LR_RUN_DECAY" --run-index "$RUN" --max-minutes "$minutes" "${init[@]}" "${TRAIN_ARGS[@]}"
   out_drafter

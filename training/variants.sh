@@ -20,6 +20,9 @@
 #                  token greedy verification accepts, where the soft label also fits the tail)
 #   top-layer      the target's last layer (29) in place of 27 among the 3 features (1,14,29): the state
 #                  the target's own head reads, as EAGLE feeds its drafter
+#   anchor-feature the base with the anchor's context row (the projected target features of the position
+#                  before the block) added to every block input, as EAGLE feeds its drafter the target's
+#                  state directly (DraftConfig.anchor_feature; +0.33M parameters)
 # All train on blocks of 7 but block3. Each variant trains TRAIN_MINUTES (default: an equal share of the
 # budget) or, with TRAIN_STEPS, that many steps (equal steps; TRAIN_MINUTES then only caps them).
 # $OUT receives 3 files: variants.md (the table, rewritten after every variant), run.log and
@@ -76,6 +79,7 @@ variant_flags() {
     data-ce) echo "--block-size 7 --num-layers 1 --num-target-features 3 --markov-rank 32 --ce-target data" ;;
     argmax-ce) echo "--block-size 7 --num-layers 1 --num-target-features 3 --markov-rank 32 --ce-target argmax" ;;
     top-layer) echo "--block-size 7 --num-layers 1 --target-layers 1,14,29 --markov-rank 32" ;;
+    anchor-feature) echo "--block-size 7 --num-layers 1 --num-target-features 3 --markov-rank 32 --anchor-feature" ;;
     *) echo "unknown variant: $1" >&2; return 1 ;;
   esac
 }

@@ -58,6 +58,9 @@ def footprint(
         rank = max(drafter.markov_rank, 0)
         weights += 2 * drafter.vocab_size * rank + 3 * d_hidden + rank + 1
         page += drafter.num_hidden_layers * 2 * drafter.num_key_value_heads * d_head * page_size
+        if drafter.anchor_feature:  # its anchor projection, and a context row per cache slot
+            weights += d_hidden * d_hidden
+            page += d_hidden * page_size
     return KvFootprint(weights * width, page * width)
 
 

@@ -34,6 +34,10 @@ class DraftConfig:
     enable_confidence_head: bool = False
     # Per-block-position calibration temperatures of the confidence head (fitted offline).
     confidence_temperatures: list[float] = field(default_factory=list)
+    # The anchor's context row (the projected target features of the position before the block) added
+    # to every block position's input through `anchor_fc`, as EAGLE feeds its drafter the target's state
+    # directly rather than only through attention (the proposer keeps a row per cache slot).
+    anchor_feature: bool = False
     architectures: list[str] = field(default_factory=lambda: [DSPARK_ARCHITECTURE])
 
     def __post_init__(self) -> None:
@@ -90,6 +94,7 @@ class DraftConfig:
             markov_head_type=raw.get("markov_head_type", "vanilla"),
             enable_confidence_head=bool(raw.get("enable_confidence_head", False)),
             confidence_temperatures=list(raw.get("confidence_temperatures") or []),
+            anchor_feature=bool(raw.get("anchor_feature", False)),
             architectures=list(raw.get("architectures") or [DSPARK_ARCHITECTURE]),
         )
 

@@ -71,6 +71,8 @@ class Drafter(nn.Module):
         self.markov_w1 = nn.Embedding(cfg.vocab_size, r) if r else None
         self.markov_w2 = nn.Linear(r, cfg.vocab_size, bias=False) if r else None
         self.confidence = nn.Linear(h + r, 1) if cfg.enable_confidence_head else None
+        # The anchor's context row into every block position's input (`DraftConfig.anchor_feature`).
+        self.anchor_fc = nn.Linear(h, h, bias=False) if cfg.anchor_feature else None
         self.register_buffer(
             "confidence_temperatures", torch.tensor(cfg.confidence_temperatures, dtype=torch.float32)
         )
@@ -86,17 +88,27 @@ class Drafter(nn.Module):
         return self.config.num_key_value_heads
 
     def inject_context(
-        self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: PagedKVCache
+        self,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cache: PagedKVCache,
+        context_rows: torch.Tensor | None = None,
     ) -> None:
         """KV injection: project target features into every drafter layer's keys/values.
 
         features: [num_tokens, len(target_layer_ids) * hidden] target hidden states of committed
-        positions; positions, slots: [num_tokens]. Writes each layer's k/v at those slots.
+        positions; positions, slots: [num_tokens]. Writes each layer's k/v at those slots, and with
+        `context_rows` ([cache slots + 1, hidden], an anchor feature's) each token's context row at its
+        slot (a padding token's, slot -1, into the last row, never read).
         """
         features = features.to(self.fc.weight.dtype)
         # On the CPU through `linear`, whose measured paths beat F.linear there by up to 3x.
         projected = linear(features, self.fc.weight) if features.device.type == "cpu" else self.fc(features)
         ctx, _ = self.hidden_norm(projected)
+        if context_rows is not None:
+            sink = torch.full_like(slots, context_rows.shape[0] - 1)
+            context_rows.index_copy_(0, torch.where(slots >= 0, slots, sink), ctx.to(context_rows.dtype))
         n, d = ctx.shape[0], self.config.head_dim
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -124,18 +136,25 @@ class Drafter(nn.Module):
         cache: PagedKVCache,
         lm_head: torch.Tensor,
         block_size: int = 0,
+        anchor_rows: torch.Tensor | None = None,
     ) -> BlockHeads:
         """One non-causal pass over every request's block [anchor, mask, ..., mask].
 
         block_embeddings: [R * block_size, hidden]; positions: [R * block_size]; the batch's windows
         are the blocks, seeing all injected context before them and the whole block. block_size: the
-        positions of a block (0: the trained block size; fewer drafts a shorter block).
+        positions of a block (0: the trained block size; fewer drafts a shorter block). anchor_rows:
+        [R, hidden] each block's anchor feature (the context row of the position before it), for a
+        drafter with one.
         """
+        block_size = block_size or self.config.block_size
         x, residual = block_embeddings.to(self.fc.weight.dtype), None
+        if self.anchor_fc is not None:
+            assert anchor_rows is not None, "a drafter with an anchor feature needs its anchor rows"
+            x = x + self.anchor_fc(anchor_rows.to(x.dtype)).repeat_interleave(block_size, dim=0)
         for index, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, batch, cache.layer(index), self.cos_sin)
         hidden, _ = self.norm(x, residual)
-        return BlockHeads(hidden.view(-1, block_size or self.config.block_size, hidden.shape[-1]), lm_head)
+        return BlockHeads(hidden.view(-1, block_size, hidden.shape[-1]), lm_head)
 
     def markov_features(self, previous_tokens: torch.Tensor) -> torch.Tensor | None:
         """W1[x_{k-1}]: [R, rank] low-rank embedding of the previously chosen tokens (None when r = 0)."""

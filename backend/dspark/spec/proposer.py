@@ -97,6 +97,15 @@ class DSparkProposer:
             device,
         )
         self.device = device
+        # An anchor feature's context rows, one per cache slot (and a last one padding tokens write):
+        # each block reads the row of the position before it (`_anchor_rows`).
+        self.context_rows = (
+            torch.zeros(
+                num_pages * page_size + 1, cfg.hidden_size, dtype=drafter.fc.weight.dtype, device=device
+            )
+            if cfg.anchor_feature
+            else None
+        )
         # A request stops drafting once the survival of its next draft falls below this (0: never).
         self.stop_survival = stop_survival
         self.lookup = lookup
@@ -107,7 +116,7 @@ class DSparkProposer:
     def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """KV injection of the step's target features into every drafter layer."""
         if features.shape[0]:
-            self.drafter.inject_context(features, positions, slots, self.cache)
+            self.drafter.inject_context(features, positions, slots, self.cache, self.context_rows)
 
     def use_graphs(self, max_requests: int, max_pages: int, emulate: bool = False) -> None:
         """Replay greedy blocks of up to `max_requests` requests (each with at most `max_pages` pages)
@@ -269,10 +278,27 @@ class DSparkProposer:
         GPU decodes them all, `_greedy_block`)."""
         embeddings = F.embedding(block_ids, self.embedding)
         heads = self.drafter.block_pass(
-            embeddings, positions, batch, self.cache, self.draft_head, self.block_size
+            embeddings,
+            positions,
+            batch,
+            self.cache,
+            self.draft_head,
+            self.block_size,
+            self._anchor_rows(positions, batch),
         )
         heads.project_all(None if self._on_gpu else length)
         return heads
+
+    def _anchor_rows(self, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor | None:
+        """Each block's anchor feature: the context row of the position before its anchor, at that
+        position's cache slot (device work only: a replayed block computes it from its layout). None
+        for a drafter without one."""
+        if self.context_rows is None:
+            return None
+        before = (positions.view(-1, self.block_size)[:, 0] - 1).clamp(min=0)
+        table = batch.page_table[: before.shape[0]]
+        pages = table.gather(1, torch.div(before, self.page_size, rounding_mode="floor")[:, None].long())
+        return self.context_rows[pages[:, 0].long() * self.page_size + before % self.page_size]
 
     def _greedy_block(
         self,

@@ -428,6 +428,12 @@ def train_draft(argv: list[str]) -> int:
         default="",
         help="comma-separated target layer ids (overrides --num-target-features)",
     )
+    parser.add_argument(
+        "--anchor-feature",
+        action="store_true",
+        help="add the anchor's context row to every block input (DraftConfig.anchor_feature; with "
+        "--init-draft, grown at zero: a warm start)",
+    )
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--max-minutes", type=float, default=defaults.max_minutes, help="0: no time limit")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step")
@@ -469,6 +475,7 @@ def train_draft(argv: list[str]) -> int:
         new_drafter,
         next_run_index,
         trainable_from_checkpoint,
+        with_anchor_feature,
     )
 
     torch.manual_seed(args.seed)
@@ -499,6 +506,8 @@ def train_draft(argv: list[str]) -> int:
         # --num-layers above the checkpoint's grows it (`deepened`); the other shape flags are its own.
         drafter = trainable_from_checkpoint(args.init_draft, args.block_size)
         drafter = deepened(drafter, args.num_layers or drafter.config.num_hidden_layers)
+        if args.anchor_feature:
+            drafter = with_anchor_feature(drafter)
     else:
         layer_ids = [int(i) for i in args.target_layers.split(",")] if args.target_layers else None
         drafter = new_drafter(
@@ -509,6 +518,7 @@ def train_draft(argv: list[str]) -> int:
             args.num_target_features,
             args.seed,
             target_layer_ids=layer_ids,
+            anchor_feature=args.anchor_feature,
         )
         init_from_target(drafter, target)
     records = read_data(args.data).train

@@ -83,6 +83,11 @@ def block_hidden(
     context, _ = drafter.hidden_norm(drafter.fc(features.to(drafter.fc.weight.dtype)))
     context_positions = torch.arange(t, device=token_ids.device).expand(b, t)
     x = F.embedding(ids, embedding).to(drafter.fc.weight.dtype)
+    if drafter.anchor_fc is not None:
+        # Each block's inputs get its anchor's context row: the position before the anchor, the last one
+        # whose target features the block sees (an anchor is never position 0: it follows the prompt).
+        before = context.gather(1, (anchors - 1).clamp(min=0)[..., None].expand(-1, -1, context.shape[-1]))
+        x = x + drafter.anchor_fc(before).repeat_interleave(cfg.block_size, dim=1)
     residual: torch.Tensor | None = None
     scale = cfg.head_dim**-0.5
     for layer in drafter.layers:

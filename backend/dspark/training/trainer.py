@@ -71,6 +71,7 @@ def new_drafter(
     seed: int,
     mask_token_id: int | None = None,
     target_layer_ids: list[int] | None = None,
+    anchor_feature: bool = False,
 ) -> Drafter:
     """A fresh trainable drafter: small random weights, the Markov correction and confidence start at zero.
 
@@ -82,6 +83,7 @@ def new_drafter(
                 f"target_layer_ids: need ids in [0, {target.num_layers}), got {target_layer_ids}"
             )
         cfg = dataclasses.replace(cfg, target_layer_ids=list(target_layer_ids))
+    cfg = dataclasses.replace(cfg, anchor_feature=anchor_feature)
     drafter = create_random_drafter(cfg, seed=seed, std=0.02)
     # W2 = 0 makes the Markov head start as a no-op (the low-rank update grows from there); a zero
     # confidence head starts every confidence at 1/2.
@@ -90,6 +92,8 @@ def new_drafter(
     if drafter.confidence is not None:
         drafter.confidence.weight.data.zero_()
         drafter.confidence.bias.data.zero_()
+    if drafter.anchor_fc is not None:  # starts as a drafter without it
+        drafter.anchor_fc.weight.data.zero_()
     return drafter.train().requires_grad_(True)
 
 
@@ -136,6 +140,21 @@ def deepened(drafter: Drafter, num_layers: int) -> Drafter:
         layer.load_state_dict(last)
         layer.self_attn.o_proj.weight.zero_()
         layer.mlp.down_proj.weight.zero_()
+    return grown.train().requires_grad_(True)
+
+
+@torch.no_grad()
+def with_anchor_feature(drafter: Drafter) -> Drafter:
+    """The same drafter with an anchor feature (`DraftConfig.anchor_feature`) whose projection starts at
+    zero, computing exactly what it did until training moves it (a warm start; a drafter that has one
+    comes back as it is)."""
+    if drafter.anchor_fc is not None:
+        return drafter
+    grown = Drafter(dataclasses.replace(drafter.config, anchor_feature=True))
+    grown.to(dtype=drafter.fc.weight.dtype, device=drafter.fc.weight.device)
+    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and missing == ["anchor_fc.weight"], (missing, unexpected)
+    grown.anchor_fc.weight.zero_()
     return grown.train().requires_grad_(True)
 
 

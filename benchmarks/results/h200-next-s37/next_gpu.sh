@@ -10,6 +10,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh smt   carry [".carry/c4"]          (~430 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh diagnose   carry [".carry/c4"]     (~450 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh plain-cost   carry [".carry/c4"]   (~200 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh anchor   carry [".carry/c4"]       (~560 s)
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
 #   83f678b has run on a GPU: the gate's median step times, the frozen startup heaps, session 36's
@@ -55,6 +56,7 @@ case "${1:-}" in
     echo "ab gate: exit $?"; grep -E "^\{" "$OUT/ab-gate.log"
     ;;
   smt)
+    # (The H100 machines have one thread a core: `spin:1@sibling` has no CPU there and the run exits.)
     # Session 40 (bench, H200): spinning neighbours on CPUs 1-8 made the pinned offline engine's batch-64
     # step 1.23x (every host phase 1.14-1.31x), memory-streaming ones no worse: the CPU, not the memory.
     # Which: the hyperthread beside the loop, or the host's clock with more cores busy? Then the served
@@ -107,8 +109,20 @@ case "${1:-}" in
       for mode in off gated-plain; do echo "$mode kernels: $(sed -n 2p "$OUT/plain-cost-kernels/$mode-b$batch.txt")"; done
     done
     ;;
+  anchor)
+    # Issue 19's capacity table: the anchor feature (session 41, training/README.md "An anchor feature")
+    # against the base, from scratch on the same fresh data, equal steps, as session 25 compared five
+    # target features (~560 s, carry [".carry/c4"] after parking c1-c3, c5; the GGUF's parts are found
+    # by training/lib.sh).
+    WORK=/tmp/w1 OUT=$OUT/data DATA_MINUTES=2.5 TRAIN_MINUTES=0 RESPONSES=3 DATA_SEED=41 \
+      SAMPLE_FRACTION=0.5 BUDGET_S=230 bash training/run_h200.sh > "$OUT/data.log" 2>&1
+    echo "data: exit $?"; tail -3 "$OUT/data.log"
+    WORK=/tmp/wv OUT=$OUT/variants DATA_IN=/tmp/w1/data VARIANTS="base anchor-feature" TRAIN_STEPS=900 \
+      BUDGET_S=320 bash training/variants.sh > "$OUT/variants.log" 2>&1
+    echo "variants: exit $?"; cat "$OUT/variants/variants.md"
+    ;;
   *)
-    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost" >&2
+    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|anchor" >&2
     exit 2
     ;;
 esac
