@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                 rounds[name].append(figures)
                 print(f"round {r} {name}: {json.dumps(figures)}", flush=True)
     finally:
+        for server, _, _ in servers.values():
+            server.terminate()  # all at once; then each waited for, its ports freed
         for server, _, ports in servers.values():
             stop_server(server, ports)
     rows = summarize(rounds)

@@ -85,9 +85,9 @@ def port_taken(port: int) -> bool:
 
 
 def stop_server(process: subprocess.Popen, ports: tuple[int, ...] | list[int], timeout: float = 120) -> None:
-    """Stop a server `start_server` started and wait (up to 30 s) until nothing listens on its ports:
-    a next server in the same run must find them free. Whatever of its session outlived the launcher
-    is killed."""
+    """Stop a server `start_server` started (up to `timeout` seconds for it to end, then killed with
+    whatever of its session outlived it) and wait up to 30 s more until nothing listens on its ports:
+    a next server in the same run must find them free. Already terminated (`terminate`): waits."""
     process.terminate()
     try:
         process.wait(timeout)
@@ -96,6 +96,10 @@ def stop_server(process: subprocess.Popen, ports: tuple[int, ...] | list[int], t
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        process.wait(5)
+    except subprocess.TimeoutExpired:
         pass
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(port_taken(port) for port in ports):

@@ -2,7 +2,8 @@
 block a fresh proposer drafts from the true target features of that request's committed tokens.
 
 The engine injects every row of a step's windows (rejected drafts' rows too, inside the captured
-target step); this proves those rows never reach a later draft. Checked eagerly and through emulated
+target step); this proves those rows never reach a later draft (nor, for a drafter with an anchor
+feature, the context rows it keeps per cache slot). Checked eagerly and through emulated
 CUDA graphs (the sink captured in the replayed target step; draft blocks replayed from padded static
 inputs), with rejections, multi-token accepts and prefill chunks in the same steps."""
 
@@ -95,13 +96,17 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
         "gpu-graphs-short-block",
     ],
 )
+@pytest.mark.parametrize("drafter", ["tiny_drafter_dir", "anchor_drafter_dir"])
 def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
-    tiny_target_dir, tiny_drafter_dir, device, graphs, gpu_drafting, block_size
+    tiny_target_dir, drafter, device, graphs, gpu_drafting, block_size, request
 ) -> None:
     # gpu_drafting: the engine's proposer drafts as on a GPU (every position projected in one GEMM, no
     # early exit from the position loop); the fresh proposer it is checked against drafts as on a CPU.
     # On the GPU in fp32 with real CUDA graphs: the captured injection and draft blocks, checked too.
     # block_size 2: the engine drafts blocks shorter than the drafter's trained 4 positions.
+    # anchor_drafter_dir: each block also reads its anchor's context row, kept per cache slot (rejected
+    # drafts' rows are written too): the row it reads must be the committed position's.
+    tiny_drafter_dir = request.getfixturevalue(drafter)
     seed = random.randrange(2**31)
     print(f"seed={seed}")
     rng = random.Random(seed)

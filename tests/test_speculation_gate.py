@@ -516,3 +516,19 @@ def test_a_probe_begun_beside_prefill_chunks_runs_until_its_length_is_measured()
     assert stats.probes >= 3
     # The warm-up's measured steps, then one for each probe but perhaps the last (still running).
     assert stats.measured(0) >= WARM_UP_STEPS + stats.probes - 1, (stats.measured(0), stats.probes)
+
+
+def test_warm_up_times_give_way_to_two_later_faster_ones_not_to_one() -> None:
+    """Under overlap a step timed right after a late-recorded finish reads short: one such time must
+    not set a length's estimate alone. Two later times below a warm-up's drop it."""
+    from dspark.spec.gate import _RecentMedian
+
+    times = _RecentMedian()
+    for value in (3.0, 3.1, 2.9):
+        times.add(value, provisional=True)
+    times.add(1.0)
+    assert times.value == 2.9  # one fast time: the warm-up's still count
+    times.add(3.05)  # 1.0 and 3.05 lie below 3.1 alone: it goes, 3.0 and 2.9 stay
+    assert sorted(times.recent) == [(1.0, False), (2.9, True), (3.0, True), (3.05, False)]
+    times.add(1.1)
+    assert times.value == 1.1 and len(times.recent) == 3  # 1.0, 3.05, 1.1: the warm-up's are gone

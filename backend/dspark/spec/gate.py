@@ -14,7 +14,7 @@ halves of that rate are measured apart:
   of its steps were timed, and a losing length is timed only by the occasional probe, so a choice made
   on one pause could stand for thousands of steps: the likely reason, not yet confirmed there, why the
   serve default at 128 requests ran 0.72x plain decoding offline on the H200); a warm-up's times
-  are provisional, dropped once a later step of the length runs faster (a losing length is re-timed
+  are provisional, dropped once two later steps of the length ran faster (a losing length is re-timed
   only by probes, and its slow first steps at a shape outvoted them);
 - tokens, shared by the tiers (acceptance is the drafter's and the requests', not the batch's): 1 +
   the sum over positions k <= length of the chance that drafts 1..k are all accepted, the product of
@@ -48,9 +48,9 @@ in a row without overlap, five with it: the first and last of a run are not meas
 every later tier until it has two (the acceptance is known by then, only the step times are new:
 served, the request count moves between tiers as requests come and go, and a full warm-up in each was
 most of a short run). A probe re-measures a losing length now and then, in turn, for as many steps in
-a row as it takes to measure it once (its steps with a prefill chunk not counted, up to a bound), and
-the next comes PROBE_INTERVAL steps later for each step it took (probes of 3 steps under overlap, as
-often as those of 1 step, would run 3x the losing steps).
+a row as it takes to measure it once (counting again after a step with a prefill chunk, up to a
+bound), and the next comes PROBE_INTERVAL steps later for each step it needs (probes of 3 steps under
+overlap, as often as those of 1 step, would run 3x the losing steps).
 A warm-up or probe run keeps its length whatever the tier of the steps it runs (a tier's own steps
 interleaved with another's would never be neighbours), and a choice counts once its step starts (a
 launch given up and tried again asks twice).
@@ -80,8 +80,8 @@ RUN_EDGES = 2  # unmeasured steps of a run of one length under overlap: its firs
 WARM_UP_TRIES = 3  # most warm-up choices of a length per tier, measured or not, in measured steps' worth
 PROBE_INTERVAL = 32  # a tier probes a losing length after this many steps per step of its last probe
 PROBE_MOST_STEPS = 1 + RUN_EDGES  # a probe runs until its length is measured once, at most this long
-# (in steps without a prefill chunk, which cannot be measured: a probe begun as requests arrive would
-# end unmeasured; at most PROBE_PREFILL_BOUND times as many steps in all)
+# (in steps in a row without a prefill chunk, which cannot be measured nor let their neighbours be: a
+# probe begun as requests arrive would end unmeasured; at most PROBE_PREFILL_BOUND times as many in all)
 PROBE_PREFILL_BOUND = 4
 SMOOTHING = 0.05  # weight of the newest step in each moving average, once it has 1 / SMOOTHING steps
 RECENT_STEPS = 9  # step times a length's median is taken over, per tier
@@ -112,18 +112,23 @@ class _RecentMedian:
         self.value = 0.0
 
     def add(self, value: float, provisional: bool = False) -> None:
-        """One more value; `provisional`: measured in a warm-up. A value that is not drops the
-        provisional ones above it: a step's time only ever errs long (a pause, the host's other work),
-        so a warm-up step slower than a later step of its length measured the warm-up (the length's
-        first runs at that shape, right after the engine started or the batch changed), not the length.
-        A losing length is re-measured only by probes, one in hundreds of steps: its warm-up steps, on
+        """One more value; `provisional`: measured in a warm-up. A provisional value is dropped once two
+        later values that are not lie below it: a warm-up step slower than later steps of its length
+        measured the warm-up (the length's first runs at that shape, right after the engine started or
+        the batch changed), not the length. Two, not one: a step's time mostly errs long (a pause, the
+        host's other work), but under overlap the step after a late-recorded finish reads short. A
+        losing length is re-measured only by probes, one in hundreds of steps: its warm-up steps, on
         the H100 1.2-1.5x the later steps of plain decoding, stood against the winner's fresh ones and
         kept the serve default drafting at 128 requests, 0.80x plain."""
         self.count += 1
-        if not provisional and any(p and v > value for v, p in self.recent):
-            kept = [(v, p) for v, p in self.recent if not (p and v > value)]
-            self.recent.clear()
-            self.recent.extend(kept)
+        if not provisional:
+            later = sorted(v for v, p in self.recent if not p)
+            if later:  # the second smallest with this one: a provisional value above it has two below
+                bound = max(later[0], value) if len(later) == 1 else sorted([*later[:2], value])[1]
+                if any(p and v > bound for v, p in self.recent):
+                    kept = [(v, p) for v, p in self.recent if not (p and v > bound)]
+                    self.recent.clear()
+                    self.recent.extend(kept)
         self.recent.append((value, provisional))
         ordered = sorted(v for v, _ in self.recent)
         self.value = ordered[(len(ordered) - 1) // 2]
@@ -208,7 +213,7 @@ class _Run:
     target: int
     most: int
     probe: bool
-    steps: int = 0  # steps started (a probe's: those without a prefill chunk)
+    steps: int = 0  # steps started (a probe's: in a row without a prefill chunk, since the last with one)
     started: int = 0  # steps started, all
 
     def going(self) -> bool:
@@ -258,7 +263,9 @@ class SpeculationGate:
         run = self._run
         if run is not None and not run.going():
             if run.probe:
-                run.tier.next_probe = run.tier.steps + PROBE_INTERVAL * max(run.started, 1)
+                # Spaced by the steps a probe needs, not by those chunks added (a probe slowed by them
+                # would put off the next by up to PROBE_PREFILL_BOUND times as long).
+                run.tier.next_probe = run.tier.steps + PROBE_INTERVAL * min(max(run.started, 1), run.most)
             run = self._run = None
         if run is None:
             run = self._run = self._warm_up(stats)
@@ -295,8 +302,9 @@ class SpeculationGate:
             run = self._run
             if run is not None and run.length == chosen:
                 run.started += 1
-                if not (run.probe and prefill):
-                    run.steps += 1
+                # A probe's step is measured between neighbours of its length without a chunk: after a
+                # chunk it counts its steps in a row again.
+                run.steps = 0 if run.probe and prefill else run.steps + 1
                 stats = run.tier  # a run's steps count as its tier's tries
                 warm_up = not run.probe and length == chosen
             stats.chosen[chosen] += 1
