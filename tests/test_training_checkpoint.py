@@ -40,6 +40,15 @@ def _trained(target_dir, tmp_path):
     return target, drafter.requires_grad_(False)
 
 
+def _trained_further(target, drafter, seed: int, work_dir):
+    """`drafter` trained two more steps on the target's answers to 8 random prompts."""
+    rng = random.Random(seed)
+    prompts = [(str(i), "code", [rng.randrange(1, 8) for _ in range(4)]) for i in range(8)]
+    records = distill(target, prompts, [0.0] * 8, [], 12, 8, seed=0)
+    config = TrainConfig(steps=2, batch_size=4, anchors_per_sequence=2, warmup_steps=1, save_every=100)
+    return Trainer(target, drafter, records, config, work_dir, torch.device("cpu")).run()
+
+
 def _outputs(target, drafter) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.tensor([[3, 4, 5, 1, 6, 2, 7, 7, 3, 1, 4]])
     _, features = target_pass(target, tokens, drafter.config.target_layer_ids)
@@ -146,11 +155,7 @@ def test_a_deepened_drafter_computes_what_it_did_then_trains_its_new_layers(
     with torch.no_grad():
         for a, b in zip(_outputs(target, drafter), _outputs(target, grown), strict=True):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
-    rng = random.Random(3)
-    prompts = [(str(i), "code", [rng.randrange(1, 8) for _ in range(4)]) for i in range(8)]
-    records = distill(target, prompts, [0.0] * 8, [], 12, 8, seed=0)
-    config = TrainConfig(steps=2, batch_size=4, anchors_per_sequence=2, warmup_steps=1, save_every=100)
-    trained = Trainer(target, grown, records, config, tmp_path / "work3", torch.device("cpu")).run()
+    trained = _trained_further(target, grown, 3, tmp_path / "work3")
     for layer in trained.layers[1:]:
         assert layer.self_attn.o_proj.weight.abs().sum() > 0 and layer.mlp.down_proj.weight.abs().sum() > 0
     save_drafter(trained, tmp_path / "three", dtype=torch.float32)
@@ -169,11 +174,7 @@ def test_an_anchor_feature_starts_at_zero_trains_and_survives_the_checkpoint(
     with torch.no_grad():
         for a, b in zip(_outputs(target, drafter), _outputs(target, grown), strict=True):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
-    rng = random.Random(5)
-    prompts = [(str(i), "code", [rng.randrange(1, 8) for _ in range(4)]) for i in range(8)]
-    records = distill(target, prompts, [0.0] * 8, [], 12, 8, seed=0)
-    config = TrainConfig(steps=2, batch_size=4, anchors_per_sequence=2, warmup_steps=1, save_every=100)
-    trained = Trainer(target, grown, records, config, tmp_path / "work-anchor", torch.device("cpu")).run()
+    trained = _trained_further(target, grown, 5, tmp_path / "work-anchor")
     assert trained.anchor_fc.weight.abs().sum() > 0
     with torch.no_grad():  # the anchor's row now changes the blocks
         assert not torch.allclose(_outputs(target, trained)[0], _outputs(target, drafter)[0])
