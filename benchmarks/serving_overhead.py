@@ -265,15 +265,18 @@ def served_load(
     engine_pid: int = 0,
     prompts: list[str] | None = None,
     params: dict | None = None,
+    client_processes: int = 0,
 ) -> tuple[LoadResult, dict, str, str]:
     """One load of `requests` over `streams` streams (`params`: sampling parameters over the load
-    generator's), the load generator's result, the served loop's shares over it (`loop_shares`; with
-    `engine_pid`, its loop thread's clock: `thread_shares`), and the server's metrics text before and
-    after it."""
+    generator's; `client_processes`: its worker processes, 0: one a CPU), the load generator's result,
+    the served loop's shares over it (`loop_shares`; with `engine_pid`, its loop thread's clock:
+    `thread_shares`), and the server's metrics text before and after it."""
     time.sleep(0.3)  # the last load's counters published
     before = metrics_text(metrics_port)
     clock = thread_clock(engine_pid, engine_pid) if engine_pid else None
-    result = run_load(url, streams, requests, max_tokens, params=params, prompts=prompts)
+    result = run_load(
+        url, streams, requests, max_tokens, client_processes or None, params=params, prompts=prompts
+    )
     threads = thread_shares(clock, thread_clock(engine_pid, engine_pid), result.seconds) if clock else {}
     time.sleep(0.3)
     after = metrics_text(metrics_port)
@@ -297,6 +300,7 @@ def served(
     instances: int = DEFAULT_INSTANCES,
     rounds: int = 1,
     prompts: list[str] | None = None,
+    client_processes: int = 0,
 ) -> dict[int, list[dict]]:
     """The same engine behind `dspark serve`: per concurrency, each round's load generator result with
     the served loop and intake figures (and, in the last round at `profile_levels`, py-spy's samples of
@@ -321,7 +325,14 @@ def served(
                 rate, _, offline_loop = offline.measure(level)
                 offline_figures = {"offline_tokens_per_s": rate, "offline_loop": offline_loop}
             result, loop, before, after = served_load(
-                url, ports[2], level, requests_per_stream * level, max_tokens, engine_pid, prompts
+                url,
+                ports[2],
+                level,
+                requests_per_stream * level,
+                max_tokens,
+                engine_pid,
+                prompts,
+                client_processes=client_processes,
             )
             intake = intake_split(intake_counters(before), intake_counters(after))
             if level in profile_levels and r == rounds - 1:  # a longer run, sampled, not timed
@@ -545,6 +556,13 @@ def main(argv: list[str] | None = None) -> int:
         "`dspark-client bench`'s questions)",
     )
     parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=0,
+        help="served side: the load generator's worker processes (0: one a CPU, at most one a stream): "
+        "fewer leave more cores idle beside the engine, as clients on other machines would",
+    )
+    parser.add_argument(
         "--user-defaults",
         action="store_true",
         help="both sides run the engine's defaults but the mode (max_num_seqs, the KV cache sized at "
@@ -583,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.instances,
                 args.rounds,
                 prompts,
+                args.client_processes,
             )
         finally:
             if engine is not None:

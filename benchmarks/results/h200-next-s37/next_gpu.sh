@@ -10,6 +10,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh smt   carry [".carry/c4"]          (~430 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh diagnose   carry [".carry/c4"]     (~450 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh plain-cost   carry [".carry/c4"]   (~200 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh clients   carry [".carry/c4"]      (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh anchor   carry [".carry/c4"]       (~560 s)
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
@@ -109,6 +110,20 @@ case "${1:-}" in
       for mode in off gated-plain; do echo "$mode kernels: $(sed -n 2p "$OUT/plain-cost-kernels/$mode-b$batch.txt")"; done
     done
     ;;
+  clients)
+    # Issue 18 (session 41): served steps run every host phase 1.1-1.6x slower than offline, as the
+    # offline loop does beside busy cores (1.16x with 7, 1.29x with 14 on the H100). The load generator
+    # runs one worker process a CPU (16) beside the server; clients of a real deployment run elsewhere.
+    # Served / offline with 16 client processes against 4, plain, at 8, 64 and 256 streams (~330 s).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    for procs in 16 4; do
+      timeout "${CLIENTS_S:-150}" python3 benchmarks/serving_overhead.py --out "$OUT/clients-$procs" \
+        --levels 8,64,256 --modes off --requests-per-stream 8 --user-defaults --rounds 2 \
+        --client-processes $procs > "$OUT/clients-$procs.log" 2>&1
+      echo "client processes $procs: exit $?"; head -6 "$OUT/clients-$procs/overhead.md"
+      grep -A6 "^| mode | streams | steps_per_s" "$OUT/clients-$procs/overhead.md" | cut -c1-200
+    done
+    ;;
   anchor)
     # Issue 19's capacity table: the anchor feature (session 41, training/README.md "An anchor feature")
     # against the base, from scratch on the same fresh data, equal steps, as session 25 compared five
@@ -122,7 +137,7 @@ case "${1:-}" in
     echo "variants: exit $?"; cat "$OUT/variants/variants.md"
     ;;
   *)
-    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|anchor" >&2
+    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|clients|anchor" >&2
     exit 2
     ;;
 esac
