@@ -107,8 +107,8 @@ class Drafter(nn.Module):
         projected = linear(features, self.fc.weight) if features.device.type == "cpu" else self.fc(features)
         ctx, _ = self.hidden_norm(projected)
         if context_rows is not None:
-            sink = torch.full_like(slots, context_rows.shape[0] - 1)
-            context_rows.index_copy_(0, torch.where(slots >= 0, slots, sink), ctx.to(context_rows.dtype))
+            rows = torch.where(slots >= 0, slots, context_rows.shape[0] - 1)
+            context_rows.index_copy_(0, rows, ctx.to(context_rows.dtype))
         n, d = ctx.shape[0], self.config.head_dim
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn

@@ -102,7 +102,7 @@ def draft_lengths(block_size: int) -> tuple[int, ...]:
 class _RecentMedian:
     """The lower median of the latest RECENT_STEPS values (of two, the smaller): robust to a value far
     off now and then, and following a lasting change within a few values. Values from a warm-up are
-    provisional: a later value below them displaces them (see `add`)."""
+    provisional: two later values below one displace it (see `add`)."""
 
     __slots__ = ("count", "recent", "value")
 
@@ -122,13 +122,12 @@ class _RecentMedian:
         kept the serve default drafting at 128 requests, 0.80x plain."""
         self.count += 1
         if not provisional:
-            later = sorted(v for v, p in self.recent if not p)
-            if later:  # the second smallest with this one: a provisional value above it has two below
-                bound = max(later[0], value) if len(later) == 1 else sorted([*later[:2], value])[1]
-                if any(p and v > bound for v, p in self.recent):
-                    kept = [(v, p) for v, p in self.recent if not (p and v > bound)]
-                    self.recent.clear()
-                    self.recent.extend(kept)
+            later = sorted([value, *(v for v, p in self.recent if not p)])
+            # A provisional value above the second smallest later one has two below it.
+            if len(later) >= 2 and any(p and v > later[1] for v, p in self.recent):
+                kept = [(v, p) for v, p in self.recent if not (p and v > later[1])]
+                self.recent.clear()
+                self.recent.extend(kept)
         self.recent.append((value, provisional))
         ordered = sorted(v for v, _ in self.recent)
         self.value = ordered[(len(ordered) - 1) // 2]

@@ -297,8 +297,8 @@ class DSparkProposer:
             return None
         before = (positions.view(-1, self.block_size)[:, 0] - 1).clamp(min=0)
         table = batch.page_table[: before.shape[0]]
-        pages = table.gather(1, torch.div(before, self.page_size, rounding_mode="floor")[:, None].long())
-        return self.context_rows[pages[:, 0].long() * self.page_size + before % self.page_size]
+        pages = table.gather(1, (before // self.page_size)[:, None])[:, 0].long()
+        return self.context_rows[pages * self.page_size + before % self.page_size]
 
     def _greedy_block(
         self,

@@ -131,10 +131,8 @@ def deepened(drafter: Drafter, num_layers: int) -> Drafter:
         raise ValueError(f"num_layers: {num_layers} is fewer than the drafter's {have} layers")
     if num_layers == have:
         return drafter
-    grown = Drafter(dataclasses.replace(drafter.config, num_hidden_layers=num_layers))
-    grown.to(dtype=drafter.fc.weight.dtype, device=drafter.fc.weight.device)
-    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
-    assert not unexpected and all(name.startswith("layers.") for name in missing), (missing, unexpected)
+    grown, missing = _grown(drafter, num_hidden_layers=num_layers)
+    assert all(name.startswith("layers.") for name in missing), missing
     last = drafter.layers[-1].state_dict()
     for layer in grown.layers[have:]:
         layer.load_state_dict(last)
@@ -150,12 +148,20 @@ def with_anchor_feature(drafter: Drafter) -> Drafter:
     comes back as it is)."""
     if drafter.anchor_fc is not None:
         return drafter
-    grown = Drafter(dataclasses.replace(drafter.config, anchor_feature=True))
-    grown.to(dtype=drafter.fc.weight.dtype, device=drafter.fc.weight.device)
-    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
-    assert not unexpected and missing == ["anchor_fc.weight"], (missing, unexpected)
+    grown, missing = _grown(drafter, anchor_feature=True)
+    assert missing == ["anchor_fc.weight"], missing
     grown.anchor_fc.weight.zero_()
     return grown.train().requires_grad_(True)
+
+
+def _grown(drafter: Drafter, **changes: object) -> tuple[Drafter, list[str]]:
+    """A drafter of `drafter`'s config with `changes`, holding its weights (same dtype and device), and
+    the names of the parameters it has that `drafter` had not (still to be set)."""
+    grown = Drafter(dataclasses.replace(drafter.config, **changes))
+    grown.to(dtype=drafter.fc.weight.dtype, device=drafter.fc.weight.device)
+    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected, unexpected
+    return grown, missing
 
 
 @torch.no_grad()
