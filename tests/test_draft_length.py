@@ -111,3 +111,43 @@ def test_in_step_drafts_held_at_a_length_through_emulated_graphs(
     stats = llm.engine.total_spec_stats
     assert stats.verified_tokens <= length * stats.drafting_steps
     assert (stats.drafting_steps > 0) == (length > 0)
+
+
+def _schedules(llm: LLM) -> list[tuple[int, int, int]]:
+    """Record each step's schedule as (decoding requests, window, prefill tokens)."""
+    seen: list[tuple[int, int, int]] = []
+    scheduler = llm.engine.scheduler
+    real = scheduler.schedule
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        step = real(*args, **kwargs)
+        if step is not None and not step.empty:
+            window = step.window if step.decode else 0
+            seen.append((len(step.decode), window, sum(c.length for c in step.prefill)))
+        return step
+
+    scheduler.schedule = recording  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["static", "compact"])
+def test_an_engine_held_at_plain_steps_prefills_as_fast_as_the_plain_engine(
+    tiny_target_dir, tiny_drafter_dir, mode: str
+) -> None:
+    """The gate's choice sizes the windows as they are scheduled: a speculative engine whose gate chose
+    plain steps gives prompts the budget a plain engine does (windows of the whole block left them a
+    quarter of it while many requests decoded, and prefill took twice the steps at batch 128 on the
+    H100), and the same steps in all."""
+    rng = random.Random(random.randrange(2**31))
+    prompts = [[rng.randrange(1, 8) for _ in range(rng.randrange(20, 40))] for _ in range(12)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    base = tiny_engine_config(tiny_target_dir, tiny_drafter_dir, max_num_batched_tokens=32, num_kv_pages=256)
+    plain = LLM(base.replace(spec_mode="off"))
+    plain_steps = _schedules(plain)
+    want = plain.generate(params=params, prompt_token_ids=prompts)
+    held = _held_at(LLM(base.replace(spec_mode=mode, adaptive_speculation=True)), 0)
+    held_steps = _schedules(held)
+    out = held.generate(params=params, prompt_token_ids=prompts)
+    assert [o.token_ids for o in out] == [o.token_ids for o in want]
+    assert held_steps == plain_steps
+    assert any(decoding and prefill for decoding, _, prefill in plain_steps)  # the case in question

@@ -58,3 +58,42 @@ def test_a_waiting_prompt_keeps_a_share_of_the_budget() -> None:
     assert [c.seq for c in step.prefill] == [waiting]
     assert step.prefill[0].length >= share
     assert len(step.decode) * step.window + step.prefill[0].length <= 64
+
+
+def test_a_plain_step_leaves_its_windows_budget_to_a_waiting_prompt() -> None:
+    """`window_of` (the gate's choice) sizes the windows: a plain step's take one token each, and the
+    prompt gets the rest of the budget, not what windows of the whole block would have left it."""
+    scheduler = _scheduler()
+    seqs = _decoding(scheduler, 16)
+    waiting = Sequence("new", 99, list(range(1, 101)), PARAMS, None)
+    scheduler.add(waiting)
+    asked: list[list[Sequence]] = []
+
+    def plain(decoding: list[Sequence]) -> int:
+        asked.append(decoding)
+        return 1
+
+    step = scheduler.schedule(window_of=plain)
+    assert asked == [seqs]
+    assert step.decode == tuple(seqs) and step.window == 1
+    assert [(c.seq, c.length) for c in step.prefill] == [(waiting, 64 - 16)]
+
+
+def test_window_of_caps_the_window_and_never_lengthens_it() -> None:
+    scheduler = _scheduler()
+    _decoding(scheduler, 4)
+    assert scheduler.schedule(window_of=lambda decoding: 2).window == 2
+    scheduler = _scheduler()
+    _decoding(scheduler, 4)
+    assert scheduler.schedule(window_of=lambda decoding: 9).window == 4  # window_positions
+
+
+def test_window_of_is_not_asked_without_decoding_requests() -> None:
+    scheduler = _scheduler()
+    scheduler.add(Sequence("new", 99, list(range(1, 41)), PARAMS, None))
+
+    def never(decoding: list[Sequence]) -> int:
+        raise AssertionError("asked with no request decoding")
+
+    step = scheduler.schedule(window_of=never)
+    assert not step.decode and step.prefill[0].length == 40

@@ -532,3 +532,18 @@ def test_warm_up_times_give_way_to_two_later_faster_ones_not_to_one() -> None:
     assert sorted(times.recent) == [(1.0, False), (2.9, True), (3.0, True), (3.05, False)]
     times.add(1.1)
     assert times.value == 1.1 and len(times.recent) == 3  # 1.0, 3.05, 1.1: the warm-up's are gone
+
+
+def test_a_withdrawn_choice_is_no_try_of_its_length():
+    """A step whose requests may verify no draft (each at its last token, or asking for none) runs
+    plain whatever the gate chose as it was scheduled: withdrawn, such steps use up none of the
+    warm-up's tries, and the longest length is still tried first once drafting is possible."""
+    clock = _Clock()
+    gate = SpeculationGate(1, clock)
+    for _ in range(4 * WARM_UP_TRIES * (WARM_UP_STEPS + RUN_EDGES)):
+        assert gate.draft_length(4) == 1
+        gate.withdraw()
+        gate.start_step(0, prefill=True)
+        clock.now += 0.001
+        gate.finish_step([])
+    assert gate.draft_length(4) == 1

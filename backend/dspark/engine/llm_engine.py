@@ -387,13 +387,16 @@ class LLMEngine:
         (`_launch_ahead`); None also when this step cannot go ahead of it after all."""
         timer = self.timer
         began = self.gate.clock() if self.gate is not None else 0.0
-        schedule = self.scheduler.schedule(in_flight)
+        # The gate chooses the step's draft length as the scheduler sizes the windows: a plain step's
+        # windows leave their budget to prompts.
+        schedule = self.scheduler.schedule(in_flight, self._window_of if self.gate is not None else None)
         if schedule is None or schedule.empty:
             return None
         timer.lap("schedule")
-        caps = self._max_verifies(schedule.decode, in_flight, schedule.window - 1)
-        length = min(self._draft_length(schedule.decode, caps), schedule.window - 1)
-        caps = [min(cap, length) for cap in caps]
+        length = min(self.limits.block_size, schedule.window - 1)
+        caps = self._max_verifies(schedule.decode, in_flight, length)
+        if self.gate is not None and length > 0 and not any(caps):
+            self.gate.withdraw()  # a drafting length chosen, and no request may verify a draft
         drafts = self._draft(schedule.decode, caps)
         timer.lap("draft")
         plan = VerifyPlan.plain(len(caps)) if drafts is None else self.policy.plan(drafts, caps, self.planner)
@@ -618,17 +621,16 @@ class LLMEngine:
         self.timer.lap("emit")  # committing counts with making the deltas, whenever that comes
         return done
 
-    def _draft_length(self, decode: Seq[Sequence], caps: list[int]) -> int:
-        """Most drafts any request verifies this step: the block size, or the gate's choice from the
-        measured speed of earlier steps (0: a plain step). A seeded sampling request replays its stream
-        only if its steps draft alike on every run, so a step with one takes the block, as the policy
-        says, rather than the timing-driven choice."""
-        block_size = self.limits.block_size
-        if self.gate is None or not any(caps):  # a gate exists only beside a proposer
-            return block_size
+    def _window_of(self, decode: list[Sequence]) -> int:
+        """The most positions a decode window takes this step, given the requests that decode (the
+        scheduler's `window_of`): 1 + the gate's draft length, chosen from the measured speed of earlier
+        steps (1: a plain step). A seeded sampling request replays its stream only if its steps draft
+        alike on every run, so a step with one takes the block, as the policy says, rather than the
+        timing-driven choice."""
+        assert self.gate is not None  # a gate exists only beside a proposer
         if any(s.params.seed is not None and not s.params.greedy for s in decode):
-            return block_size
-        return self.gate.draft_length(len(decode))
+            return 1 + self.limits.block_size
+        return 1 + self.gate.draft_length(len(decode))
 
     def _draft(self, decode: Seq[Sequence], caps: list[int]) -> Drafts | InStepDrafts | None:
         """The step's drafts for windows of up to `caps` drafts: None for a plain step (no drafter, or

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -118,18 +119,29 @@ class Scheduler:
             self.waiting.remove(seq)
         self.allocator.release(seq)
 
-    def _decode_window(self, decoding: int, budget: int, prefill_waits: bool) -> tuple[int, int]:
-        """The longest window `decoding` requests can all take within the budget, leaving
-        PREFILL_SHARE of it to prompts when some wait; and the budget the windows may use."""
+    def _decode_window(
+        self, decoding: int, budget: int, prefill_waits: bool, most: int
+    ) -> tuple[int, int]:
+        """The longest window, up to `most` positions, that `decoding` requests can all take within the
+        budget, leaving PREFILL_SHARE of it to prompts when some wait; and the budget the windows may use."""
         if prefill_waits:
             budget -= int(budget * PREFILL_SHARE)
-        window = self.window_positions
+        window = most
         if decoding * window > budget:
             window = max(1, budget // decoding)
         return window, budget
 
-    def schedule(self, in_flight: InFlight | None = None) -> StepSchedule | None:
+    def schedule(
+        self,
+        in_flight: InFlight | None = None,
+        window_of: Callable[[list[Sequence]], int] | None = None,
+    ) -> StepSchedule | None:
         """Choose this step's decode windows and prefill chunks.
+
+        `window_of` gives, from the requests that decode this step, the most positions a window takes
+        (1 + the drafts the step verifies at most, the speculation gate's choice; None: window_positions):
+        a plain step's windows leave the rest of the token budget to prompts (the whole window's budget
+        kept for drafts that a step will not verify made prefill twice as slow at batch 128).
 
         With `in_flight` (a step launched and not yet accepted) the requests are scheduled from where
         that step leaves them at least, and nobody is preempted: None, with nothing scheduled but pages
@@ -147,7 +159,10 @@ class Scheduler:
             else:
                 prefilling.append(seq)
         admits = bool(self.waiting) and len(self.running) < self.max_num_seqs
-        window, decode_budget = self._decode_window(len(decoding), budget, admits or bool(prefilling))
+        most = self.window_positions
+        if window_of is not None and decoding:
+            most = max(1, min(most, window_of([seq for seq, _ in decoding])))
+        window, decode_budget = self._decode_window(len(decoding), budget, admits or bool(prefilling), most)
         # Per request on every step: the limits in locals, and a request whose pages already hold its
         # window skips the allocator (host time at batch 64).
         reach = in_flight.reach if in_flight is not None else {}

@@ -281,6 +281,11 @@ class SpeculationGate:
         self._choice = (stats, length)
         return length
 
+    def withdraw(self) -> None:
+        """Forget the last choice: the step about to start verifies no drafts whatever was chosen (no
+        request in it may), and counts as a plain step of no run."""
+        self._choice = None
+
     def _warm_up(self, stats: _TierStats) -> _Run | None:
         """A warm-up run of the tier's longest length short of its measured steps, if any."""
         tries = WARM_UP_TRIES * (stats.warm_up + RUN_EDGES)

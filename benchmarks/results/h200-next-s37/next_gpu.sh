@@ -11,6 +11,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh diagnose   carry [".carry/c4"]     (~450 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh plain-cost   carry [".carry/c4"]   (~200 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh clients   carry [".carry/c4"]      (~330 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh window   carry [".carry/c4", ".carry/base42"] (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh anchor   carry [".carry/c4"]       (~560 s)
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
@@ -124,6 +125,22 @@ case "${1:-}" in
       grep -A6 "^| mode | streams | steps_per_s" "$OUT/clients-$procs/overhead.md" | cut -c1-200
     done
     ;;
+  window)
+    # Session 42 (H100, plain-cost): the serve default held at plain steps ran 107 steps where the plain
+    # engine ran 91 (256 requests, 64 tokens): its scheduler kept each decoding request's budget for a
+    # whole verify window (1 + block), leaving prompts a quarter of the budget. The gate's choice now
+    # sizes the windows as they are scheduled. A/B against 6173474 (carry [".carry/c4", ".carry/base42"]:
+    # `git archive 6173474 backend`), plain and the serve default, then the steps again (~330 s).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    timeout "${AB_S:-240}" python3 benchmarks/ab_trees.py --base .carry/base42/backend --device cuda \
+      --batch-sizes 256,128,64 --modes off,default --rounds "${ROUNDS:-4}" --max-tokens 128 \
+      --out "$OUT/ab-window.json" > "$OUT/ab-window.log" 2>&1
+    echo "ab window: exit $?"; grep -vE "^\{" "$OUT/ab-window.log" | tail -14
+    (cd benchmarks && timeout 80 python3 profile_host.py --device cuda --batch 256 --max-tokens 64 \
+      --modes off,gated-plain --out "$OUT/plain-cost" > "$OUT/plain-cost-b256.log" 2>&1)
+    echo "b256: exit $?"; cat "$OUT/plain-cost-b256.log"
+    for mode in off gated-plain; do echo "$mode: $(head -1 "$OUT/plain-cost/$mode-b256.txt")"; done
+    ;;
   anchor)
     # Issue 19's capacity table: the anchor feature (session 41, training/README.md "An anchor feature")
     # against the base, from scratch on the same fresh data, equal steps, as session 25 compared five
@@ -137,7 +154,7 @@ case "${1:-}" in
     echo "variants: exit $?"; cat "$OUT/variants/variants.md"
     ;;
   *)
-    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|clients|anchor" >&2
+    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|clients|window|anchor" >&2
     exit 2
     ;;
 esac
