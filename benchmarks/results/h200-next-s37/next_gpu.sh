@@ -12,6 +12,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh plain-cost   carry [".carry/c4"]   (~200 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh clients   carry [".carry/c4"]      (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh window   carry [".carry/c4", ".carry/base42"] (~330 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh timeline   carry [".carry/c4"]     (~200 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh anchor   carry [".carry/c4"]       (~560 s)
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
@@ -141,6 +142,18 @@ case "${1:-}" in
     echo "b256: exit $?"; cat "$OUT/plain-cost-b256.log"
     for mode in off gated-plain; do echo "$mode: $(head -1 "$OUT/plain-cost/$mode-b256.txt")"; done
     ;;
+  timeline)
+    # Session 42 (H100): at 64 requests the serve default's gate timed plain steps at 1.8-2.3 ms while
+    # the plain engine's took 1.05-1.3 ms and the default's engine held at plain steps was as fast; it
+    # chose drafting, 0.61-0.70x plain decoding offline. Every step's draft length, device time, finish-
+    # to-finish time and the gate's time for it, serve default then plain, at 64 and 128 (~200 s).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    for batch in 64 128; do
+      (cd benchmarks && timeout 90 python3 gate_timeline.py --device cuda --batch $batch --max-tokens 256 \
+        --out "$OUT/timeline-b$batch.json" > "$OUT/timeline-b$batch.log" 2>&1)
+      echo "b$batch: exit $?"; cat "$OUT/timeline-b$batch.log" | tail -12
+    done
+    ;;
   anchor)
     # Issue 19's capacity table: the anchor feature (session 41, training/README.md "An anchor feature")
     # against the base, from scratch on the same fresh data, equal steps, as session 25 compared five
@@ -154,7 +167,7 @@ case "${1:-}" in
     echo "variants: exit $?"; cat "$OUT/variants/variants.md"
     ;;
   *)
-    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|clients|window|anchor" >&2
+    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|clients|window|timeline|anchor" >&2
     exit 2
     ;;
 esac

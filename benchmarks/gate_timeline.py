@@ -1,0 +1,204 @@
+"""Where the serve default's gate gets its step times: each step of one generate(), per draft length.
+
+    python benchmarks/gate_timeline.py --device cuda --batch 64 --max-tokens 256 --out /tmp/timeline.json
+
+Session 42 (H100, 64 requests): the serve default's gate timed plain steps at 1.8-2.3 ms, where the plain
+engine's steps took 1.05-1.3 ms and the default's engine held at plain steps (`profile_host.py`'s
+`gated-plain`) ran as fast as the plain engine; the gate chose drafting, and the default ran 0.61-0.70x
+plain decoding. This records, for the serve default and then for the plain engine on the same batch,
+every step: its draft length, whether it carried a prefill chunk, the device's time for its target work
+(CUDA events around the runner's step; none on a CPU), the host's finish-to-finish time (from the
+engine's completion of the step before to its own), and the time the gate measured for it, if it
+measured it. It prints, per engine and length: steps, steps the gate measured, and the medians of the
+gate's times, of those steps' device and finish-to-finish times, and of every decode-only step's; a gate
+time far above its steps' device and finish-to-finish times is the gate's measurement, not the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from e2e import _prompt_ids, bench_config
+
+from dspark import LLM, SamplingParams
+from dspark.spec import gate as gate_module
+
+
+@dataclass
+class StepRecord:
+    """One engine step as the timeline saw it."""
+
+    length: int
+    prefill: bool
+    finish_s: float = 0.0
+    device_ms: float | None = None
+    gate_ms: float | None = None  # the time the gate recorded for it, if it recorded one
+
+
+class Timeline:
+    """Hooks on one engine that record its steps (`StepRecord`) while `recording` is set."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.engine = llm.engine
+        self.records: list[StepRecord] = []
+        self.recording = False
+        self._events: list[tuple[StepRecord, object, object]] = []
+        self._open: list[StepRecord] = []  # launched, not yet completed, oldest first
+        self._length = 0  # the draft length of the step being launched (the gate's start_step)
+        self._prefill = False  # whether the step being launched carries a prefill chunk
+        self._gate_value: list[float] = []
+        self._hook()
+
+    def _hook(self) -> None:
+        engine, timeline = self.engine, self
+        cuda = engine.limits.device.type == "cuda"
+        gate = engine.gate
+        if gate is not None:
+            start_step, finish_burst = gate.start_step, gate.finish_burst
+
+            def started(length, at=None, prefill=False):  # noqa: ANN001, ANN202 - the gate's signature
+                timeline._length = length
+                return start_step(length, at, prefill)
+
+            def finished(committed, verified=None):  # noqa: ANN001, ANN202
+                timeline._gate_value.clear()
+                result = finish_burst(committed, verified)
+                if timeline.recording and timeline._open and timeline._gate_value:
+                    timeline._open[0].gate_ms = 1e3 * timeline._gate_value[-1]
+                return result
+
+            gate.start_step, gate.finish_burst = started, finished  # type: ignore[method-assign]
+        schedule = engine.scheduler.schedule
+
+        def scheduled(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the scheduler's signature
+            step = schedule(*args, **kwargs)
+            timeline._prefill = step is not None and bool(step.prefill)
+            return step
+
+        engine.scheduler.schedule = scheduled  # type: ignore[method-assign]
+        run = engine.runner.run
+
+        def run_step(step):  # noqa: ANN001, ANN202 - the runner's signature
+            if not timeline.recording:
+                return run(step)
+            record = StepRecord(timeline._length if gate is not None else 0, timeline._prefill)
+            timeline._length = 0
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                result = run(step)
+                end.record()
+                timeline._events.append((record, begin, end))
+            else:
+                result = run(step)
+            timeline._open.append(record)
+            return result
+
+        engine.runner.run = run_step  # type: ignore[method-assign]
+        complete = engine._complete
+
+        def completed(launched, queued=None):  # noqa: ANN001, ANN202 - the engine's signature
+            done = complete(launched, queued)
+            if timeline.recording and timeline._open:
+                record = timeline._open.pop(0)
+                record.finish_s = time.perf_counter()
+                timeline.records.append(record)
+            return done
+
+        engine._complete = completed  # type: ignore[method-assign]
+
+    def settle(self) -> None:
+        """Read the device times once the device is done."""
+        if self._events:
+            torch.cuda.synchronize()
+        for record, begin, end in self._events:
+            record.device_ms = begin.elapsed_time(end)  # type: ignore[attr-defined]
+        self._events.clear()
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def summary(records: list[StepRecord]) -> list[dict]:
+    """Per draft length: the steps, those the gate timed, and the medians (ms) of the gate's times and of
+    the device and finish-to-finish times of the timed steps and of every decode-only step."""
+    rows = []
+    gaps = [None] + [1e3 * (b.finish_s - a.finish_s) for a, b in zip(records, records[1:], strict=False)]
+    for length in sorted({r.length for r in records}):
+        mine = [(r, g) for r, g in zip(records, gaps, strict=True) if r.length == length]
+        timed = [(r, g) for r, g in mine if r.gate_ms is not None]
+        decode = [(r, g) for r, g in mine if not r.prefill]
+        rows.append(
+            {
+                "length": length,
+                "steps": len(mine),
+                "gate_timed": len(timed),
+                "gate_ms": _median([r.gate_ms for r, _ in timed]),
+                "timed_device_ms": _median([r.device_ms for r, _ in timed if r.device_ms is not None]),
+                "timed_finish_gap_ms": _median([g for _, g in timed if g is not None]),
+                "decode_device_ms": _median([r.device_ms for r, _ in decode if r.device_ms is not None]),
+                "decode_finish_gap_ms": _median([g for _, g in decode if g is not None]),
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Time the serve default's and the plain engine's steps; print the tables, write every step."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="")
+    parser.add_argument("--draft-model", default="")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    # The gate's recorded times: every value a step-time median takes in.
+    added = gate_module._RecentMedian.add
+    current: list[Timeline] = []
+
+    def recording_add(self, value, provisional=False):  # noqa: ANN001, ANN202 - the median's signature
+        if current:
+            current[0]._gate_value.append(value)
+        return added(self, value, provisional)
+
+    gate_module._RecentMedian.add = recording_add  # type: ignore[method-assign]
+    report: dict[str, object] = {"batch": args.batch, "max_tokens": args.max_tokens}
+    for name, fields in (("default", {}), ("off", {"spec_mode": "off"})):
+        draft_model = args.draft_model if name == "default" else ""
+        config = bench_config(args.model, draft_model, args.device, args.batch, **fields)
+        llm = LLM(config)
+        timeline = Timeline(llm)
+        current[:] = [timeline]
+        ids = _prompt_ids(llm, args.batch)
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        llm.generate(params=SamplingParams(max_tokens=32, ignore_eos=True), prompt_token_ids=ids)  # warm-up
+        timeline.recording = True
+        start = time.perf_counter()
+        llm.generate(params=params, prompt_token_ids=ids)
+        elapsed = time.perf_counter() - start
+        timeline.recording = False
+        timeline.settle()
+        rows = summary(timeline.records)
+        print(f"{name}: {args.batch * args.max_tokens / elapsed:.0f} tok/s, {len(timeline.records)} steps")
+        for row in rows:
+            print("  " + json.dumps(row))
+        report[name] = {
+            "tok_s": args.batch * args.max_tokens / elapsed,
+            "lengths": rows,
+            "steps": [asdict(r) for r in timeline.records],
+        }
+        llm.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""benchmarks/gate_timeline.py: every step of a serve-default engine recorded with its draft length and
+the time its gate measured, the plain engine's steps too, on the CPU with the tiny models."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import gate_timeline  # noqa: E402
+
+
+def test_the_gate_s_times_are_the_ones_it_recorded_for_each_length(
+    tiny_target_dir, tiny_drafter_dir, tmp_path
+):
+    out = tmp_path / "timeline.json"
+    gate_timeline.main(
+        [
+            "--model",
+            str(tiny_target_dir),
+            "--draft-model",
+            str(tiny_drafter_dir),
+            "--device",
+            "cpu",
+            "--batch",
+            "4",
+            "--max-tokens",
+            "24",
+            "--out",
+            str(out),
+        ]
+    )
+    report = json.loads(out.read_text())
+    default, plain = report["default"], report["off"]
+    assert {r["length"] for r in plain["steps"]} == {0}
+    assert not any(r["gate_ms"] is not None for r in plain["steps"])
+    steps = default["steps"]
+    assert len(steps) >= 24 // 5 and steps[0]["prefill"]  # the first step prefills every prompt
+    timed = [r for r in steps if r["gate_ms"] is not None]
+    assert timed and not any(r["prefill"] for r in timed)
+    # Without overlap (the CPU) a step is measured from its own launch: within its finish-to-finish time.
+    gaps = {id(b): 1e3 * (b["finish_s"] - a["finish_s"]) for a, b in zip(steps, steps[1:], strict=False)}
+    assert all(r["gate_ms"] <= gaps[id(r)] + 1e-6 for r in timed if id(r) in gaps)
+    rows = {row["length"]: row for row in default["lengths"]}
+    assert sum(row["steps"] for row in rows.values()) == len(steps)
+    assert sum(row["gate_timed"] for row in rows.values()) == len(timed)
+
+
+def test_summary_takes_medians_per_length() -> None:
+    records = [
+        gate_timeline.StepRecord(0, True, finish_s=0.000),
+        gate_timeline.StepRecord(0, False, finish_s=0.002, device_ms=1.0, gate_ms=2.0),
+        gate_timeline.StepRecord(3, False, finish_s=0.005, device_ms=2.0),
+        gate_timeline.StepRecord(3, False, finish_s=0.009, device_ms=2.5, gate_ms=4.0),
+    ]
+    rows = {row["length"]: row for row in gate_timeline.summary(records)}
+    assert rows[0] == {
+        "length": 0,
+        "steps": 2,
+        "gate_timed": 1,
+        "gate_ms": 2.0,
+        "timed_device_ms": 1.0,
+        "timed_finish_gap_ms": 2.0,
+        "decode_device_ms": 1.0,
+        "decode_finish_gap_ms": 2.0,
+    }
+    assert rows[3]["decode_finish_gap_ms"] == 3.5 and rows[3]["timed_finish_gap_ms"] == 4.0
