@@ -12,15 +12,22 @@ engine's completion of the step before to its own), and the time the gate measur
 measured it. It prints, per engine and length: steps, steps the gate measured, and the medians of the
 gate's times, of those steps' device and finish-to-finish times, and of every decode-only step's; a gate
 time far above its steps' device and finish-to-finish times is the gate's measurement, not the step.
+
+With --syncs (a GPU; the timed runs then go again with it): per step, the host's synchronising calls
+(torch's sync debug mode: `.item()`, `.tolist()`, copies to pageable memory) and the caching allocator's
+device allocations and frees (each a cudaMalloc / cudaFree, which wait for the device): a step that
+waits for the device before launching the next loses the overlap, and runs host + device in series.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,13 +46,19 @@ class StepRecord:
     finish_s: float = 0.0
     device_ms: float | None = None
     gate_ms: float | None = None  # the time the gate recorded for it, if it recorded one
+    syncs: list[str] = field(default_factory=list)  # --syncs: the synchronising calls up to its completion
+    device_allocs: int = 0  # --syncs: cudaMalloc / cudaFree calls up to its completion
 
 
 class Timeline:
     """Hooks on one engine that record its steps (`StepRecord`) while `recording` is set."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, syncs: bool = False) -> None:
         self.engine = llm.engine
+        self.syncs = syncs
+        self.caught: list[warnings.WarningMessage] = []  # the sync debug mode's warnings (--syncs)
+        self._seen = 0
+        self._allocs = 0
         self.records: list[StepRecord] = []
         self.recording = False
         self._events: list[tuple[StepRecord, object, object]] = []
@@ -109,9 +122,20 @@ class Timeline:
                 record = timeline._open.pop(0)
                 record.finish_s = time.perf_counter()
                 timeline.records.append(record)
+                if timeline.syncs:
+                    timeline._attribute(record)
             return done
 
         engine._complete = completed  # type: ignore[method-assign]
+
+    def _attribute(self, record: StepRecord) -> None:
+        """Give `record` the synchronising calls and device allocations since the last completion."""
+        new = self.caught[self._seen :]
+        self._seen = len(self.caught)
+        record.syncs = [f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in new]
+        stats = torch.cuda.memory_stats()
+        allocs = stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
+        record.device_allocs, self._allocs = allocs - self._allocs, allocs
 
     def settle(self) -> None:
         """Read the device times once the device is done."""
@@ -135,6 +159,7 @@ def summary(records: list[StepRecord]) -> list[dict]:
         mine = [(r, g) for r, g in zip(records, gaps, strict=True) if r.length == length]
         timed = [(r, g) for r, g in mine if r.gate_ms is not None]
         decode = [(r, g) for r, g in mine if not r.prefill]
+        syncs = collections.Counter(where for r, _ in mine for where in r.syncs)
         rows.append(
             {
                 "length": length,
@@ -145,6 +170,9 @@ def summary(records: list[StepRecord]) -> list[dict]:
                 "timed_finish_gap_ms": _median([g for _, g in timed if g is not None]),
                 "decode_device_ms": _median([r.device_ms for r, _ in decode if r.device_ms is not None]),
                 "decode_finish_gap_ms": _median([g for _, g in decode if g is not None]),
+                "steps_with_syncs": sum(1 for r, _ in mine if r.syncs),
+                "syncs": dict(syncs.most_common(6)),
+                "steps_with_device_allocs": sum(1 for r, _ in mine if r.device_allocs),
             }
         )
     return rows
@@ -158,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument(
+        "--syncs", action="store_true", help="also time with sync and allocation probes (GPU)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     # The gate's recorded times: every value a step-time median takes in.
@@ -175,29 +206,45 @@ def main(argv: list[str] | None = None) -> None:
         draft_model = args.draft_model if name == "default" else ""
         config = bench_config(args.model, draft_model, args.device, args.batch, **fields)
         llm = LLM(config)
-        timeline = Timeline(llm)
-        current[:] = [timeline]
         ids = _prompt_ids(llm, args.batch)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         llm.generate(params=SamplingParams(max_tokens=32, ignore_eos=True), prompt_token_ids=ids)  # warm-up
-        timeline.recording = True
-        start = time.perf_counter()
-        llm.generate(params=params, prompt_token_ids=ids)
-        elapsed = time.perf_counter() - start
-        timeline.recording = False
-        timeline.settle()
-        rows = summary(timeline.records)
-        print(f"{name}: {args.batch * args.max_tokens / elapsed:.0f} tok/s, {len(timeline.records)} steps")
-        for row in rows:
-            print("  " + json.dumps(row))
-        report[name] = {
-            "tok_s": args.batch * args.max_tokens / elapsed,
-            "lengths": rows,
-            "steps": [asdict(r) for r in timeline.records],
-        }
+        probes = [False, True] if args.syncs and llm.engine.limits.device.type == "cuda" else [False]
+        for syncs in probes:
+            timeline = Timeline(llm, syncs)
+            current[:] = [timeline]
+            key = f"{name}+syncs" if syncs else name
+            report[key] = _timed(llm, timeline, ids, params, key)
         llm.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report))
+
+
+def _timed(llm: LLM, timeline: Timeline, ids: list[list[int]], params: SamplingParams, name: str) -> dict:
+    """One recorded generate(): its tokens/s, the per-length summary (printed) and every step."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if timeline.syncs:
+            torch.cuda.synchronize()
+            timeline.caught = caught
+            timeline._attribute(StepRecord(0, False))  # the counts start here
+            torch.cuda.set_sync_debug_mode("warn")
+        timeline.recording = True
+        start = time.perf_counter()
+        try:
+            llm.generate(params=params, prompt_token_ids=ids)
+        finally:
+            elapsed = time.perf_counter() - start
+            timeline.recording = False
+            if timeline.syncs:
+                torch.cuda.set_sync_debug_mode("default")
+    timeline.settle()
+    rows = summary(timeline.records)
+    tokens = len(ids) * params.max_tokens
+    print(f"{name}: {tokens / elapsed:.0f} tok/s, {len(timeline.records)} steps")
+    for row in rows:
+        print("  " + json.dumps(row))
+    return {"tok_s": tokens / elapsed, "lengths": rows, "steps": [asdict(r) for r in timeline.records]}
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def test_summary_takes_medians_per_length() -> None:
         gate_timeline.StepRecord(0, True, finish_s=0.000),
         gate_timeline.StepRecord(0, False, finish_s=0.002, device_ms=1.0, gate_ms=2.0),
         gate_timeline.StepRecord(3, False, finish_s=0.005, device_ms=2.0),
-        gate_timeline.StepRecord(3, False, finish_s=0.009, device_ms=2.5, gate_ms=4.0),
+        gate_timeline.StepRecord(3, False, finish_s=0.009, device_ms=2.5, gate_ms=4.0, syncs=["a.py:1"]),
     ]
     rows = {row["length"]: row for row in gate_timeline.summary(records)}
     assert rows[0] == {
@@ -66,5 +66,9 @@ def test_summary_takes_medians_per_length() -> None:
         "timed_finish_gap_ms": 2.0,
         "decode_device_ms": 1.0,
         "decode_finish_gap_ms": 2.0,
+        "steps_with_syncs": 0,
+        "syncs": {},
+        "steps_with_device_allocs": 0,
     }
     assert rows[3]["decode_finish_gap_ms"] == 3.5 and rows[3]["timed_finish_gap_ms"] == 4.0
+    assert rows[3]["steps_with_syncs"] == 1 and rows[3]["syncs"] == {"a.py:1": 1}

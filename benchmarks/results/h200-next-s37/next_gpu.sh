@@ -146,12 +146,13 @@ case "${1:-}" in
     # Session 42 (H100): at 64 requests the serve default's gate timed plain steps at 1.8-2.3 ms while
     # the plain engine's took 1.05-1.3 ms and the default's engine held at plain steps was as fast; it
     # chose drafting, 0.61-0.70x plain decoding offline. Every step's draft length, device time, finish-
-    # to-finish time and the gate's time for it, serve default then plain, at 64 and 128 (~200 s).
+    # to-finish time and the gate's time for it, serve default then plain, at 64 and 128, then again with
+    # the synchronising calls and device allocations of each step (`--syncs`) (~260 s).
     OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
     for batch in 64 128; do
-      (cd benchmarks && timeout 90 python3 gate_timeline.py --device cuda --batch $batch --max-tokens 256 \
+      (cd benchmarks && timeout 120 python3 gate_timeline.py --device cuda --batch $batch --max-tokens 256 --syncs \
         --out "$OUT/timeline-b$batch.json" > "$OUT/timeline-b$batch.log" 2>&1)
-      echo "b$batch: exit $?"; cat "$OUT/timeline-b$batch.log" | tail -12
+      echo "b$batch: exit $?"; cut -c1-400 "$OUT/timeline-b$batch.log" | tail -24
     done
     ;;
   anchor)
