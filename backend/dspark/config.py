@@ -93,7 +93,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     # Most target tokens in one step (verify windows plus prefill chunks). When the windows do not all
     # fit, they shorten (fewer drafts that step) rather than leave requests out, and prompts waiting to
-    # prefill keep a quarter of it.
+    # prefill keep a quarter of it. A window is as long as the step's drafts (the adaptive gate's
+    # choice): a plain step's windows take one token each.
     max_num_batched_tokens: int = 512
     # Longest prompt plus completion; 0 takes the model's max_position_embeddings.
     max_model_len: int = 0
