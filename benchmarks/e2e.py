@@ -36,6 +36,18 @@ PROMPTS = [
 ]
 
 
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, device: str = "auto", batch: int = 64, max_tokens: int = 64
+) -> None:
+    """The one-batch benchmarks' engine options: --model, --draft-model (empty: the embedded defaults),
+    --device, --batch and --max-tokens (`bench_config` takes the first four)."""
+    parser.add_argument("--model", default="")
+    parser.add_argument("--draft-model", default="")
+    parser.add_argument("--device", default=device)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+
+
 def bench_config(model: str, draft_model: str, device: str, max_batch: int, **fields: object) -> EngineConfig:
     """The benchmarks' engine: these checkpoints on `device`, with cache pages and request slots for
     `max_batch` requests at once, and `fields` (e.g. spec_mode, or other cache sizes) set."""

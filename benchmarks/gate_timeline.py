@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from e2e import _prompt_ids, bench_config
+from e2e import _prompt_ids, add_engine_arguments, bench_config
 
 from dspark import LLM, SamplingParams
 from dspark.spec import gate as gate_module
@@ -181,11 +181,7 @@ def summary(records: list[StepRecord]) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     """Time the serve default's and the plain engine's steps; print the tables, write every step."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="")
-    parser.add_argument("--draft-model", default="")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=256)
+    add_engine_arguments(parser, max_tokens=256)
     parser.add_argument(
         "--syncs", action="store_true", help="also time with sync and allocation probes (GPU)"
     )

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from e2e import _prompt_ids, bench_config
+from e2e import _prompt_ids, add_engine_arguments, bench_config
 
 import dspark.engine.llm_engine as engine
 import dspark.engine.output_processor as output_processor
@@ -162,11 +162,7 @@ def _tiny_llm(mode: str, batch: int) -> LLM:
 def main(argv: list[str] | None = None) -> None:
     """Time each mode's pieces and print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="")
-    parser.add_argument("--draft-model", default="")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    add_engine_arguments(parser, device="cuda")
     parser.add_argument("--modes", default="off,static")
     parser.add_argument(
         "--tiny",

@@ -22,7 +22,7 @@ import pstats
 import time
 from pathlib import Path
 
-from e2e import _prompt_ids, bench_config
+from e2e import _prompt_ids, add_engine_arguments, bench_config
 
 from dspark import LLM, SamplingParams
 
@@ -32,11 +32,7 @@ GATED_PLAIN = "gated-plain"  # a mode: the serve default's engine whose gate cho
 def main(argv: list[str] | None = None) -> None:
     """Profile each mode and write the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="")
-    parser.add_argument("--draft-model", default="")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    add_engine_arguments(parser, max_tokens=32)
     parser.add_argument("--modes", default="off,static,compact", help=f"spec modes, or {GATED_PLAIN}")
     parser.add_argument("--top", type=int, default=35)
     parser.add_argument("--kernels", action="store_true", help="device kernels, not cProfile")
