@@ -14,8 +14,9 @@ gate's times, of those steps' device and finish-to-finish times, and of every de
 time far above its steps' device and finish-to-finish times is the gate's measurement, not the step.
 
 With --syncs (a GPU; the timed runs then go again with it): per step, the host's synchronising calls
-(torch's sync debug mode: `.item()`, `.tolist()`, copies to pageable memory) and the caching allocator's
-device allocations and frees (each a cudaMalloc / cudaFree, which wait for the device): a step that
+(torch's sync debug mode: `.item()`, `.tolist()`, copies to pageable memory), the caching allocator's
+device allocations and frees (each a cudaMalloc / cudaFree, which wait for the device) and the pinned
+host allocator's (cudaHostAlloc / cudaFreeHost, behind every step's queued host-to-device copy): a step that
 waits for the device before launching the next loses the overlap, and runs host + device in series.
 """
 
@@ -43,11 +44,13 @@ class StepRecord:
 
     length: int
     prefill: bool
+    ahead: bool = False  # launched before the step before it was accepted (overlap)
     finish_s: float = 0.0
     device_ms: float | None = None
     gate_ms: float | None = None  # the time the gate recorded for it, if it recorded one
     syncs: list[str] = field(default_factory=list)  # --syncs: the synchronising calls up to its completion
     device_allocs: int = 0  # --syncs: cudaMalloc / cudaFree calls up to its completion
+    host_allocs: int = 0  # --syncs: pinned host blocks created or returned (cudaHostAlloc / cudaFreeHost)
 
 
 class Timeline:
@@ -58,13 +61,14 @@ class Timeline:
         self.syncs = syncs
         self.caught: list[warnings.WarningMessage] = []  # the sync debug mode's warnings (--syncs)
         self._seen = 0
-        self._allocs = 0
+        self._allocs = (0, 0)
         self.records: list[StepRecord] = []
         self.recording = False
         self._events: list[tuple[StepRecord, object, object]] = []
         self._open: list[StepRecord] = []  # launched, not yet completed, oldest first
         self._length = 0  # the draft length of the step being launched (the gate's start_step)
         self._prefill = False  # whether the step being launched carries a prefill chunk
+        self._ahead = False  # whether the step being launched goes ahead of one not yet accepted
         self._gate_value: list[float] = []
         self._hook()
 
@@ -95,12 +99,21 @@ class Timeline:
             return step
 
         engine.scheduler.schedule = scheduled  # type: ignore[method-assign]
+        launch = engine._launch
+
+        def launched(in_flight=None, earlier=None):  # noqa: ANN001, ANN202 - the engine's signature
+            timeline._ahead = in_flight is not None
+            return launch(in_flight, earlier)
+
+        engine._launch = launched  # type: ignore[method-assign]
         run = engine.runner.run
 
         def run_step(step):  # noqa: ANN001, ANN202 - the runner's signature
             if not timeline.recording:
                 return run(step)
-            record = StepRecord(timeline._length if gate is not None else 0, timeline._prefill)
+            record = StepRecord(
+                timeline._length if gate is not None else 0, timeline._prefill, timeline._ahead
+            )
             timeline._length = 0
             if cuda:
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -133,9 +146,10 @@ class Timeline:
         new = self.caught[self._seen :]
         self._seen = len(self.caught)
         record.syncs = [f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in new]
-        stats = torch.cuda.memory_stats()
-        allocs = stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
-        record.device_allocs, self._allocs = allocs - self._allocs, allocs
+        allocs = _allocation_counts()
+        record.device_allocs = allocs[0] - self._allocs[0]
+        record.host_allocs = allocs[1] - self._allocs[1]
+        self._allocs = allocs
 
     def settle(self) -> None:
         """Read the device times once the device is done."""
@@ -144,6 +158,18 @@ class Timeline:
         for record, begin, end in self._events:
             record.device_ms = begin.elapsed_time(end)  # type: ignore[attr-defined]
         self._events.clear()
+
+
+def _allocation_counts() -> tuple[int, int]:
+    """The CUDA caching allocator's device allocations + frees so far, and its pinned host allocator's
+    (0 where this torch does not count them)."""
+    stats = torch.cuda.memory_stats()
+    device = stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
+    try:
+        host_stats = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):
+        return device, 0
+    return device, host_stats.get("num_host_alloc", 0) + host_stats.get("num_host_free", 0)
 
 
 def _median(values: list[float]) -> float | None:
@@ -170,9 +196,11 @@ def summary(records: list[StepRecord]) -> list[dict]:
                 "timed_finish_gap_ms": _median([g for _, g in timed if g is not None]),
                 "decode_device_ms": _median([r.device_ms for r, _ in decode if r.device_ms is not None]),
                 "decode_finish_gap_ms": _median([g for _, g in decode if g is not None]),
+                "ahead_share": round(sum(r.ahead for r, _ in mine) / len(mine), 3),
                 "steps_with_syncs": sum(1 for r, _ in mine if r.syncs),
                 "syncs": dict(syncs.most_common(6)),
                 "steps_with_device_allocs": sum(1 for r, _ in mine if r.device_allocs),
+                "steps_with_host_allocs": sum(1 for r, _ in mine if r.host_allocs),
             }
         )
     return rows

@@ -66,9 +66,11 @@ def test_summary_takes_medians_per_length() -> None:
         "timed_finish_gap_ms": 2.0,
         "decode_device_ms": 1.0,
         "decode_finish_gap_ms": 2.0,
+        "ahead_share": 0.0,
         "steps_with_syncs": 0,
         "syncs": {},
         "steps_with_device_allocs": 0,
+        "steps_with_host_allocs": 0,
     }
     assert rows[3]["decode_finish_gap_ms"] == 3.5 and rows[3]["timed_finish_gap_ms"] == 4.0
     assert rows[3]["steps_with_syncs"] == 1 and rows[3]["syncs"] == {"a.py:1": 1}
