@@ -138,7 +138,9 @@ def test_an_engine_held_at_plain_steps_prefills_as_fast_as_the_plain_engine(
     plain steps gives prompts the budget a plain engine does (windows of the whole block left them a
     quarter of it while many requests decoded, and prefill took twice the steps at batch 128 on the
     H100), and the same steps in all."""
-    rng = random.Random(random.randrange(2**31))
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
     prompts = [[rng.randrange(1, 8) for _ in range(rng.randrange(20, 40))] for _ in range(12)]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     base = tiny_engine_config(tiny_target_dir, tiny_drafter_dir, max_num_batched_tokens=32, num_kv_pages=256)
