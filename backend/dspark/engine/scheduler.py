@@ -119,9 +119,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.allocator.release(seq)
 
-    def _decode_window(
-        self, decoding: int, budget: int, prefill_waits: bool, most: int
-    ) -> tuple[int, int]:
+    def _decode_window(self, decoding: int, budget: int, prefill_waits: bool, most: int) -> tuple[int, int]:
         """The longest window, up to `most` positions, that `decoding` requests can all take within the
         budget, leaving PREFILL_SHARE of it to prompts when some wait; and the budget the windows may use."""
         if prefill_waits:
@@ -140,8 +138,9 @@ class Scheduler:
 
         `window_of` gives, from the requests that decode this step, the most positions a window takes
         (1 + the drafts the step verifies at most, the speculation gate's choice; None: window_positions):
-        a plain step's windows leave the rest of the token budget to prompts (the whole window's budget
-        kept for drafts that a step will not verify made prefill twice as slow at batch 128).
+        a plain step's windows leave the rest of the token budget to prompts (whole windows kept for
+        drafts the step would not verify left prompts 128 of 512 tokens at batch 128, against a plain
+        engine's 384: 107 steps for its 91 at 256 requests on the H100).
 
         With `in_flight` (a step launched and not yet accepted) the requests are scheduled from where
         that step leaves them at least, and nobody is preempted: None, with nothing scheduled but pages
