@@ -2,22 +2,27 @@
 
     python benchmarks/gate_timeline.py --device cuda --batch 64 --max-tokens 256 --out /tmp/timeline.json
 
-Session 42 (H100, 64 requests): the serve default's gate timed plain steps at 1.8-2.3 ms, where the plain
-engine's steps took 1.05-1.3 ms and the default's engine held at plain steps (`profile_host.py`'s
+Session 42 (H100, 64 requests): the serve default's gate timed plain steps at 1.8-2.3 ms, where the
+plain engine's steps took 1.05-1.3 ms and the default's engine held at plain steps (`profile_host.py`'s
 `gated-plain`) ran as fast as the plain engine; the gate chose drafting, and the default ran 0.61-0.70x
 plain decoding. This records, for the serve default and then for the plain engine on the same batch,
-every step: its draft length, whether it carried a prefill chunk, the device's time for its target work
-(CUDA events around the runner's step; none on a CPU), the host's finish-to-finish time (from the
-engine's completion of the step before to its own), and the time the gate measured for it, if it
-measured it. It prints, per engine and length: steps, steps the gate measured, and the medians of the
-gate's times, of those steps' device and finish-to-finish times, and of every decode-only step's; a gate
-time far above its steps' device and finish-to-finish times is the gate's measurement, not the step.
+every step: its draft length, whether it carried a prefill chunk, was launched ahead and replayed a
+graph; the device's time for its target work (CUDA events around the runner's step, from the device
+reaching its launch, so the device idling while the host fills the step counts; none on a CPU) and
+the device's idle time before it; the host's time launching it and completing it (the wait for the
+device included); its finish-to-finish time (from the engine's completion of the step before to its
+own); and the time the gate recorded for it, if any. It prints per engine and length: steps, steps the
+gate timed, and medians of the gate's times, of those steps' device and finish-to-finish times and of
+every decode-only step's. A gate time far above its steps' finish-to-finish times is the gate's
+measurement; finish-to-finish far above the device time, with the device idle between steps, is the
+host.
 
 With --syncs (a GPU; the timed runs then go again with it): per step, the host's synchronising calls
 (torch's sync debug mode: `.item()`, `.tolist()`, copies to pageable memory), the caching allocator's
 device allocations and frees (each a cudaMalloc / cudaFree, which wait for the device) and the pinned
-host allocator's (cudaHostAlloc / cudaFreeHost, behind every step's queued host-to-device copy): a step that
-waits for the device before launching the next loses the overlap, and runs host + device in series.
+host allocator's (cudaHostAlloc / cudaFreeHost, behind every step's queued host-to-device copy): a
+step that waits for the device before launching the next loses the overlap, and runs host + device in
+series.
 """
 
 from __future__ import annotations
@@ -45,8 +50,12 @@ class StepRecord:
     length: int
     prefill: bool
     ahead: bool = False  # launched before the step before it was accepted (overlap)
+    replayed: bool = False  # its target work replayed a captured graph
     finish_s: float = 0.0
-    device_ms: float | None = None
+    launch_ms: float = 0.0  # the host's time in `_launch` (schedule, drafts, plan, layout, the run call)
+    complete_ms: float = 0.0  # the host's time in `_complete` (the wait for the device included)
+    device_ms: float | None = None  # from the device reaching its launch to the end of its target work
+    device_idle_ms: float | None = None  # the device idle before it: the previous step's end to its launch
     gate_ms: float | None = None  # the time the gate recorded for it, if it recorded one
     syncs: list[str] = field(default_factory=list)  # --syncs: the synchronising calls up to its completion
     device_allocs: int = 0  # --syncs: cudaMalloc / cudaFree calls up to its completion
@@ -103,7 +112,11 @@ class Timeline:
 
         def launched(in_flight=None, earlier=None):  # noqa: ANN001, ANN202 - the engine's signature
             timeline._ahead = in_flight is not None
-            return launch(in_flight, earlier)
+            began = time.perf_counter()
+            result = launch(in_flight, earlier)
+            if result is not None and timeline.recording and timeline._open:
+                timeline._open[-1].launch_ms = 1e3 * (time.perf_counter() - began)
+            return result
 
         engine._launch = launched  # type: ignore[method-assign]
         run = engine.runner.run
@@ -115,6 +128,7 @@ class Timeline:
                 timeline._length if gate is not None else 0, timeline._prefill, timeline._ahead
             )
             timeline._length = 0
+            record.replayed = engine.runner.replays(step)
             if cuda:
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 begin.record()
@@ -130,10 +144,12 @@ class Timeline:
         complete = engine._complete
 
         def completed(launched, queued=None):  # noqa: ANN001, ANN202 - the engine's signature
+            began = time.perf_counter()
             done = complete(launched, queued)
             if timeline.recording and timeline._open:
                 record = timeline._open.pop(0)
                 record.finish_s = time.perf_counter()
+                record.complete_ms = 1e3 * (record.finish_s - began)
                 timeline.records.append(record)
                 if timeline.syncs:
                     timeline._attribute(record)
@@ -155,8 +171,12 @@ class Timeline:
         """Read the device times once the device is done."""
         if self._events:
             torch.cuda.synchronize()
+        previous_end = None
         for record, begin, end in self._events:
             record.device_ms = begin.elapsed_time(end)  # type: ignore[attr-defined]
+            if previous_end is not None:
+                record.device_idle_ms = max(previous_end.elapsed_time(begin), 0.0)
+            previous_end = end
         self._events.clear()
 
 
@@ -196,6 +216,12 @@ def summary(records: list[StepRecord]) -> list[dict]:
                 "timed_finish_gap_ms": _median([g for _, g in timed if g is not None]),
                 "decode_device_ms": _median([r.device_ms for r, _ in decode if r.device_ms is not None]),
                 "decode_finish_gap_ms": _median([g for _, g in decode if g is not None]),
+                "decode_device_idle_ms": _median(
+                    [r.device_idle_ms for r, _ in decode if r.device_idle_ms is not None]
+                ),
+                "decode_launch_ms": _median([r.launch_ms for r, _ in decode]),
+                "decode_complete_ms": _median([r.complete_ms for r, _ in decode]),
+                "replayed_share": round(sum(r.replayed for r, _ in mine) / len(mine), 3),
                 "ahead_share": round(sum(r.ahead for r, _ in mine) / len(mine), 3),
                 "steps_with_syncs": sum(1 for r, _ in mine if r.syncs),
                 "syncs": dict(syncs.most_common(6)),
@@ -265,10 +291,22 @@ def _timed(llm: LLM, timeline: Timeline, ids: list[list[int]], params: SamplingP
     timeline.settle()
     rows = summary(timeline.records)
     tokens = len(ids) * params.max_tokens
-    print(f"{name}: {tokens / elapsed:.0f} tok/s, {len(timeline.records)} steps")
+    device = sum(r.device_ms or 0.0 for r in timeline.records)
+    idle = sum(r.device_idle_ms or 0.0 for r in timeline.records)
+    # Between the steps' target work (acceptance kernels and copies run in the gaps, so an upper bound).
+    idle_share = idle / (device + idle) if device + idle else None
+    print(
+        f"{name}: {tokens / elapsed:.0f} tok/s, {len(timeline.records)} steps, device idle between steps "
+        f"{'n/a' if idle_share is None else f'{idle_share:.1%}'}"
+    )
     for row in rows:
         print("  " + json.dumps(row))
-    return {"tok_s": tokens / elapsed, "lengths": rows, "steps": [asdict(r) for r in timeline.records]}
+    return {
+        "tok_s": tokens / elapsed,
+        "device_idle_share": idle_share,
+        "lengths": rows,
+        "steps": [asdict(r) for r in timeline.records],
+    }
 
 
 if __name__ == "__main__":
