@@ -131,7 +131,8 @@ case "${1:-}" in
     # engine ran 91 (256 requests, 64 tokens): its scheduler kept each decoding request's budget for a
     # whole verify window (1 + block), leaving prompts a quarter of the budget. The gate's choice now
     # sizes the windows as they are scheduled. A/B against 6173474 (carry [".carry/c4", ".carry/base42"]:
-    # `git archive 6173474 backend`), plain and the serve default, then the steps again (~330 s).
+    # `git archive 6173474 backend`; with training/prompts_train.jsonl moved out of the tree, or the
+    # carry passes 64 MiB), plain and the serve default, then the steps again (~190 s).
     OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
     timeout "${AB_S:-240}" python3 benchmarks/ab_trees.py --base .carry/base42/backend --device cuda \
       --batch-sizes 256,128,64 --modes off,default --rounds "${ROUNDS:-4}" --max-tokens 128 \
