@@ -133,6 +133,16 @@ def _gate_timed(llm, batch: int) -> dict[int, dict]:  # noqa: ANN001 - a tree's 
     return timed
 
 
+def _attention_tiles(tree: Tree) -> dict[str, str]:
+    """The paged-attention tiles the tree's autotuner chose, per kind (group, head_dim, window class,
+    split): two trees of the same code whose plain greedy bf16 outputs differ have likely chosen other
+    tiles (each tree's kernels are its own objects, tuned apart, by timing)."""
+    attention = tree.modules.get("dspark.kernels.attention")
+    kernel = getattr(attention, "_paged_attention_kernel", None)
+    cache = getattr(kernel, "cache", None) or {}
+    return {str(tuple(key[:4])): str(config) for key, config in cache.items()}
+
+
 def _gate_chosen(llm) -> dict[int, int]:  # noqa: ANN001 - a tree's LLM
     """How many steps the adaptive gate ran at each draft length, over every tier (empty: no gate)."""
     gate = llm.engine.gate
@@ -197,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
                 row["gate_rates"] = {t.name: _gate_rates(engines[(t.name, mode)], batch) for t in trees}
                 row["gate_chosen"] = {t.name: _gate_chosen(engines[(t.name, mode)]) for t in trees}
                 row["gate_timed"] = {t.name: _gate_timed(engines[(t.name, mode)], batch) for t in trees}
+            row["attention_tiles"] = {t.name: _attention_tiles(t) for t in trees}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("| batch | mode | base tok/s | new tok/s | new / base (paired, median) | quartiles | identical |")
