@@ -128,3 +128,45 @@ def test_a_kind_is_tuned_on_windows_with_keys_when_its_first_call_is_all_padding
     attention.paged_attention(q, cache, cache, table, cu, no_keys, head_dim**-0.5, True)
     assert timed_keys, "the kind was not tuned"
     assert min(timed_keys) > 0  # every tile timed on windows with keys
+
+
+def test_the_tile_kept_is_the_first_in_order_within_the_tolerance_of_the_fastest():
+    """`reproducible_tile`: tiles a few percent apart are chosen by their order, not by which the timing
+    noise made faster (another tile sums in another order: bf16 greedy output would change between
+    starts); a tile beyond the tolerance loses its place."""
+    choose = KERNELS.attention.reproducible_tile
+    tolerance = KERNELS.attention.TILE_TOLERANCE
+    order = ["a", "b", "c", "d"]
+    near = 1 + tolerance / 2
+    for noise in ({"b": near, "c": 1.0, "d": 1.0}, {"b": 1.0, "c": near, "d": 1.0}):
+        assert choose(noise, order) == "b"  # "a" was pruned (not timed): the first timed one that is fast
+    assert choose({"b": 1 + 2 * tolerance, "c": [1.0, 0.9, 1.1], "d": [near, 0.9, 1.2]}, order) == "c"
+    assert choose({"d": 3.0}, order) == "d"
+
+
+@gpu_only
+@pytest.mark.gpu
+@pytest.mark.parametrize(("heads", "first_tile_ms", "kept_first"), [(12, 1.05, True), (14, 1.25, False)])
+def test_tune_keeps_the_first_fast_tile_not_the_fastest(monkeypatch, heads, first_tile_ms, kept_first):
+    """Head layouts no other test uses (groups 6 and 7, head_dim 32): the decode tiles (16 x 64, then
+    16 x 128) timed by a spy at `first_tile_ms` and 1.0 ms; the first is kept within the tolerance."""
+    attention = KERNELS.attention
+    tuner = attention._paged_attention_kernel
+
+    def fake(*args, config, **meta):  # noqa: ANN202 - the autotuner's timing of one tile
+        first = config.kwargs["BLOCK_N"] == 64
+        ms = first_tile_ms if first else 1.0
+        return [ms, ms, ms]
+
+    monkeypatch.setattr(tuner, "_bench", fake)
+    kv_heads, head_dim = 2, 32
+    q = torch.zeros(8, heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    cache = torch.zeros(4, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    lens = torch.ones(8, dtype=torch.int32, device=DEVICE)
+    table = torch.zeros(8, 4, dtype=torch.int32, device=DEVICE)
+    cu = torch.arange(9, dtype=torch.int32, device=DEVICE)
+    attention.paged_attention(q, cache, cache, table, cu, lens, head_dim**-0.5, True, num_splits=1)
+    kind = (heads // kv_heads, head_dim, 0, False)
+    kept = [config for key, config in tuner.cache.items() if key[:4] == kind]
+    assert len(kept) == 1
+    assert (kept[0].kwargs["BLOCK_N"] == 64) is kept_first

@@ -375,6 +375,26 @@ def _is_flat_cache(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return stride[-1] == 1 and stride[0] == shape[1] * stride[1]
 
 
+# A tile within this share of the fastest one's time counts as fast: `tune` keeps the first such tile in
+# `_configs()`'s order, not the fastest, so that two starts choose alike (a tile sums keys in its own
+# order, and in bf16 another order can flip a near-tie in greedy output: two plain engines tuned apart
+# agreed on 73-93% of greedy sequences on an H100, RESULTS.md, session 42).
+TILE_TOLERANCE = 0.10
+
+
+def reproducible_tile(timings: dict, order: list) -> object:
+    """The first tile in `order` whose time is within TILE_TOLERANCE of the fastest (`timings`: tile ->
+    its time, or a list whose first entry is the median, as Triton's autotuner keeps them)."""
+
+    def median(value: object) -> float:
+        return float(value[0]) if isinstance(value, (list, tuple)) else float(value)  # type: ignore[arg-type]
+
+    fastest = min(median(value) for value in timings.values())
+    return next(
+        tile for tile in order if tile in timings and median(timings[tile]) <= fastest * (1 + TILE_TOLERANCE)
+    )
+
+
 # The windows the autotuner times a kind's tiles on (`tune`), per window class: tokens a window, keys a
 # request; a kind that splits its key ranges is timed over 4 requests (1 for a prefill chunk), one
 # that does not over enough requests to fill the device.
@@ -398,7 +418,10 @@ def tune(
 
     The autotuner chooses a kind's tile at its first call and keeps it for the process. In the engine
     that first call is a CUDA graph capture's warm-up over an all-padding layout, whose programs exit
-    at once: the choice was the timing noise of empty launches, a different tile in each process."""
+    at once: the choice was the timing noise of empty launches, a different tile in each process. Of
+    the tiles timed here, the first in `_configs()`'s order within TILE_TOLERANCE of the fastest is
+    kept (`reproducible_tile`), not the fastest: tiles a few percent apart would otherwise flip between
+    starts with the timing noise, and with them bf16 greedy output."""
     signature = (num_q_heads, num_kv_heads, head_dim, page_size, dtype, device, window_class, split)
     if signature in _tuned or torch.cuda.is_current_stream_capturing():
         return  # tuned, or inside a capture (whose warm-up, outside it, tunes)
@@ -422,13 +445,21 @@ def tune(
     cu_seqlens = torch.arange(0, tokens + 1, window, dtype=torch.int32, device=device)
     kv_lens = torch.full((requests,), keys, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
+    known = set(_paged_attention_kernel.cache)
     paged_attention(q, k, v, page_table, cu_seqlens, kv_lens, scale, True, num_splits, tuning=True)
     del q, k, v
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the scratch windows' memory back to the device (the KV cache budget)
     group = num_q_heads // num_kv_heads
     kind = (group, head_dim, window_class, split)  # the autotuner's key starts with these (then dtypes)
-    chosen = next((c for key, c in _paged_attention_kernel.cache.items() if key[:4] == kind), None)
+    cache = _paged_attention_kernel.cache
+    timed = [key for key in cache if key not in known and key[:4] == kind]  # the key this call timed
+    timings = getattr(_paged_attention_kernel, "configs_timings", None)  # its tiles' times
+    if len(timed) == 1 and timings:
+        cache[timed[0]] = reproducible_tile(timings, _paged_attention_kernel.configs)
+    chosen = (
+        cache[timed[0]] if len(timed) == 1 else next((c for k, c in cache.items() if k[:4] == kind), None)
+    )
     logger.info(
         "paged attention tile for group %d, head_dim %d, window class %d, split %s: %s",
         group,
