@@ -142,6 +142,7 @@ def test_the_tile_kept_is_the_first_in_order_within_the_tolerance_of_the_fastest
         assert choose(noise, order) == "b"  # "a" was pruned (not timed): the first timed one that is fast
     assert choose({"b": 1 + 2 * tolerance, "c": [1.0, 0.9, 1.1], "d": [near, 0.9, 1.2]}, order) == "c"
     assert choose({"d": 3.0}, order) == "d"
+    assert choose({"x": 2.0, "y": 1.0}, order) == "y"  # none of the order timed: the fastest
 
 
 @gpu_only
