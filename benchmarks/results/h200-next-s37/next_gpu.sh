@@ -151,7 +151,7 @@ case "${1:-}" in
     # the synchronising calls and device allocations of each step (`--syncs`) (~260 s).
     OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
     for batch in 64 128; do
-      (cd benchmarks && timeout 120 python3 gate_timeline.py --device cuda --batch $batch --max-tokens 256 --syncs \
+      (cd benchmarks && timeout 160 python3 gate_timeline.py --device cuda --batch $batch --max-tokens 256 --syncs \
         --out "$OUT/timeline-b$batch.json" > "$OUT/timeline-b$batch.log" 2>&1)
       echo "b$batch: exit $?"; cut -c1-400 "$OUT/timeline-b$batch.log" | tail -24
     done
