@@ -19,9 +19,8 @@ def _read(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _last_log_entry(path: Path) -> dict | None:
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return json.loads(lines[-1]) if lines else None
+def _log_entries(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
 
 
 def variant_row(folder: Path) -> dict:
@@ -30,7 +29,8 @@ def variant_row(folder: Path) -> dict:
     cost = _read(folder / "cost.json") or {}
     calibration = _read(folder / "calibration.json") or {}
     evaluation = _read(folder / "eval.json") or {}
-    last = _last_log_entry(folder / "drafter" / "train_log.jsonl") or {}
+    log = _log_entries(folder / "drafter" / "train_log.jsonl")
+    last = log[-1] if log else {}
     ms = cost.get("ms_per_step", {})
     greedy = [row for row in evaluation.get("rows", []) if row["temperature"] == 0]
     return {
@@ -42,14 +42,31 @@ def variant_row(folder: Path) -> dict:
         "mb": cost.get("megabytes"),
         "ms": dict(ms),
         "steps": last.get("step"),
+        "losses": [(entry["step"], entry["loss"]) for entry in log if "loss" in entry and "step" in entry],
         "tau_tf": calibration.get("tau_teacher_forced"),
         "engine_tau": {row["domain"]: row["tau"] for row in greedy},
     }
 
 
+def common_steps(rows: list[dict]) -> int | None:
+    """The training steps every variant with a log reached (a time cap may stop them apart)."""
+    steps = [row["steps"] for row in rows if row["steps"]]
+    return min(steps) if steps else None
+
+
+def loss_up_to(row: dict, steps: int) -> float | None:
+    """The mean of the training losses a variant logged over the second half of its first `steps`
+    steps: variants compared at equal training, where their tau columns may not be (one logged loss
+    is one batch's, too noisy alone)."""
+    losses = [loss for step, loss in row["losses"] if steps / 2 < step <= steps]
+    return sum(losses) / len(losses) if losses else None
+
+
 def markdown(rows: list[dict]) -> str:
-    """The rows as a markdown table, with each variant's tau and cost against the first row's."""
+    """The rows as a markdown table, with each variant's tau and cost against the first row's; its
+    training loss at the steps all variants reached, and a note when their steps differ."""
     batches = sorted({b for row in rows for b in row["ms"]}, key=int)
+    common = common_steps(rows)
     domains = sorted({d for row in rows for d in row["engine_tau"]} - {"all"}) + ["all"]
     head = [
         "variant",
@@ -60,6 +77,7 @@ def markdown(rows: list[dict]) -> str:
         "MB",
         *[f"drafter ms/step b{b}" for b in batches],
         "steps",
+        f"train loss, steps {common // 2 + 1}-{common}" if common else "train loss",
         "held-out tau (teacher forced)",
         *[f"engine tau {d}" for d in domains],
         "Δ engine tau all",
@@ -86,12 +104,19 @@ def markdown(rows: list[dict]) -> str:
             num(row["mb"], 1),
             *[num(row["ms"].get(b), 3) for b in batches],
             str(row["steps"] or "–"),
+            num(loss_up_to(row, common) if common else None, 3),
             num(row["tau_tf"], 3),
             *[num(row["engine_tau"].get(d), 3) for d in domains],
             delta(row, lambda r: r["engine_tau"].get("all")),
             *[delta(row, lambda r, b=b: r["ms"].get(b)) for b in batches],
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    reached = {row["steps"] for row in rows if row["steps"]}
+    if len(reached) > 1:
+        lines.append(
+            f"\nThe variants trained {min(reached)}-{max(reached)} steps (a time cap stopped them apart): "
+            f"their tau columns compare unequal training; the loss column compares steps up to {common}."
+        )
     return "\n".join(lines) + "\n"
 
 
