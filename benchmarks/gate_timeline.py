@@ -17,11 +17,6 @@ every decode-only step's. A gate time far above its steps' finish-to-finish time
 measurement; finish-to-finish far above the device time, with the device idle between steps, is the
 host.
 
-`--engines` picks the engines, in order, from: `default` (the serve default), `off` (plain decoding),
-`static` and `compact` (every step drafts, no gate), and each with `-serial` (`overlap_scheduling`
-off: the host waits for each step, then launches the next), to set tokens/s and the device's idle
-share with overlap against without it (issue 20's figures).
-
 With --syncs (a GPU; the timed runs then go again with it): per step, the host's synchronising calls
 (torch's sync debug mode: `.item()`, `.tolist()`, copies to pageable memory), the caching allocator's
 device allocations and frees (each a cudaMalloc / cudaFree, which wait for the device) and the pinned
@@ -46,19 +41,6 @@ from e2e import _prompt_ids, add_engine_arguments, bench_config
 
 from dspark import LLM, SamplingParams
 from dspark.spec import gate as gate_module
-
-# The engines --engines names: the serve default (static verify, the gate choosing draft lengths), plain
-# decoding, and `static` / `compact` with every step drafting the block (no gate); each also with
-# `-serial`, overlap off.
-_MODES: dict[str, dict[str, object]] = {
-    "default": {},
-    "off": {"spec_mode": "off"},
-    "static": {"adaptive_speculation": False},
-    "compact": {"spec_mode": "compact", "adaptive_speculation": False},
-}
-ENGINES: dict[str, dict[str, object]] = _MODES | {
-    f"{name}-serial": fields | {"overlap_scheduling": False} for name, fields in _MODES.items()
-}
 
 
 @dataclass
@@ -257,13 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--syncs", action="store_true", help="also time with sync and allocation probes (GPU)"
     )
-    parser.add_argument("--engines", default="default,off", help=f"comma-separated, of {', '.join(ENGINES)}")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    names = args.engines.split(",")
-    unknown = sorted(set(names) - set(ENGINES))
-    if unknown:
-        parser.error(f"--engines: unknown {', '.join(unknown)}; known: {', '.join(ENGINES)}")
     # The gate's recorded times: every value a step-time median takes in.
     added = gate_module._RecentMedian.add
     current: list[Timeline] = []
@@ -275,9 +252,8 @@ def main(argv: list[str] | None = None) -> None:
 
     gate_module._RecentMedian.add = recording_add  # type: ignore[method-assign]
     report: dict[str, object] = {"batch": args.batch, "max_tokens": args.max_tokens}
-    for name in names:
-        fields = ENGINES[name]
-        draft_model = "" if fields.get("spec_mode") == "off" else args.draft_model
+    for name, fields in (("default", {}), ("off", {"spec_mode": "off"})):
+        draft_model = args.draft_model if name == "default" else ""
         config = bench_config(args.model, draft_model, args.device, args.batch, **fields)
         llm = LLM(config)
         ids = _prompt_ids(llm, args.batch)

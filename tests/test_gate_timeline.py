@@ -7,8 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -80,19 +78,3 @@ def test_summary_takes_medians_per_length() -> None:
     }
     assert rows[3]["decode_finish_gap_ms"] == 3.5 and rows[3]["timed_finish_gap_ms"] == 4.0
     assert rows[3]["steps_with_syncs"] == 1 and rows[3]["syncs"] == {"a.py:1": 1}
-
-
-def test_engines_are_chosen_by_name_and_an_unknown_one_is_refused(tiny_target_dir, tmp_path) -> None:
-    out = tmp_path / "timeline.json"
-    common = ["--model", str(tiny_target_dir), "--device", "cpu", "--batch", "2", "--max-tokens", "6"]
-    gate_timeline.main([*common, "--engines", "off-serial,off", "--out", str(out)])
-    report = json.loads(out.read_text())
-    assert [k for k in report if k not in ("batch", "max_tokens")] == ["off-serial", "off"]
-    # The tests' CPU engines overlap as a GPU's do (conftest): the serial engine launches no step ahead,
-    # the other every decode step; the same steps either way.
-    serial, plain = report["off-serial"]["steps"], report["off"]["steps"]
-    assert len(serial) == len(plain)
-    assert not any(r["ahead"] for r in serial)
-    assert all(r["ahead"] for r in plain if not r["prefill"])
-    with pytest.raises(SystemExit):
-        gate_timeline.main([*common, "--engines", "off,fast", "--out", str(out)])

@@ -13,7 +13,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh clients   carry [".carry/c4"]      (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh window   carry [".carry/c4", ".carry/base42"] (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh timeline   carry [".carry/c4"]     (~200 s)
-#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh overlap   carry [".carry/c4"]      (~300 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh overlap   carry [".carry/c4"]      (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh anchor   carry [".carry/c4"]       (~560 s)
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
@@ -158,16 +158,13 @@ case "${1:-}" in
     done
     ;;
   overlap)
-    # Issue 20's tables (session 43): tokens/s and the device's idle share between steps with overlap
-    # scheduling and without (`-serial`), plain, the serve default, static and compact, at 1, 8, 64 and
-    # 128 requests, 256 tokens each (~300 s, carry [".carry/c4"]).
+    # Issue 20's tables (last measured in session 30): tokens/s with overlap scheduling and without,
+    # plain, static and compact at 1, 8, 64 and 128 requests, and the GPU's busy share of steady decode
+    # (~330 s, carry [".carry/c4"]).
     OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
-    for batch in 1 8 64 128; do
-      (cd benchmarks && timeout "${OVERLAP_S:-110}" python3 gate_timeline.py --device cuda --batch $batch \
-        --max-tokens 256 --engines off,off-serial,default,default-serial,static,static-serial,compact,compact-serial \
-        --out "$OUT/overlap-b$batch.json" > "$OUT/overlap-b$batch.log" 2>&1)
-      echo "b$batch: exit $?"; grep -E "tok/s" "$OUT/overlap-b$batch.log"
-    done
+    timeout "${OVERLAP_S:-300}" python3 benchmarks/overlap.py --device cuda --batch-sizes 1,8,64,128 \
+      --settings ahead,off --repeats 2 --out "$OUT/overlap.json" > "$OUT/overlap.log" 2>&1
+    echo "overlap: exit $?"; tail -30 "$OUT/overlap.log"
     ;;
   anchor)
     # Issue 19's capacity table: the anchor feature (session 41, training/README.md "An anchor feature")
