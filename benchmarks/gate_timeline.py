@@ -17,6 +17,12 @@ every decode-only step's. A gate time far above its steps' finish-to-finish time
 measurement; finish-to-finish far above the device time, with the device idle between steps, is the
 host.
 
+`--before 256,128 --before-runs 4`: each engine, sized for the largest batch, first runs 4 generate()s
+of `--max-tokens` at each of those batch sizes, as `ab_trees.py --batch-sizes 256,128,64` does before
+its batch of 64: does what the gate learnt at other batch sizes move its choice at this one? (Session
+42's `ab_trees.py` saw the serve default at 0.61x plain at 64 requests; one engine at a time, session
+43, 1.21x.)
+
 With --syncs (a GPU; the timed runs then go again with it): per step, the host's synchronising calls
 (torch's sync debug mode: `.item()`, `.tolist()`, copies to pageable memory), the caching allocator's
 device allocations and frees (each a cudaMalloc / cudaFree, which wait for the device) and the pinned
@@ -239,8 +245,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--syncs", action="store_true", help="also time with sync and allocation probes (GPU)"
     )
+    parser.add_argument("--before", default="", help="comma-separated batch sizes run first")
+    parser.add_argument("--before-runs", type=int, default=4, help="generate() calls at each --before size")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    before = [int(b) for b in args.before.split(",") if b]
     # The gate's recorded times: every value a step-time median takes in.
     added = gate_module._RecentMedian.add
     current: list[Timeline] = []
@@ -251,13 +260,17 @@ def main(argv: list[str] | None = None) -> None:
         return added(self, value, provisional)
 
     gate_module._RecentMedian.add = recording_add  # type: ignore[method-assign]
-    report: dict[str, object] = {"batch": args.batch, "max_tokens": args.max_tokens}
+    report: dict[str, object] = {"batch": args.batch, "max_tokens": args.max_tokens, "before": before}
     for name, fields in (("default", {}), ("off", {"spec_mode": "off"})):
         draft_model = args.draft_model if name == "default" else ""
-        config = bench_config(args.model, draft_model, args.device, args.batch, **fields)
+        config = bench_config(args.model, draft_model, args.device, max([args.batch, *before]), **fields)
         llm = LLM(config)
         ids = _prompt_ids(llm, args.batch)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        for size in before:
+            earlier = _prompt_ids(llm, size)
+            for _ in range(args.before_runs):
+                llm.generate(params=params, prompt_token_ids=earlier)
         llm.generate(params=SamplingParams(max_tokens=32, ignore_eos=True), prompt_token_ids=ids)  # warm-up
         probes = [False, True] if args.syncs and llm.engine.limits.device.type == "cuda" else [False]
         for syncs in probes:
@@ -265,6 +278,10 @@ def main(argv: list[str] | None = None) -> None:
             current[:] = [timeline]
             key = f"{name}+syncs" if syncs else name
             report[key] = _timed(llm, timeline, ids, params, key)
+            gate = llm.engine.gate
+            if gate is not None:  # its estimated tokens/s per draft length at this batch, and where it timed
+                report[key]["gate_rates"] = {n: round(rate) for n, rate in gate.rates(args.batch).items()}
+                report[key]["gate_tiers"] = sorted(gate._tiers)
         llm.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report))

@@ -78,3 +78,20 @@ def test_summary_takes_medians_per_length() -> None:
     }
     assert rows[3]["decode_finish_gap_ms"] == 3.5 and rows[3]["timed_finish_gap_ms"] == 4.0
     assert rows[3]["steps_with_syncs"] == 1 and rows[3]["syncs"] == {"a.py:1": 1}
+
+
+def test_batches_run_before_leave_their_tiers_in_the_gate(
+    tiny_target_dir, tiny_drafter_dir, tmp_path
+) -> None:
+    out = tmp_path / "timeline.json"
+    common = ["--model", str(tiny_target_dir), "--draft-model", str(tiny_drafter_dir), "--device", "cpu"]
+    gate_timeline.main([*common, "--batch", "2", "--max-tokens", "12", "--out", str(out)])
+    alone = json.loads(out.read_text())
+    first = ["--before", "7", "--before-runs", "1"]
+    gate_timeline.main([*common, "--batch", "2", "--max-tokens", "12", *first, "--out", str(out)])
+    after = json.loads(out.read_text())
+    assert alone["before"] == [] and after["before"] == [7]
+    # The gate keeps a tier per power of two of requests: 7 requests' steps land in tier 8 (and the
+    # smaller tiers their ramp passes through), which the timed batch of 2 alone never reaches.
+    assert 8 not in alone["default"]["gate_tiers"] and 8 in after["default"]["gate_tiers"]
+    assert "0" in after["default"]["gate_rates"]  # plain's rate, among the lengths it rates (JSON keys)

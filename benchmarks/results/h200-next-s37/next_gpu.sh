@@ -13,6 +13,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh clients   carry [".carry/c4"]      (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh window   carry [".carry/c4", ".carry/base42"] (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh timeline   carry [".carry/c4"]     (~200 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh gate-order   carry [".carry/c4"]   (~200 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh overlap   carry [".carry/c4"]      (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh anchor   carry [".carry/c4"]       (~560 s)
 #
@@ -157,6 +158,21 @@ case "${1:-}" in
       echo "b$batch: exit $?"; cut -c1-400 "$OUT/timeline-b$batch.log" | tail -24
     done
     ;;
+  gate-order)
+    # Session 43: one engine at a time (`timeline`) the serve default ran 1.21x plain at 64 requests on
+    # an H100, where session 42's `ab_trees.py --batch-sizes 256,128,64` gave 0.61x with its gate timing
+    # plain steps at 1.8-2.3 ms. Does running 256 and 128 first, on engines sized for 256 (as ab_trees
+    # does), move the gate at 64? 128 tokens, alone and after (~200 s, carry [".carry/c4"]).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    for before in "" "256,128"; do
+      name=order-${before:-alone}
+      (cd benchmarks && timeout 150 python3 gate_timeline.py --device cuda --batch 64 --max-tokens 128 \
+        --before "$before" --before-runs 5 --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1)
+      echo "$name: exit $?"; cut -c1-300 "$OUT/$name.log" | tail -8
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('gate rates', d['default']['gate_rates'])" \
+        "$OUT/$name.json"
+    done
+    ;;
   overlap)
     # Issue 20's tables (last measured in session 30): tokens/s with overlap scheduling and without,
     # plain, static and compact at 1, 8, 64 and 128 requests, and the GPU's busy share of steady decode
@@ -181,7 +197,7 @@ case "${1:-}" in
     echo "variants: exit $?"; cat "$OUT/variants/variants.md"
     ;;
   *)
-    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|clients|window|timeline|overlap|anchor" >&2
+    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|clients|window|timeline|gate-order|overlap|anchor" >&2
     exit 2
     ;;
 esac
