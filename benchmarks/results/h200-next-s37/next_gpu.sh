@@ -14,6 +14,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh window   carry [".carry/c4", ".carry/base42"] (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh timeline   carry [".carry/c4"]     (~200 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh gate-order   carry [".carry/c4"]   (~200 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh served-bursts   carry [".carry/c4"] (~220 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh overlap   carry [".carry/c4"]      (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh anchor   carry [".carry/c4"]       (~560 s)
 #
@@ -173,6 +174,18 @@ case "${1:-}" in
         "$OUT/$name.json"
     done
     ;;
+  served-bursts)
+    # Issue 18 (session 43): served steps at 64-128 streams are host-bound, every host phase 1.4-1.6x
+    # offline's. Decode bursts (`decode_burst`) schedule, accept and emit once for K steps; offline on
+    # the H200 they gave 0.92-1.02x launch-ahead (session 35), never measured through the server. Plain
+    # and the serve default, with and without bursts of 4, four servers up at once, 64 streams (~220 s,
+    # carry [".carry/c4"]).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    timeout "${BURSTS_S:-300}" python3 benchmarks/served_side_by_side.py --engine plain:spec_mode=off \
+      --engine plain-burst4:spec_mode=off,decode_burst=4 --engine default: --engine default-burst4:decode_burst=4 \
+      --streams "${STREAMS:-64}" --max-tokens 128 --rounds 3 --out "$OUT/served-bursts" > "$OUT/served-bursts.log" 2>&1
+    echo "served bursts: exit $?"; tail -6 "$OUT/served-bursts.log"
+    ;;
   overlap)
     # Issue 20's tables (last measured in session 30): tokens/s with overlap scheduling and without,
     # plain, static and compact at 1, 8, 64 and 128 requests, and the GPU's busy share of steady decode
@@ -197,7 +210,7 @@ case "${1:-}" in
     echo "variants: exit $?"; cat "$OUT/variants/variants.md"
     ;;
   *)
-    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|clients|window|timeline|gate-order|overlap|anchor" >&2
+    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|clients|window|timeline|gate-order|served-bursts|overlap|anchor" >&2
     exit 2
     ;;
 esac
