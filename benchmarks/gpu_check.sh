@@ -114,7 +114,7 @@ TEST_FILES=${TEST_FILES:-"tests/test_cuda_graphs.py tests/test_training_loss.py 
   tests/test_host_to_device.py tests/test_penalties_logprobs_gpu.py \
   tests/test_engine.py tests/test_launch_ahead.py tests/test_overlap_scheduling.py \
   tests/test_draft_vocab.py tests/test_speculation_gate.py tests/test_draft_length.py tests/test_scheduler.py \
-  tests/test_kv_budget.py"}
+  tests/test_kv_budget.py tests/test_overlap_bench.py"}
 WORKERS=()
 if [[ "${TEST_WORKERS:-8}" -gt 1 ]] && python3 -c "import xdist" 2>/dev/null; then
   WORKERS=(-n "${TEST_WORKERS:-8}" --dist load)

@@ -10,9 +10,12 @@ their timed runs are interleaved (e2e.py's `_time_engines`), so a slow spell of 
 falls on all. Greedy tokens must be identical in every setting; the script stops if they are not, in
 fp32. `--shape qwen3-8b` runs plain decoding of a random-weight model of the Qwen3-8B shape instead.
 
-GPU busy: after the batch's prompts are in and a few decode steps ran, `--busy-steps` engine steps
-run under `torch.profiler`; busy = the union of the GPU kernels' and copies' intervals / the window's
-wall time (the profiler's own cost falls on both engines alike).
+GPU busy, two ways: after the batch's prompts are in and a few decode steps ran, `--busy-steps` engine
+steps run under `torch.profiler`; busy (kernels) = the union of the GPU kernels' and copies' intervals /
+the window's wall time (the profiler's own cost falls on both engines alike; the gaps between a
+replayed graph's kernels count as idle). Then as many steps again without the profiler, CUDA events
+around each step's target work: busy (stream) = their summed spans / the span from the first to the
+last (the device idle between steps, waiting for the host, counts; gaps inside a step do not).
 
     .venv/bin/python benchmarks/overlap.py --device cuda --batch-sizes 1,8,64,128 --repeats 3
     .venv/bin/python benchmarks/overlap.py --device cuda --shape qwen3-8b --batch-sizes 1,8,64
@@ -38,29 +41,40 @@ from e2e import _prompt_ids, _time_engines, bench_config, identical_share  # noq
 from dspark import LLM, SamplingParams  # noqa: E402
 
 
-def busy_share(llm: LLM, ids: list[list[int]], steps: int, max_tokens: int) -> float | None:
-    """The share of `steps` steady decode steps' wall time during which the GPU ran work (None off
-    CUDA). The prompts are admitted and decoded a few steps before the window opens."""
+def _steady_window(llm: LLM, ids: list[list[int]], steps: int, max_tokens: int, window) -> object:  # noqa: ANN001
+    """`window()`'s value, called with the batch's prompts admitted and decoded a few steps, around
+    `steps` engine steps it runs itself; the requests are then run to their end."""
     engine = llm.engine
-    if engine.limits.device.type != "cuda":
-        return None
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(ids):
         engine.add_request(f"busy-{i}", prompt, params)
     for _ in range(8):  # prompts in (chunked prefill), decode under way
         engine.step()
+    try:
+        return window(lambda: [engine.step() for _ in range(steps)])
+    finally:
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def busy_share(llm: LLM, ids: list[list[int]], steps: int, max_tokens: int) -> float | None:
+    """The share of `steps` steady decode steps' wall time during which the GPU ran work: the union of
+    its kernels' and copies' intervals under torch.profiler (None off CUDA). Gaps between the kernels
+    of a replayed graph count as idle: with SmolLM2's few-microsecond kernels, a large share."""
+    if llm.engine.limits.device.type != "cuda":
+        return None
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    def window(run) -> tuple:  # noqa: ANN001
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - start) * 1e6
-    while engine.has_unfinished_requests():
-        engine.step()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            return prof, (time.perf_counter() - start) * 1e6
+
+    prof, wall_us = _steady_window(llm, ids, steps, max_tokens, window)
     intervals = sorted(
         (e.time_range.start, e.time_range.end)
         for e in prof.events()
@@ -78,6 +92,45 @@ def busy_share(llm: LLM, ids: list[list[int]], steps: int, max_tokens: int) -> f
     busy += cur_end - cur_start
     # Kernel timestamps span the window plus the profiler's start-up; clip to the measured wall.
     return min(busy / wall_us, 1.0)
+
+
+def stream_busy_share(llm: LLM, ids: list[list[int]], steps: int, max_tokens: int) -> float | None:
+    """The share of `steps` steady decode steps during which the GPU's stream held the steps' target
+    work: CUDA events around each runner call, their summed spans over the span from the first to
+    the last (None off CUDA). What the host makes the device wait for between steps counts as idle;
+    gaps inside a step's work (between a graph's kernels) do not; the acceptance's small kernels and
+    copies between steps count as idle. No profiler: the host runs at its own pace."""
+    if llm.engine.limits.device.type != "cuda":
+        return None
+    runner = llm.engine.runner
+    run_step = runner.run
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timed(step):  # noqa: ANN001, ANN202 - the runner's signature
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        result = run_step(step)
+        end.record()
+        spans.append((begin, end))
+        return result
+
+    def window(run) -> None:  # noqa: ANN001
+        own = vars(runner).get("run")  # an instance's own run (a wrapper set before), else the class's
+        runner.run = timed
+        try:
+            run()
+        finally:
+            if own is None:
+                del runner.run
+            else:
+                runner.run = own
+        torch.cuda.synchronize()
+
+    _steady_window(llm, ids, steps, max_tokens, window)
+    if not spans:
+        return 0.0
+    busy = sum(begin.elapsed_time(end) for begin, end in spans)
+    return min(busy / spans[0][0].elapsed_time(spans[-1][1]), 1.0)
 
 
 SETTINGS = {
@@ -161,21 +214,26 @@ def main(argv: list[str] | None = None) -> None:
                     "tau": run[2]["mean_committed_per_step"],
                 }
                 if args.busy_steps:
-                    share = busy_share(engines[f"{mode}/{setting}"], ids, args.busy_steps, args.max_tokens)
-                    row[mode][setting]["busy"] = share
+                    llm = engines[f"{mode}/{setting}"]
+                    row[mode][setting]["busy"] = busy_share(llm, ids, args.busy_steps, args.max_tokens)
+                    row[mode][setting]["stream_busy"] = stream_busy_share(
+                        llm, ids, args.busy_steps, args.max_tokens
+                    )
         rows.append(row)
         print(json.dumps(row), flush=True)
-    cells = " | ".join(f"{s} tok/s | {s} / {baseline} | GPU busy {s}" for s in settings)
-    lines = [f"| batch | mode | {cells} | identical |", "|---:|---|" + "---:|" * (3 * len(settings) + 1)]
+    cells = " | ".join(
+        f"{s} tok/s | {s} / {baseline} | GPU busy {s} (kernels) | GPU busy {s} (stream)" for s in settings
+    )
+    lines = [f"| batch | mode | {cells} | identical |", "|---:|---|" + "---:|" * (4 * len(settings) + 1)]
     for row in rows:
         for mode in modes:
             r = row[mode]
             parts = []
             for s in settings:
-                busy = r[s].get("busy")
-                parts.append(
-                    f"{r[s]['tok_s']:.1f} | {r[s]['ratio']:.2f} | {'n/a' if busy is None else f'{busy:.0%}'}"
+                busy, stream = (
+                    "n/a" if r[s].get(k) is None else f"{r[s][k]:.0%}" for k in ("busy", "stream_busy")
                 )
+                parts.append(f"{r[s]['tok_s']:.1f} | {r[s]['ratio']:.2f} | {busy} | {stream}")
             same = min(r[s]["identical"] for s in settings)
             lines.append(f"| {row['batch']} | {mode} | {' | '.join(parts)} | {same:.0%} |")
     print("\n".join(lines))
