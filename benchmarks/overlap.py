@@ -96,34 +96,40 @@ def busy_share(llm: LLM, ids: list[list[int]], steps: int, max_tokens: int) -> f
 
 def stream_busy_share(llm: LLM, ids: list[list[int]], steps: int, max_tokens: int) -> float | None:
     """The share of `steps` steady decode steps during which the GPU's stream held the steps' target
-    work: CUDA events around each runner call, their summed spans over the span from the first to
-    the last (None off CUDA). What the host makes the device wait for between steps counts as idle;
-    gaps inside a step's work (between a graph's kernels) do not; the acceptance's small kernels and
-    copies between steps count as idle. No profiler: the host runs at its own pace."""
+    work: CUDA events around each runner call (a burst's later steps too), their summed spans over the
+    span from the first to the last (None off CUDA). What the host makes the device wait for between
+    steps counts as idle; gaps inside a step's work (between a graph's kernels) do not; the
+    acceptance's small kernels and copies between steps count as idle. No profiler: the host runs at
+    its own pace."""
     if llm.engine.limits.device.type != "cuda":
         return None
     runner = llm.engine.runner
-    run_step = runner.run
     spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-    def timed(step):  # noqa: ANN001, ANN202 - the runner's signature
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        result = run_step(step)
-        end.record()
-        spans.append((begin, end))
-        return result
+    def timing(call):  # noqa: ANN001, ANN202 - a runner method: `run`, or `run_following` (a burst's later steps)
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            result = call(*args, **kwargs)
+            end.record()
+            spans.append((begin, end))
+            return result
+
+        return timed
 
     def window(run) -> None:  # noqa: ANN001
-        own = vars(runner).get("run")  # an instance's own run (a wrapper set before), else the class's
-        runner.run = timed
+        names = ("run", "run_following")
+        own = {name: vars(runner).get(name) for name in names}  # wrappers set before, else the class's
+        for name in names:
+            setattr(runner, name, timing(getattr(runner, name)))
         try:
             run()
         finally:
-            if own is None:
-                del runner.run
-            else:
-                runner.run = own
+            for name in names:
+                if own[name] is None:
+                    delattr(runner, name)
+                else:
+                    setattr(runner, name, own[name])
         torch.cuda.synchronize()
 
     _steady_window(llm, ids, steps, max_tokens, window)
