@@ -24,7 +24,8 @@
 #                  before the block) added to every block input, as EAGLE feeds its drafter the target's
 #                  state directly (DraftConfig.anchor_feature; +0.33M parameters)
 # All train on blocks of 7 but block3. Each variant trains TRAIN_MINUTES (default: an equal share of the
-# budget) or, with TRAIN_STEPS, that many steps (equal steps; TRAIN_MINUTES then only caps them).
+# budget) or, with TRAIN_STEPS, that many steps (equal steps, unless the time share stops a variant
+# first: it also bends that variant's learning-rate schedule, and variants_table.py says when steps differ).
 # $OUT receives 3 files: variants.md (the table, rewritten after every variant), run.log and
 # reports.tar.gz (each variant's train log, calibration, cost and evaluation JSON).
 set -euo pipefail
