@@ -22,6 +22,7 @@ benchmarks/serving_overhead.py does), and prints benchmarks/pyspy_top.py's table
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -106,6 +107,16 @@ def stop_server(process: subprocess.Popen, ports: tuple[int, ...] | list[int], t
         time.sleep(0.25)
 
 
+def _stop_with_harness() -> None:
+    """In the launcher, before it runs: SIGTERM when the harness's thread that started it dies.
+
+    A harness killed by `timeout` (SIGTERM) never reaches its `finally`; without this its servers (in
+    their own sessions) kept serving and loading the CPU under the next run. The launcher drains and
+    stops its tritonserver on SIGTERM. PR_SET_PDEATHSIG follows the starting thread: call from the
+    thread that lives as long as the harness (every harness here starts servers from its main thread)."""
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def start_server(
     repo: Path, http_port: int, grpc_port: int, metrics_port: int, log: Path
 ) -> subprocess.Popen:
@@ -124,7 +135,11 @@ def start_server(
     if hasattr(parse_args([]), "openai_port"):  # the OpenAI frontend is not measured here
         command += ["--openai-port", "0"]
     process = subprocess.Popen(
-        command, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+        command,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_stop_with_harness,
     )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
