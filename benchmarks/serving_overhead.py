@@ -84,6 +84,9 @@ MODES = {
     # (backend stubs, tritonserver, clients) lift the served engine's step at 1-8 streams?
     "off-paced": {"spec_mode": "off", "max_responses_per_s": 500},
     "default-paced": {"max_responses_per_s": 500},
+    # Decode bursts of 4 on both sides: the host schedules, accepts and emits once for four steps.
+    "off-burst4": {"spec_mode": "off", "decode_burst": 4},
+    "default-burst4": {"decode_burst": 4},
 }
 # Modes whose engine is another mode's (only the server differs): their offline figures are that one's.
 OFFLINE_OF = {"off-unpaced": "off", "default-unpaced": "default"}

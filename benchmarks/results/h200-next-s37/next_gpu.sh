@@ -61,6 +61,15 @@ case "${1:-}" in
       --out "$OUT/ab-gate.json" > "$OUT/ab-gate.log" 2>&1
     echo "ab gate: exit $?"; grep -E "^\{" "$OUT/ab-gate.log"
     ;;
+  bench-burst)
+    # Issue 18's table with decode bursts of 4 beside the defaults (modes off-burst4, default-burst4 of
+    # serving_overhead.py: both sides burst), after served-bursts showed whether bursts lift served
+    # tokens/s (~450 s, carry [".carry/c4"]).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 OVERHEAD_S=${OVERHEAD_S:-470} OVERHEAD_ARGS="--levels ${LEVELS:-1,8,64,128,256} \
+      --modes off,off-burst4,default,default-burst4 --requests-per-stream 8 --user-defaults --rounds 1" \
+      bash benchmarks/gpu_check.sh > "$OUT/overhead-check.log" 2>&1
+    echo "overhead: exit $?"; head -12 "$OUT/overhead.md"
+    ;;
   smt)
     # (The H100 machines have one thread a core: `spin:1@sibling` has no CPU there and the run exits.)
     # Session 40 (bench, H200): spinning neighbours on CPUs 1-8 made the pinned offline engine's batch-64
@@ -210,7 +219,7 @@ case "${1:-}" in
     echo "variants: exit $?"; cat "$OUT/variants/variants.md"
     ;;
   *)
-    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|clients|window|timeline|gate-order|served-bursts|overlap|anchor" >&2
+    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|clients|window|timeline|gate-order|served-bursts|bench-burst|overlap|anchor" >&2
     exit 2
     ;;
 esac
