@@ -4,8 +4,8 @@ of wall time the GPU is busy during steady decode (issue 20's goals).
 Each mode (off, static, compact; drafting on every step) runs as one engine per setting: `ahead`
 (`launch_ahead`: step N+1 is launched before step N is accepted, the default), `emit`
 (`overlap_scheduling` alone: step N's text and deltas are made while N+1 runs), `off` (every step
-waits) and `burst` (decode bursts of `--burst` steps, `decode_burst`; the engine launches nothing ahead
-while bursts may run);
+waits) and `burst` (decode bursts of `--burst` steps, `decode_burst`; since session 44 a burst replayed
+from graphs goes behind the step or burst on the device, eager ones wait for it);
 their timed runs are interleaved (e2e.py's `_time_engines`), so a slow spell of the machine
 falls on all. Greedy tokens must be identical in every setting; the script stops if they are not, in
 fp32. `--shape qwen3-8b` runs plain decoding of a random-weight model of the Qwen3-8B shape instead.

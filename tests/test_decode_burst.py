@@ -17,14 +17,16 @@ from dspark.config import EngineConfig
 
 
 def _count_bursts(engine: LLMEngine) -> list[int]:
-    """Wrap the engine's burst launch: the list counts [bursts, steps in them]."""
-    count = [0, 0]
+    """Wrap the engine's burst launch: the list counts [bursts, steps in them, bursts launched behind a
+    step or burst still in flight]."""
+    count = [0, 0, 0]
     launch = engine._launch_burst
 
-    def counted(schedule, plan, first, length):  # noqa: ANN001, ANN202 - the engine's own signature
+    def counted(schedule, plan, first, length, ahead=False):  # noqa: ANN001, ANN202 - the engine's own
         count[0] += 1
         count[1] += length
-        return launch(schedule, plan, first, length)
+        count[2] += ahead
+        return launch(schedule, plan, first, length, ahead)
 
     engine._launch_burst = counted  # type: ignore[method-assign]
     return count
@@ -56,6 +58,9 @@ def test_bursts_give_the_tokens_of_steps_one_at_a_time(tiny_target_dir, graphs, 
     assert _run(engine, prompts, params) == single, f"decode_burst={burst}"
     assert engine.allocator.num_used == 0
     assert bursts[0] > 0 and bursts[1] > bursts[0], bursts
+    # Replayed from graphs with overlap, bursts go ahead of the step or burst on the device (completed
+    # from its outputs there); eager ones wait for it (their later steps are packed from the schedule).
+    assert (bursts[2] > 0) == (graphs and overlap), bursts
     # Every step of a burst counts as a step; a burst is one call of the loop.
     assert engine.loop_counters.steps >= bursts[1]
 
@@ -83,6 +88,7 @@ def test_speculative_bursts_give_the_tokens_of_steps_one_at_a_time(
         assert _run(engine, prompts, params) == single, f"decode_burst={burst}"
         assert engine.allocator.num_used == 0
         assert bursts[0] > 0 and bursts[1] > bursts[0], bursts
+        assert (bursts[2] > 0) == overlap, bursts
         # Every step of a burst verified its drafts: the speculation statistics count them as steps, and
         # drafts made from a layout completed right are accepted about as often as one step at a time.
         stats = engine.total_spec_stats
@@ -111,6 +117,29 @@ def test_bursts_under_the_gate_give_the_tokens_of_steps_one_at_a_time(
     assert engine.gate is not None and engine.gate.rates(4), "the gate measured nothing"
 
 
+@pytest.mark.parametrize("spec_mode", ["off", "static"])
+def test_an_abort_while_bursts_go_ahead_ends_that_request_alone(
+    tiny_target_dir, tiny_drafter_dir, spec_mode
+) -> None:
+    # Bursts launched behind bursts in flight: an aborted request commits a prefix of its tokens and
+    # nothing after its end; the others give their whole output, and every page comes back.
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [2, 2]]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True)] * 3
+    drafter = None if spec_mode == "off" else tiny_drafter_dir
+    changes = {"spec_mode": spec_mode, "adaptive_speculation": False}
+    full = _run(_engine(tiny_target_dir, True, drafter, overlap_scheduling=False, **changes), prompts, params)
+    for after in (2, 3, 4):
+        engine = _engine(tiny_target_dir, True, drafter, decode_burst=4, **changes)
+        bursts = _count_bursts(engine)
+        out = _run(engine, prompts, params, abort_after={"r1": after})
+        assert bursts[2] > 0, bursts
+        tokens, _, reason = out["r1"]
+        assert reason == "abort", after
+        assert len(tokens) < 30 and tokens == full["r1"][0][: len(tokens)], after
+        assert out["r0"] == full["r0"] and out["r2"] == full["r2"], after
+        assert engine.allocator.num_used == 0
+
+
 def test_no_speculative_burst_when_drafts_are_made_apart(tiny_target_dir, tiny_drafter_dir) -> None:
     # Eager `static` steps draft apart from the target step, from the host's state of the requests.
     engine = _engine(tiny_target_dir, False, tiny_drafter_dir, adaptive_speculation=False, decode_burst=4)
@@ -118,7 +147,7 @@ def test_no_speculative_burst_when_drafts_are_made_apart(tiny_target_dir, tiny_d
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=16, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    assert bursts == [0, 0]
+    assert bursts == [0, 0, 0]
 
 
 def test_a_burst_streams_its_tokens_in_one_delta_and_stops_at_max_tokens(tiny_target_dir) -> None:
@@ -130,9 +159,10 @@ def test_a_burst_streams_its_tokens_in_one_delta_and_stops_at_max_tokens(tiny_ta
         for delta in engine.step():
             sizes.append(len(delta.new_token_ids))
     # The prompt's step gives the first token; then bursts of 4, 4 and the 2 left (a burst never runs
-    # past max_tokens).
+    # past max_tokens, nor does one launched behind another: it counts the tokens that one commits at
+    # least). Each goes ahead of what is on the device: the first behind the prompt's step.
     assert sizes == [1, 4, 4, 2], sizes
-    assert bursts == [3, 10], bursts
+    assert bursts == [3, 10, 3], bursts
 
 
 def test_no_burst_while_a_request_samples_or_a_prompt_waits(tiny_target_dir) -> None:
@@ -144,7 +174,7 @@ def test_no_burst_while_a_request_samples_or_a_prompt_waits(tiny_target_dir) -> 
     )
     while engine.has_unfinished_requests():
         engine.step()
-    assert bursts == [0, 0]
+    assert bursts == [0, 0, 0]
     engine.add_request("waiting", [1], SamplingParams(max_tokens=4))
     assert not engine._bursts(), "a prompt waits: the next step takes it in"
 

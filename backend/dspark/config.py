@@ -144,8 +144,9 @@ class EngineConfig:
     # a target whose decode step is shorter than the host's work around it (a small model on a GPU).
     # Bursts run while no prompt waits, on one rank, every request decodes greedily on the device, and
     # drafts (if any) are made inside the target step; the gate times a burst as its steps' share of
-    # its wall time. Streams then receive a burst's tokens in one response. Greedy output is the same.
-    # 1: off.
+    # its wall time. Streams then receive a burst's tokens in one response. With launch_ahead, a burst
+    # whose steps replay CUDA graphs goes behind the step or burst on the device, completed from its
+    # outputs there (eager bursts wait for it). Greedy output is the same. 1: off.
     decode_burst: int = 1
     # Responses a second each instance of the Triton adapter (a backend stub) aims at: under load a
     # request's next response waits until (the instance's requests in flight / this) seconds after its

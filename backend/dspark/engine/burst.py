@@ -20,6 +20,13 @@ launches its steps back to back, the host neither waiting nor scheduling in betw
   they accepted in all, and the last token committed), as a step launched ahead is. Each step's greedy
   acceptance is queued (kernel and copy to the host) before the next is launched.
 
+With overlap scheduling a burst replayed from graphs is launched behind the step or burst still on the
+device, as a step launched ahead is (`LLMEngine._launch_ahead`): its first step's windows are completed
+on the device from that one's outputs (`LaunchedBurst.outputs`: the drafts accepted over its steps and
+its last tokens), and its later steps move the static layout on from there; the device then never
+waits for the host between bursts. Eager bursts wait for the step before (their later steps are packed
+from the schedule, which would leave the one in flight out).
+
 The engine commits the burst's tokens per request in one go (a request that ends inside a burst keeps
 its tokens up to its end; the steps after it computed rows that are dropped). The output is that of the
 same steps one by one.
@@ -55,14 +62,17 @@ class StepOutputs:
 
 @dataclass(frozen=True)
 class LaunchedBurst:
-    """A burst whose steps are queued on the device: the schedule they share, how many, and what
+    """A burst whose steps are queued on the device: the schedule and plan they share, how many, what
     accepting them reads: for plain steps every step's argmax per decode window ([steps, windows],
     `copy`, its copy to the host under way); for speculative ones each step and its queued acceptance
-    (`steps`)."""
+    (`steps`); and what a step launched behind the burst takes from it (`outputs`: per window the
+    drafts accepted over all its steps and its last token, on the device)."""
 
     schedule: StepSchedule
+    plan: VerifyPlan
     length: int  # steps in the burst
     graph: bool  # whether its steps replay captured graphs
+    outputs: StepOutputs
     copy: QueuedGreedyAcceptance | None = None
     steps: tuple[tuple[LaunchedStep, QueuedGreedyAcceptance], ...] = ()
 
@@ -84,13 +94,17 @@ def launch_burst(
 ) -> LaunchedBurst:
     """Launch `length` greedy steps of `schedule`'s decode windows (no prefill) under `plan`, the first
     packed already (`first`), the pages of every request reserved for all of them; nothing waits for
-    the device here."""
+    the device here. A first step packed behind a step still in flight (its windows completed on the
+    device from that step: `first.step.deferred`) must replay a graph: the later steps then move the
+    static layout on from wherever the first one's windows started, where packing them from the
+    schedule would leave the step in flight out."""
     assert not schedule.prefill and length >= 1
+    graph = runner.replays(first.step)
+    assert graph or first.step.deferred is None, "a burst behind a step in flight replays graphs"
     if plan.drafts is None:
         return _launch_plain(runner, schedule, plan, first.step, capture_layers, length)
     decode = schedule.decode
     follows = {seq: r for r, seq in enumerate(decode)}
-    graph = runner.replays(first.step)
     steps: list[tuple[LaunchedStep, QueuedGreedyAcceptance]] = []
     packed = first
     result = runner.run(first.step)
@@ -116,7 +130,8 @@ def launch_burst(
             packed = pack_step(schedule, plan, capture_layers, in_flight, earlier, fp32_logits=False)
             following = runner.run(packed.step)
         result = following
-    return LaunchedBurst(schedule, length, graph, steps=tuple(steps))
+    outputs = StepOutputs(accepted, steps[-1][1].bonus)
+    return LaunchedBurst(schedule, plan, length, graph, outputs, steps=tuple(steps))
 
 
 def _launch_plain(
@@ -148,4 +163,5 @@ def _launch_plain(
         tokens[j].copy_(result.argmax[:num])
     flat = tokens.flatten()
     zeros = (0,) * flat.shape[0]
-    return LaunchedBurst(schedule, length, graph, copy=queue_greedy_accept(zeros, zeros, None, flat))
+    copy = queue_greedy_accept(zeros, zeros, None, flat)
+    return LaunchedBurst(schedule, plan, length, graph, StepOutputs(None, tokens[-1]), copy=copy)

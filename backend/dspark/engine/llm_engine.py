@@ -27,6 +27,7 @@ from dspark.engine.scheduler import InFlight, Scheduler, StepSchedule
 from dspark.engine.step import (
     Acceptance,
     Committed,
+    EarlierOutputs,
     LaunchedStep,
     PackedStep,
     WindowAcceptance,
@@ -378,7 +379,7 @@ class LLMEngine:
         return deltas
 
     def _launch(
-        self, in_flight: InFlight | None = None, earlier: QueuedGreedyAcceptance | None = None
+        self, in_flight: InFlight | None = None, earlier: EarlierOutputs | None = None
     ) -> LaunchedStep | LaunchedBurst | None:
         """Schedule a step, draft, plan and queue its target work on the device (None: nothing to run);
         a burst of such steps instead when the step allows one (`_burst_length`).
@@ -409,11 +410,11 @@ class LLMEngine:
             # In-step drafts of a step that runs eagerly are drafted apart, from the host's state of
             # the requests, which the step in flight has not reached yet.
             return None
-        burst = self._burst_length(schedule, plan, packed) if in_flight is None else 1
+        burst = self._burst_length(schedule, plan, packed, in_flight)
         if self.gate is not None:
             self.gate.start_step(length if drafts is not None else 0, began, bool(schedule.prefill))
         if burst > 1:
-            return self._launch_burst(schedule, plan, packed, burst)
+            return self._launch_burst(schedule, plan, packed, burst, ahead=in_flight is not None)
         self.loop_counters.add_step(
             len(schedule.decode) + len(schedule.prefill),
             graph=self.runner.replays(packed.step),
@@ -438,12 +439,18 @@ class LLMEngine:
             and (not self._host_decides or self._host_decides.isdisjoint(self.scheduler.running))
         )
 
-    def _burst_length(self, schedule: StepSchedule, plan: VerifyPlan, first: PackedStep) -> int:
+    def _burst_length(
+        self, schedule: StepSchedule, plan: VerifyPlan, first: PackedStep, in_flight: InFlight | None
+    ) -> int:
         """Steps a burst of this planned step runs (`dspark.engine.burst`): `decode_burst`, fewer when a
         request has fewer tokens or positions left for them; 1 (no burst) when the step carries a
-        prefill chunk, drafts apart from the target step or runs them eagerly, or when the pages of every
-        position the burst may reach cannot be reserved without preempting anyone."""
+        prefill chunk, drafts apart from the target step or runs them eagerly, when the pages of every
+        position the burst may reach cannot be reserved without preempting anyone, or when it goes
+        behind a step in flight (`in_flight`) and does not replay graphs (its later steps, packed from
+        the schedule, would leave the step in flight out)."""
         if schedule.prefill or not schedule.decode or not self._bursts():
+            return 1
+        if in_flight is not None and not self.runner.replays(first.step):
             return 1
         if plan.drafts is not None and not (
             isinstance(plan.drafts, InStepDrafts) and self.runner.replays(first.step)
@@ -451,32 +458,39 @@ class LLMEngine:
             return 1
         length = self.config.decode_burst
         max_model_len = self.limits.max_model_len
+        # Behind a step in flight a request is past what the host knows of it: by its anchors at least
+        # (one token each), by every draft accepted too at most.
+        least = in_flight.advance if in_flight is not None else {}
+        reach = in_flight.reach if in_flight is not None else {}
+        ahead = {seq: least.get(seq, 0) + reach.get(seq, 0) for seq in least}
         for seq, verify_len in zip(schedule.decode, plan.verify_lens, strict=True):
             # Each step moves a request on by 1 to verify_len + 1 positions.
-            room = (max_model_len - len(seq.token_ids)) // (verify_len + 1)
-            length = min(length, seq.remaining_tokens, room)
+            room = (max_model_len - len(seq.token_ids) - ahead.get(seq, 0)) // (verify_len + 1)
+            length = min(length, seq.remaining_tokens - least.get(seq, 0), room)
         if length <= 1:
             return 1
         try_reserve = self.scheduler.allocator.try_reserve
         for seq, verify_len in zip(schedule.decode, plan.verify_lens, strict=True):
-            if not try_reserve(seq, seq.num_cached + length * (verify_len + 1)):
+            if not try_reserve(seq, seq.num_cached + ahead.get(seq, 0) + length * (verify_len + 1)):
                 return 1  # pages reserved so far stay with their requests, used by later steps
-        if plan.drafts is not None and not self.runner.replays(first.step):
+        if (plan.drafts is not None or in_flight is not None) and not self.runner.replays(first.step):
             # The pages outgrew the graphs' page table: eager steps would draft apart, from the host's
-            # state of the requests, which a burst's later steps have left behind.
+            # state of the requests, which a burst's later steps have left behind (and, behind a step
+            # in flight, be packed without it).
             return 1
         return length
 
     def _launch_burst(
-        self, schedule: StepSchedule, plan: VerifyPlan, first: PackedStep, length: int
+        self, schedule: StepSchedule, plan: VerifyPlan, first: PackedStep, length: int, ahead: bool = False
     ) -> LaunchedBurst:
-        """Launch a burst of `length` steps of `schedule` under `plan` (pages reserved), each counted."""
+        """Launch a burst of `length` steps of `schedule` under `plan` (pages reserved), each counted
+        (`ahead`: behind a step in flight)."""
         launched = launch_burst(self.runner, schedule, plan, first, self._capture_layers, length)
         for _ in range(length):
             self.loop_counters.add_step(
                 len(schedule.decode),
                 graph=launched.graph,
-                ahead=False,
+                ahead=ahead,
                 prefill=False,
                 verify_tokens=sum(plan.verify_lens),
             )
@@ -537,17 +551,48 @@ class LLMEngine:
 
     def _launch_ahead(
         self, earlier: LaunchedStep | LaunchedBurst
-    ) -> tuple[LaunchedStep | None, QueuedGreedyAcceptance | None]:
+    ) -> tuple[LaunchedStep | LaunchedBurst | None, QueuedGreedyAcceptance | None]:
         """Queue the greedy acceptance of `earlier` (on the device, not yet accepted) and launch the next
-        step behind it, when every request allows (`_in_flight_of`); the step launched, or None, and the
-        queued acceptance (None when nothing went ahead)."""
-        if isinstance(earlier, LaunchedBurst) or self._bursts():
-            return None, None  # a burst is accepted before the next step, which may be one
+        step (or burst) behind it, when every request allows (`_in_flight_of`, `_in_flight_of_burst`);
+        what was launched, or None, and the queued acceptance (None when nothing went ahead, or behind a
+        burst, which keeps its own)."""
+        if self._bursts() or isinstance(earlier, LaunchedBurst):
+            # Steps replayed from graphs go ahead of a burst, and a burst goes ahead of them (its later
+            # steps move the static layout on by themselves); eager ones are accepted first, so that the
+            # next step may be a burst packed from the host's state of its requests.
+            if isinstance(earlier, LaunchedBurst):
+                in_flight = self._in_flight_of_burst(earlier) if earlier.graph else None
+                if in_flight is None:
+                    return None, None
+                return self._launch(in_flight, earlier.outputs), None
+            if not self.runner.replays(earlier.packed.step):
+                return None, None
         in_flight = self._in_flight_of(earlier)
         if in_flight is None:
             return None, None
         queued = queue_greedy(earlier.plan, earlier.drafts, earlier.result)
         return self._launch(in_flight, queued), queued
+
+    def _in_flight_of_burst(self, earlier: LaunchedBurst) -> InFlight | None:
+        """`_in_flight_of` a burst: each of its requests cached at least an anchor a step and may have
+        accepted every draft of each; one that may end inside it (max_tokens, the context) sits out."""
+        if not self.config.launch_ahead:
+            return None
+        if self._host_decides and not self._host_decides.isdisjoint(self.scheduler.running):
+            return None
+        schedule, length = earlier.schedule, earlier.length
+        advance: dict[Sequence, int] = {}
+        reach: dict[Sequence, int] = {}
+        follows: dict[Sequence, int] = {}
+        sit_out: set[Sequence] = set()
+        room = self.limits.max_model_len - self.scheduler.window_positions
+        for r, (seq, verify_len) in enumerate(zip(schedule.decode, earlier.plan.verify_lens, strict=True)):
+            most = length * (verify_len + 1)
+            if seq.remaining_tokens <= most or len(seq.token_ids) + most > room:
+                sit_out.add(seq)
+                continue
+            advance[seq], reach[seq], follows[seq] = length, length * verify_len, r
+        return InFlight(advance, reach, frozenset(sit_out), follows)
 
     def _in_flight_of(self, earlier: LaunchedStep) -> InFlight | None:
         """What the next step may assume of `earlier`'s requests before it is accepted; None when the

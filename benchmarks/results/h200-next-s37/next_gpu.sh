@@ -15,6 +15,8 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh timeline   carry [".carry/c4"]     (~200 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh gate-order   carry [".carry/c4"]   (~200 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh served-bursts   carry [".carry/c4"] (~220 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh bursts-ahead   carry [".carry/c4"]  (~330 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh bench-burst   carry [".carry/c4"]   (~270 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh overlap   carry [".carry/c4"]      (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh anchor   carry [".carry/c4"]       (~560 s)
 #
@@ -60,6 +62,20 @@ case "${1:-}" in
       --batch-sizes 128,64 --modes off,default --rounds "${ROUNDS:-6}" --max-tokens 96 \
       --out "$OUT/ab-gate.json" > "$OUT/ab-gate.log" 2>&1
     echo "ab gate: exit $?"; grep -E "^\{" "$OUT/ab-gate.log"
+    ;;
+  bursts-ahead)
+    # Session 44 built bursts launched behind the step or burst on the device (graph-replayed bursts;
+    # tested on the CPU's emulated graphs only). Their GPU tests (real CUDA graphs: bursts, launch-ahead,
+    # losslessness), then bursts against launch-ahead alone offline, plain and static, at 1, 8, 64 and
+    # 128 (before session 44 bursts gave plain 0.81x at 64 on an H100) (~330 s, carry [".carry/c4"]).
+    OUT=$OUT TESTS_S=${TESTS_S:-150} SERVING_S=0 TEST_FILES="tests/test_decode_burst.py \
+      tests/test_launch_ahead.py tests/test_losslessness.py tests/test_overlap_scheduling.py" \
+      bash benchmarks/gpu_check.sh > "$OUT/check.log" 2>&1
+    echo "gpu_check: exit $?"; grep -E "passed|failed|error" "$OUT/check.log" | tail -4
+    timeout "${OVERLAP_S:-200}" python3 benchmarks/overlap.py --device cuda --batch-sizes 1,8,64,128 \
+      --modes off,static --settings burst,ahead --repeats 2 --busy-steps 0 --out "$OUT/bursts-ahead.json" \
+      > "$OUT/bursts-ahead.log" 2>&1
+    echo "overlap: exit $?"; grep -A12 "^| batch" "$OUT/bursts-ahead.log"
     ;;
   bench-burst)
     # Issue 18's table with decode bursts of 4 beside the defaults (modes off-burst4, default-burst4 of
@@ -219,7 +235,7 @@ case "${1:-}" in
     echo "variants: exit $?"; cat "$OUT/variants/variants.md"
     ;;
   *)
-    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|clients|window|timeline|gate-order|served-bursts|bench-burst|overlap|anchor" >&2
+    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|clients|window|timeline|gate-order|served-bursts|bursts-ahead|bench-burst|overlap|anchor" >&2
     exit 2
     ;;
 esac
