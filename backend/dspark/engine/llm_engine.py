@@ -580,19 +580,29 @@ class LLMEngine:
             return None
         if self._host_decides and not self._host_decides.isdisjoint(self.scheduler.running):
             return None
-        schedule, length = earlier.schedule, earlier.length
+        windows = self._windows_in_flight(earlier.schedule, earlier.plan, earlier.length)
+        advance, reach, follows, sit_out = windows
+        return InFlight(advance, reach, frozenset(sit_out), follows)
+
+    def _windows_in_flight(
+        self, schedule: StepSchedule, plan: VerifyPlan, steps: int
+    ) -> tuple[dict[Sequence, int], dict[Sequence, int], dict[Sequence, int], set[Sequence]]:
+        """`InFlight`'s advance, reach, follows and sit_out for the decode windows of `steps` steps of
+        `schedule` in flight: each request on by an anchor a step at least and by every draft too at
+        most; one that may end there (max_tokens) or whose window may not fit the context after them
+        sits out (the next step waits for the acceptance)."""
         advance: dict[Sequence, int] = {}
         reach: dict[Sequence, int] = {}
         follows: dict[Sequence, int] = {}
         sit_out: set[Sequence] = set()
         room = self.limits.max_model_len - self.scheduler.window_positions
-        for r, (seq, verify_len) in enumerate(zip(schedule.decode, earlier.plan.verify_lens, strict=True)):
-            most = length * (verify_len + 1)
+        for r, (seq, verify_len) in enumerate(zip(schedule.decode, plan.verify_lens, strict=True)):
+            most = steps * (verify_len + 1)
             if seq.remaining_tokens <= most or len(seq.token_ids) + most > room:
                 sit_out.add(seq)
                 continue
-            advance[seq], reach[seq], follows[seq] = length, length * verify_len, r
-        return InFlight(advance, reach, frozenset(sit_out), follows)
+            advance[seq], reach[seq], follows[seq] = steps, steps * verify_len, r
+        return advance, reach, follows, sit_out
 
     def _in_flight_of(self, earlier: LaunchedStep) -> InFlight | None:
         """What the next step may assume of `earlier`'s requests before it is accepted; None when the
@@ -606,17 +616,9 @@ class LLMEngine:
             return None
         if self._host_decides and not self._host_decides.isdisjoint(self.scheduler.running):
             return None
-        schedule, plan = earlier.schedule, earlier.plan
-        advance: dict[Sequence, int] = {}
-        reach: dict[Sequence, int] = {}
-        follows: dict[Sequence, int] = {}
-        sit_out: set[Sequence] = set()
+        schedule = earlier.schedule
+        advance, reach, follows, sit_out = self._windows_in_flight(schedule, earlier.plan, 1)
         room = self.limits.max_model_len - self.scheduler.window_positions
-        for r, (seq, verify_len) in enumerate(zip(schedule.decode, plan.verify_lens, strict=True)):
-            if seq.remaining_tokens <= verify_len + 1 or len(seq.token_ids) + verify_len + 1 > room:
-                sit_out.add(seq)  # it may end there, or its window may not fit: wait for the acceptance
-                continue
-            advance[seq], reach[seq], follows[seq] = 1, verify_len, r
         # A chunk that ends its prompt samples the first token from its logit row, one of the rows
         # after every verify window's (the acceptance's `rest`, as `accept` reads it): the next anchor.
         offsets = earlier.packed.logit_offsets[len(schedule.decode) :]
