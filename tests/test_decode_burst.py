@@ -10,7 +10,13 @@ import random
 import pytest
 import torch
 from test_launch_ahead import _greedy_requests, _run
-from tiny_models import emulated_graphs_config, gpu_graphs_config, tiny_engine_config, use_emulated_graphs
+from tiny_models import (
+    RandomLengthGate,
+    emulated_graphs_config,
+    gpu_graphs_config,
+    tiny_engine_config,
+    use_emulated_graphs,
+)
 
 from dspark import LLMEngine, SamplingParams
 from dspark.config import EngineConfig
@@ -138,6 +144,25 @@ def test_an_abort_while_bursts_go_ahead_ends_that_request_alone(
         assert len(tokens) < 30 and tokens == full["r1"][0][: len(tokens)], after
         assert out["r0"] == full["r0"] and out["r2"] == full["r2"], after
         assert engine.allocator.num_used == 0
+
+
+def test_plain_and_drafting_bursts_go_ahead_of_each_other_in_any_order(
+    tiny_target_dir, tiny_drafter_dir
+) -> None:
+    # A gate that picks a random draft length every step: plain bursts behind drafting ones (completed
+    # from the drafts those accepted in all) and the reverse, single steps between them.
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    prompts, params = _greedy_requests(rng, 9)
+    plain = _run(_engine(tiny_target_dir, True, overlap_scheduling=False), prompts, params)
+    engine = _engine(tiny_target_dir, True, tiny_drafter_dir, decode_burst=rng.choice([2, 3, 4]))
+    engine.gate = RandomLengthGate(engine.limits.block_size, random.Random(seed + 1))
+    bursts = _count_bursts(engine)
+    assert _run(engine, prompts, params) == plain
+    assert engine.allocator.num_used == 0
+    assert bursts[2] > 1, bursts
+    assert 0 < engine.total_spec_stats.drafting_steps < engine.total_spec_stats.steps
 
 
 def test_no_speculative_burst_when_drafts_are_made_apart(tiny_target_dir, tiny_drafter_dir) -> None:
