@@ -125,6 +125,7 @@ def launch_burst(
         if graph:
             following = runner.run_following(first.step, queued.bonus, queued.accepted, anchor_rows)
         if following is None:  # eager: packed from the schedule, completed from the steps before
+            assert first.step.deferred is None, "packing from the schedule leaves the step in flight out"
             in_flight = InFlight({seq: j + 1 for seq in decode}, {}, frozenset(), follows)
             earlier = StepOutputs(accepted, queued.bonus)
             packed = pack_step(schedule, plan, capture_layers, in_flight, earlier, fp32_logits=False)
@@ -155,6 +156,7 @@ def _launch_plain(
         # Replayed: the static layout moves on by itself (no packing, no copy from the host).
         result = runner.run_following(first, tokens[j - 1]) if graph else None
         if result is None:  # eager: step j packed from the schedule, its anchors step j - 1's, deferred
+            assert first.deferred is None, "packing from the schedule leaves the step in flight out"
             in_flight = InFlight({seq: j for seq in decode}, {}, frozenset(), follows)
             earlier = StepOutputs(None, tokens[j - 1])
             packed = pack_step(schedule, plan, capture_layers, in_flight, earlier, fp32_logits=False)
