@@ -458,20 +458,19 @@ class LLMEngine:
             return 1
         length = self.config.decode_burst
         max_model_len = self.limits.max_model_len
-        # Behind a step in flight a request is past what the host knows of it: by its anchors at least
-        # (one token each), by every draft accepted too at most.
-        least = in_flight.advance if in_flight is not None else {}
-        reach = in_flight.reach if in_flight is not None else {}
-        ahead = {seq: least.get(seq, 0) + reach.get(seq, 0) for seq in least}
+        # Behind a step in flight a request is past what the host knows of it (`_in_flight_tokens`).
+        ahead = self._in_flight_tokens(schedule.decode, in_flight) if in_flight is not None else {}
         for seq, verify_len in zip(schedule.decode, plan.verify_lens, strict=True):
+            least, most, _ = ahead.get(seq, (0, 0, 0))
             # Each step moves a request on by 1 to verify_len + 1 positions.
-            room = (max_model_len - len(seq.token_ids) - ahead.get(seq, 0)) // (verify_len + 1)
-            length = min(length, seq.remaining_tokens - least.get(seq, 0), room)
+            room = (max_model_len - len(seq.token_ids) - most) // (verify_len + 1)
+            length = min(length, seq.remaining_tokens - least, room)
         if length <= 1:
             return 1
         try_reserve = self.scheduler.allocator.try_reserve
         for seq, verify_len in zip(schedule.decode, plan.verify_lens, strict=True):
-            if not try_reserve(seq, seq.num_cached + ahead.get(seq, 0) + length * (verify_len + 1)):
+            positions = ahead[seq][2] if seq in ahead else seq.num_cached
+            if not try_reserve(seq, positions + length * (verify_len + 1)):
                 return 1  # pages reserved so far stay with their requests, used by later steps
         if (plan.drafts is not None or in_flight is not None) and not self.runner.replays(first.step):
             # The pages outgrew the graphs' page table: eager steps would draft apart, from the host's
@@ -479,6 +478,22 @@ class LLMEngine:
             # in flight, be packed without it).
             return 1
         return length
+
+    @staticmethod
+    def _in_flight_tokens(decode: Seq[Sequence], in_flight: InFlight) -> dict[Sequence, tuple[int, int, int]]:
+        """Per decoding request, what the step (or burst) in flight adds to what the host knows of it:
+        the tokens it commits at least and at most, and the positions cached once it is accepted, at
+        most. A decode window: its anchors (one token each) at least, every draft accepted too at most;
+        a prompt's last chunk: its first token, the chunk's positions."""
+        ahead = {}
+        for seq in decode:
+            advance, reach = in_flight.advance.get(seq, 0), in_flight.reach.get(seq, 0)
+            if seq.num_cached < seq.prefill_target:  # its prompt's last chunk is in flight
+                first = 1 if seq in in_flight.follows else 0
+                ahead[seq] = (first, first, seq.num_cached + advance)
+            else:
+                ahead[seq] = (advance, advance + reach, seq.num_cached + advance + reach)
+        return ahead
 
     def _launch_burst(
         self, schedule: StepSchedule, plan: VerifyPlan, first: PackedStep, length: int, ahead: bool = False
