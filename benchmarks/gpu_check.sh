@@ -112,7 +112,7 @@ TEST_FILES=${TEST_FILES:-"tests/test_cuda_graphs.py tests/test_training_loss.py 
   tests/test_kernels_norm_rotary.py tests/test_kernels_activation.py tests/test_kernels_attention.py tests/test_kernels_accept.py tests/test_kernels_gemv.py tests/test_dependent_launch.py \
   tests/test_kernels_layout.py tests/test_kernels_markov.py tests/test_planner.py tests/test_draft_context.py \
   tests/test_host_to_device.py tests/test_penalties_logprobs_gpu.py \
-  tests/test_engine.py tests/test_launch_ahead.py tests/test_overlap_scheduling.py \
+  tests/test_engine.py tests/test_launch_ahead.py tests/test_overlap_scheduling.py tests/test_decode_burst.py \
   tests/test_draft_vocab.py tests/test_speculation_gate.py tests/test_draft_length.py tests/test_scheduler.py \
   tests/test_kv_budget.py tests/test_overlap_bench.py"}
 WORKERS=()

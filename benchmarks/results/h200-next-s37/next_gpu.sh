@@ -66,10 +66,10 @@ case "${1:-}" in
   bursts-ahead)
     # Session 44 built bursts launched behind the step or burst on the device (graph-replayed bursts;
     # tested on the CPU's emulated graphs only). Their GPU tests (real CUDA graphs: bursts, launch-ahead,
-    # losslessness), then bursts against launch-ahead alone offline, plain and static, at 1, 8, 64 and
+    # overlap, graphs), then bursts against launch-ahead alone offline, plain and static, at 1, 8, 64 and
     # 128 (before session 44 bursts gave plain 0.81x at 64 on an H100) (~330 s, carry [".carry/c4"]).
     OUT=$OUT TESTS_S=${TESTS_S:-150} SERVING_S=0 TEST_FILES="tests/test_decode_burst.py \
-      tests/test_launch_ahead.py tests/test_losslessness.py tests/test_overlap_scheduling.py" \
+      tests/test_launch_ahead.py tests/test_overlap_scheduling.py tests/test_cuda_graphs.py" \
       bash benchmarks/gpu_check.sh > "$OUT/check.log" 2>&1
     echo "gpu_check: exit $?"; grep -E "passed|failed|error" "$OUT/check.log" | tail -4
     timeout "${OVERLAP_S:-200}" python3 benchmarks/overlap.py --device cuda --batch-sizes 1,8,64,128 \
