@@ -483,16 +483,17 @@ class LLMEngine:
     def _in_flight_tokens(decode: Seq[Sequence], in_flight: InFlight) -> dict[Sequence, tuple[int, int, int]]:
         """Per decoding request, what the step (or burst) in flight adds to what the host knows of it:
         the tokens it commits at least and at most, and the positions cached once it is accepted, at
-        most. A decode window: its anchors (one token each) at least, every draft accepted too at most;
-        a prompt's last chunk: its first token, the chunk's positions."""
+        most (where the scheduler lets its next window start). A decode window: its anchors (one token
+        each) at least, every draft accepted too at most; a prompt's last chunk: its first token."""
         ahead = {}
         for seq in decode:
             advance, reach = in_flight.advance.get(seq, 0), in_flight.reach.get(seq, 0)
+            positions = in_flight.cached(seq) + reach  # a chunk reaches no further than its positions
             if seq.num_cached < seq.prefill_target:  # its prompt's last chunk is in flight
                 first = 1 if seq in in_flight.follows else 0
-                ahead[seq] = (first, first, seq.num_cached + advance)
+                ahead[seq] = (first, first, positions)
             else:
-                ahead[seq] = (advance, advance + reach, seq.num_cached + advance + reach)
+                ahead[seq] = (advance, advance + reach, positions)
         return ahead
 
     def _launch_burst(
