@@ -210,6 +210,63 @@ def test_no_burst_while_a_request_samples_or_a_prompt_waits(tiny_target_dir) -> 
     assert not engine._bursts(), "a prompt waits: the next step takes it in"
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_bursts_alternate_with_steps_that_take_prompts_in_under_steady_arrivals(
+    tiny_target_dir, graphs
+) -> None:
+    """A server's load: a prompt arrives before every call. Steps that take prompts in alternate with
+    bursts, no prompt waits more than one burst for its first token, and the tokens are those of steps
+    one at a time."""
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    count = 12
+    prompts = [[rng.randrange(1, 8) for _ in range(rng.randrange(1, 10))] for _ in range(count)]
+    params = [SamplingParams(max_tokens=rng.randrange(8, 30), ignore_eos=True) for _ in range(count)]
+    burst = rng.choice([3, 4])
+    # Seats for every request: a prompt waits for the engine's choice alone, never for room.
+    seats = {"max_num_seqs": 16, "max_num_batched_tokens": 64, "num_kv_pages": 256}
+
+    def arrivals(engine: LLMEngine, bursts: list[int]) -> tuple[dict[str, list[int]], dict[str, int], int]:
+        """Request i is added before call i: each one's tokens, the calls from its arrival to its first
+        token, and the bursts launched while prompts were still arriving."""
+        tokens: dict[str, list[int]] = {}
+        waited: dict[str, int] = {}
+        calls, bursts_meanwhile = 0, 0
+        while calls < count or engine.has_unfinished_requests():
+            assert calls < 2000, "the engine stopped making progress"
+            if calls < count:
+                engine.add_request(f"r{calls}", prompts[calls], params[calls])
+                tokens[f"r{calls}"] = []
+            for delta in engine.step():
+                assert delta.error is None, delta.error
+                if not tokens[delta.request_id] and delta.new_token_ids:
+                    waited[delta.request_id] = calls - int(delta.request_id[1:])
+                tokens[delta.request_id] += delta.new_token_ids
+            calls += 1
+            if calls == count:
+                bursts_meanwhile = bursts[0]
+        return tokens, waited, bursts_meanwhile
+
+    def engine(**changes) -> LLMEngine:
+        if graphs:
+            config = emulated_graphs_config(tiny_target_dir, spec_mode="off", **seats, **changes)
+            return use_emulated_graphs(LLMEngine(config), requests=16, tokens=64)
+        config = tiny_engine_config(tiny_target_dir, None, **seats)
+        return LLMEngine(config.replace(spec_mode="off", **changes))
+
+    single, single_waited, _ = arrivals(engine(), [0])
+    bursting = engine(decode_burst=burst)
+    bursts = _count_bursts(bursting)
+    tokens, waited, bursts_meanwhile = arrivals(bursting, bursts)
+    assert tokens == single, f"decode_burst={burst}"
+    assert bursting.allocator.num_used == 0
+    # Without leaving prompts waiting no step would burst while they arrive.
+    assert bursts_meanwhile >= 2, bursts_meanwhile
+    for request_id, calls in waited.items():
+        assert calls <= single_waited[request_id] + 1, (request_id, calls, single_waited[request_id])
+
+
 def test_decode_burst_must_be_positive() -> None:
     with pytest.raises(ValueError, match="decode_burst"):
         EngineConfig(decode_burst=0)

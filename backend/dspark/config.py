@@ -142,11 +142,13 @@ class EngineConfig:
     # device from the step before (its anchors, and the drafts it accepted), their tokens committed and
     # emitted together (`dspark.engine.burst`): the host schedules, accepts and emits once per burst, for
     # a target whose decode step is shorter than the host's work around it (a small model on a GPU).
-    # Bursts run while no prompt waits, on one rank, every request decodes greedily on the device, and
-    # drafts (if any) are made inside the target step; the gate times a burst as its steps' share of
-    # its wall time. Streams then receive a burst's tokens in one response. With launch_ahead, a burst
-    # whose steps replay CUDA graphs goes behind the step or burst on the device, completed from its
-    # outputs there (eager bursts wait for it). Greedy output is the same. 1: off.
+    # Bursts run on one rank, while every request decodes greedily on the device and drafts (if any)
+    # are made inside the target step; a step that takes prompts in is no burst, and the step after it
+    # leaves newer prompts waiting so that it may burst (a prompt waits one burst at most). The gate
+    # times a burst as its steps' share of its wall time. Streams then receive a burst's tokens in one
+    # response. With launch_ahead, a burst whose steps replay CUDA graphs goes behind the step or burst
+    # on the device, completed from its outputs there (eager bursts wait for it). Greedy output is the
+    # same. 1: off.
     decode_burst: int = 1
     # Responses a second each instance of the Triton adapter (a backend stub) aims at: under load a
     # request's next response waits until (the instance's requests in flight / this) seconds after its

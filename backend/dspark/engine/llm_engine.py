@@ -190,6 +190,9 @@ class LLMEngine:
         self.overlaps = config.overlap_scheduling and device_runs_ahead(device)
         # With it: launched, not yet accepted (a step, or a burst of steps)
         self._in_flight: LaunchedStep | LaunchedBurst | None = None
+        # The last step launched took prompts in: with bursts, the next one leaves newer prompts waiting
+        # (one burst at most) so that it may burst (`_defers_prompts`).
+        self._took_prompts = False
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
 
@@ -390,9 +393,12 @@ class LLMEngine:
         began = self.gate.clock() if self.gate is not None else 0.0
         # The gate chooses the step's draft length as the scheduler sizes the windows: a plain step's
         # windows leave their budget to prompts.
-        schedule = self.scheduler.schedule(in_flight, self._window_of if self.gate is not None else None)
+        window_of = self._window_of if self.gate is not None else None
+        defers = self._defers_prompts()
+        schedule = self.scheduler.schedule(in_flight, window_of, admit=not defers)
         if schedule is None or schedule.empty:
             return None
+        self._took_prompts = bool(schedule.prefill)
         timer.lap("schedule")
         length = min(self.limits.block_size, schedule.window - 1)
         caps = self._max_verifies(schedule.decode, in_flight, length)
@@ -410,7 +416,7 @@ class LLMEngine:
             # In-step drafts of a step that runs eagerly are drafted apart, from the host's state of
             # the requests, which the step in flight has not reached yet.
             return None
-        burst = self._burst_length(schedule, plan, packed, in_flight)
+        burst = self._burst_length(schedule, plan, packed, in_flight, defers)
         if self.gate is not None:
             self.gate.start_step(length if drafts is not None else 0, began, bool(schedule.prefill))
         if burst > 1:
@@ -427,29 +433,48 @@ class LLMEngine:
         return LaunchedStep(schedule, plan, packed, result)
 
     def _bursts(self) -> bool:
-        """Whether the next step may be a burst (`_burst_length` decides once it is planned): bursts on,
-        one rank, no request waiting for its prompt, every running request decoding on the device
-        (`_decides_on_the_device`), and no drafter or one whose drafts are made inside the target step
-        (the gate, if any, times a burst as its steps' share of its wall time: `finish_burst`)."""
+        """Whether the next step may be a burst (`_burst_length` decides once it is planned): bursts can
+        run (`_burst_capable`) and no prompt waits, or those that wait are left waiting this step
+        (`_defers_prompts`)."""
+        return self._burst_capable() and (not self.scheduler.waiting or self._took_prompts)
+
+    def _defers_prompts(self) -> bool:
+        """Whether the next step leaves waiting prompts waiting (`Scheduler.schedule`'s `admit`), so
+        that it may be a burst: bursts can run and the step before took prompts in. Under a steady
+        stream of arrivals (a server's load) steps that take prompts in then alternate with bursts
+        instead of leaving no step to burst; a prompt waits one burst at most."""
+        return self._took_prompts and self._burst_capable()
+
+    def _burst_capable(self) -> bool:
+        """Bursts on, one rank, every running request decoding on the device (`_decides_on_the_device`),
+        and no drafter or one whose drafts are made inside the target step (the gate, if any, times a
+        burst as its steps' share of its wall time: `finish_burst`)."""
         return (
             self.config.decode_burst > 1
             and isinstance(self.runner, ModelRunner)
             and (self.proposer is None or self._drafts_in_step())
-            and not self.scheduler.waiting
             and (not self._host_decides or self._host_decides.isdisjoint(self.scheduler.running))
         )
 
     def _burst_length(
-        self, schedule: StepSchedule, plan: VerifyPlan, first: PackedStep, in_flight: InFlight | None
+        self,
+        schedule: StepSchedule,
+        plan: VerifyPlan,
+        first: PackedStep,
+        in_flight: InFlight | None,
+        defers: bool = False,
     ) -> int:
         """Steps a burst of this planned step runs (`dspark.engine.burst`): `decode_burst`, fewer when a
         request has fewer tokens or positions left for them; 1 (no burst) when the step carries a
-        prefill chunk, drafts apart from the target step or runs them eagerly, when the pages of every
+        prefill chunk or prompts wait that it did not leave waiting on purpose (`defers`:
+        `_defers_prompts`), drafts apart from the target step or runs them eagerly, when the pages of every
         position the burst may reach cannot be reserved without preempting anyone, or when it goes
         behind a step in flight (`in_flight`) and does not replay graphs (its later steps, packed from
         the schedule, would leave the step in flight out)."""
-        if schedule.prefill or not schedule.decode or not self._bursts():
+        if schedule.prefill or not schedule.decode or not self._burst_capable():
             return 1
+        if self.scheduler.waiting and not defers:
+            return 1  # they wait for seats: the step that frees one takes them in
         if in_flight is not None and not self.runner.replays(first.step):
             return 1
         if plan.drafts is not None and not (

@@ -133,6 +133,7 @@ class Scheduler:
         self,
         in_flight: InFlight | None = None,
         window_of: Callable[[list[Sequence]], int] | None = None,
+        admit: bool = True,
     ) -> StepSchedule | None:
         """Choose this step's decode windows and prefill chunks.
 
@@ -144,7 +145,10 @@ class Scheduler:
 
         With `in_flight` (a step launched and not yet accepted) the requests are scheduled from where
         that step leaves them at least, and nobody is preempted: None, with nothing scheduled but pages
-        reserved, when a decoding request's window does not fit (schedule again once it is accepted)."""
+        reserved, when a decoding request's window does not fit (schedule again once it is accepted).
+
+        `admit` False leaves waiting prompts waiting, unless the step carries a prompt's chunk anyway or
+        nothing decodes (the engine's decode bursts: a step without prompts may be one)."""
         plan = _Building()
         budget = self.max_num_batched_tokens
         cached = in_flight.cached if in_flight is not None else _cached
@@ -157,7 +161,8 @@ class Scheduler:
                 decoding.append((seq, now))
             else:
                 prefilling.append(seq)
-        admits = bool(self.waiting) and len(self.running) < self.max_num_seqs
+        admit = admit or bool(prefilling) or not decoding
+        admits = admit and bool(self.waiting) and len(self.running) < self.max_num_seqs
         most = self.window_positions
         if window_of is not None and decoding:
             most = max(1, min(most, window_of([seq for seq, _ in decoding])))
@@ -188,7 +193,7 @@ class Scheduler:
                 break
             if seq.status is SequenceStatus.RUNNING and cached(seq) < seq.prefill_target:
                 budget -= self._schedule_prefill(seq, budget, plan, cached(seq))
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             chunk = self._schedule_prefill(seq, budget, plan, seq.num_cached)
             if chunk == 0:
