@@ -82,7 +82,7 @@ case "${1:-}" in
     # serving_overhead.py: both sides burst), after served-bursts showed whether bursts lift served
     # tokens/s (~450 s, carry [".carry/c4"]).
     OUT=$OUT TESTS_S=0 SERVING_S=0 OVERHEAD_S=${OVERHEAD_S:-470} OVERHEAD_ARGS="--levels ${LEVELS:-1,8,64,128,256} \
-      --modes off,off-burst4,default,default-burst4 --requests-per-stream 8 --user-defaults --rounds 1" \
+      --modes ${MODES:-off,off-burst4,default,default-burst4} --requests-per-stream 8 --user-defaults --rounds 1" \
       bash benchmarks/gpu_check.sh > "$OUT/overhead-check.log" 2>&1
     echo "overhead: exit $?"; head -12 "$OUT/overhead.md"
     ;;
