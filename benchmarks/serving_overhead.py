@@ -87,6 +87,10 @@ MODES = {
     # Decode bursts of 4 on both sides: the host schedules, accepts and emits once for four steps.
     "off-burst4": {"spec_mode": "off", "decode_burst": 4},
     "default-burst4": {"decode_burst": 4},
+    # Bursts with a larger step token budget: a served load's prompts in one step between bursts rather
+    # than chunked over two or three (at 256 streams a burst's arrivals outgrow 512 tokens less the windows).
+    "off-burst4-mbt2048": {"spec_mode": "off", "decode_burst": 4, "max_num_batched_tokens": 2048},
+    "default-burst4-mbt2048": {"decode_burst": 4, "max_num_batched_tokens": 2048},
 }
 # Modes whose engine is another mode's (only the server differs): their offline figures are that one's.
 OFFLINE_OF = {"off-unpaced": "off", "default-unpaced": "default"}

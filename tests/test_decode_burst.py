@@ -45,7 +45,10 @@ def _engine(target_dir, graphs: bool, drafter_dir=None, **changes) -> LLMEngine:
     if graphs:
         config = emulated_graphs_config(target_dir, drafter_dir, **changes)
         return use_emulated_graphs(LLMEngine(config))
-    config = tiny_engine_config(target_dir, drafter_dir, num_kv_pages=96, max_num_batched_tokens=24)
+    # On the CPU: on a GPU machine `auto` would replay real CUDA graphs (and draft inside the step).
+    config = tiny_engine_config(
+        target_dir, drafter_dir, num_kv_pages=96, max_num_batched_tokens=24, device="cpu"
+    )
     return LLMEngine(config.replace(**changes))
 
 
@@ -252,7 +255,7 @@ def test_bursts_alternate_with_steps_that_take_prompts_in_under_steady_arrivals(
         if graphs:
             config = emulated_graphs_config(tiny_target_dir, spec_mode="off", **seats, **changes)
             return use_emulated_graphs(LLMEngine(config), requests=16, tokens=64)
-        config = tiny_engine_config(tiny_target_dir, None, **seats)
+        config = tiny_engine_config(tiny_target_dir, None, device="cpu", **seats)
         return LLMEngine(config.replace(spec_mode="off", **changes))
 
     single, single_waited, _ = arrivals(engine(), [0])
