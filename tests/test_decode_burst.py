@@ -129,6 +129,32 @@ def test_bursts_under_the_gate_give_the_tokens_of_steps_one_at_a_time(
     assert any(engine.gate.rates(n) for n in range(1, 5)), "the gate measured nothing"
 
 
+def test_a_gate_drafting_apart_bursts_its_plain_steps_only(tiny_target_dir, tiny_drafter_dir) -> None:
+    """A CPU's serve default: the drafter drafts apart from the target step (eager steps), the gate picks
+    each step's length. The steps it leaves plain may burst; a step that drafts does not (its later
+    steps would need drafts from the host's state of the requests, behind the burst)."""
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    prompts, params = _greedy_requests(rng, 9)
+    single = _run(_engine(tiny_target_dir, False), prompts, params)  # plain, one step at a time
+    engine = _engine(tiny_target_dir, False, tiny_drafter_dir, adaptive_speculation=True, decode_burst=4)
+    engine.gate = RandomLengthGate(engine.limits.block_size, rng)
+    plans = []
+    launch = engine._launch_burst
+
+    def counted(schedule, plan, first, length, ahead=False):  # noqa: ANN001, ANN202 - the engine's own
+        plans.append(plan)
+        return launch(schedule, plan, first, length, ahead)
+
+    engine._launch_burst = counted  # type: ignore[method-assign]
+    assert _run(engine, prompts, params) == single
+    assert engine.allocator.num_used == 0
+    assert plans, "no step the gate left plain burst"
+    assert all(plan.drafts is None and not any(plan.verify_lens) for plan in plans)
+    assert engine.total_spec_stats.drafted_tokens > 0, "the drafting steps ran too"
+
+
 @pytest.mark.parametrize("spec_mode", ["off", "static"])
 def test_an_abort_while_bursts_go_ahead_ends_that_request_alone(
     tiny_target_dir, tiny_drafter_dir, spec_mode

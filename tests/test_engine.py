@@ -257,7 +257,8 @@ def test_loop_totals_count_steps_requests_and_where_their_time_went(
     llm.generate(params=GREEDY, prompt_token_ids=_prompts(1, seed=3))
     again = llm.engine.load().loop
     assert again.steps > loop.steps and again.step_seconds > loop.step_seconds
-    plain = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="off"))
+    # One step at a time (bursts of eager steps wait for the step before instead).
+    plain = LLM(_config(tiny_target_dir, tiny_drafter_dir, spec_mode="off", decode_burst=1))
     plain.generate(params=GREEDY, prompt_token_ids=_prompts(3, seed=2))
     ahead = plain.engine.load().loop
     assert 0 < ahead.ahead_steps < ahead.steps  # plain decode steps go ahead of the acceptance

@@ -472,6 +472,28 @@ def test_a_burst_whose_last_steps_had_no_requests_left_counts_the_others() -> No
     assert gate._acceptance.passed[1] == pytest.approx(keep + 1)
 
 
+@pytest.mark.parametrize("neighbour_length", [2, 0])
+@pytest.mark.parametrize("burst", [4, 1])
+def test_a_burst_between_steps_that_take_prompts_in_is_measured(neighbour_length, burst) -> None:
+    """Under a server's steady arrivals steps that take prompts in alternate with bursts (each launched
+    behind the one before): a burst between two such steps of its length is measured, its time split
+    over its steps; a single step there, or a burst between steps of another length, is not."""
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    gate.start_step(neighbour_length, at=0.0, prefill=True)
+    gate.start_step(2, at=0.1)  # launched behind the first
+    clock.now = 1.0
+    gate.finish_step([])  # a step with a prefill chunk commits no measured tokens
+    gate.start_step(neighbour_length, at=1.1, prefill=True)  # behind the burst
+    clock.now = 5.0
+    gate.finish_burst([[2, 1]] * burst, [[2, 2]] * burst)
+    seconds = gate._tier(2).seconds
+    measured = burst > 1 and neighbour_length == 2
+    assert gate._tier(2).measured(2) == int(measured)
+    if measured:
+        assert seconds[2].value == pytest.approx((5.0 - 1.0) / burst)
+
+
 def test_a_warm_up_slower_than_later_steps_of_its_length_does_not_keep_it_losing() -> None:
     """A length's warm-up steps can run slow (its first runs at that shape; on the H100 plain decoding's
     warm-up steps at 128 requests took 2.5-2.7 ms, its later steps ~2.0): a losing length is re-measured

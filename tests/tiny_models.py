@@ -112,7 +112,8 @@ def write_tiny_drafter(
 
 def tiny_engine_config(target_dir: Path, draft_dir: Path | None = None, **changes: object) -> EngineConfig:
     """An engine over the tiny checkpoints with room for the tests' batches, drafting on every step (the
-    laws the tests measure are speculation's, not the adaptive gate's)."""
+    laws the tests measure are speculation's, not the adaptive gate's), one step at a time (the tests
+    of a step's mechanics count steps and their windows; tests/test_decode_burst.py asks for bursts)."""
     base = EngineConfig(
         model=str(target_dir),
         draft_model=str(draft_dir or ""),
@@ -121,6 +122,7 @@ def tiny_engine_config(target_dir: Path, draft_dir: Path | None = None, **change
         max_num_seqs=16,
         max_num_batched_tokens=64,
         adaptive_speculation=False,
+        decode_burst=1,
     )
     return base.replace(**changes)
 

@@ -148,8 +148,10 @@ class EngineConfig:
     # times a burst as its steps' share of its wall time. Streams then receive a burst's tokens in one
     # response. With launch_ahead, a burst whose steps replay CUDA graphs goes behind the step or burst
     # on the device, completed from its outputs there (eager bursts wait for it). Greedy output is the
-    # same. 1: off.
-    decode_burst: int = 1
+    # same. 1: off. 4 by default: through the server on an H100 bursts of 4 lifted served tokens/s
+    # 1.13-1.34x at 8-64 streams, and offline, launched ahead, they match or beat single steps launched
+    # ahead for plain decoding (1.00-1.18x at batch 1-128).
+    decode_burst: int = 4
     # Responses a second each instance of the Triton adapter (a backend stub) aims at: under load a
     # request's next response waits until (the instance's requests in flight / this) seconds after its
     # previous one, carrying every token committed meanwhile (its first and final responses never

@@ -440,19 +440,21 @@ class LLMEngine:
 
     def _defers_prompts(self) -> bool:
         """Whether the next step leaves waiting prompts waiting (`Scheduler.schedule`'s `admit`), so
-        that it may be a burst: bursts can run and the step before took prompts in. Under a steady
-        stream of arrivals (a server's load) steps that take prompts in then alternate with bursts
-        instead of leaving no step to burst; a prompt waits one burst at most."""
-        return self._took_prompts and self._burst_capable()
+        that it may be a burst: bursts can run, whatever the step drafts (no drafter, or one that
+        drafts inside the target step), and the step before took prompts in. Under a steady stream of
+        arrivals (a server's load) steps that take prompts in then alternate with bursts instead of
+        leaving no step to burst; a prompt waits one burst at most."""
+        return (
+            self._took_prompts and self._burst_capable() and (self.proposer is None or self._drafts_in_step())
+        )
 
     def _burst_capable(self) -> bool:
-        """Bursts on, one rank, every running request decoding on the device (`_decides_on_the_device`),
-        and no drafter or one whose drafts are made inside the target step (the gate, if any, times a
-        burst as its steps' share of its wall time: `finish_burst`)."""
+        """Bursts on, one rank and every running request decoding on the device
+        (`_decides_on_the_device`); whether a step's drafts allow one is `_burst_length`'s to say (the
+        gate, if any, times a burst as its steps' share of its wall time: `finish_burst`)."""
         return (
             self.config.decode_burst > 1
             and isinstance(self.runner, ModelRunner)
-            and (self.proposer is None or self._drafts_in_step())
             and (not self._host_decides or self._host_decides.isdisjoint(self.scheduler.running))
         )
 
@@ -619,6 +621,8 @@ class LLMEngine:
         accepted every draft of each; one that may end inside it (max_tokens, the context) sits out."""
         if not self.config.launch_ahead:
             return None
+        if self.proposer is not None and not self._drafts_in_step():
+            return None  # the next step's drafts would be made from the host's state, behind the burst
         if self._host_decides and not self._host_decides.isdisjoint(self.scheduler.running):
             return None
         windows = self._windows_in_flight(earlier.schedule, earlier.plan, earlier.length)

@@ -37,7 +37,8 @@ halves of that rate are measured apart:
 A step's time is measured only where it tells its own length's cost: with overlap scheduling the
 wall time a step adds (from the finish of the one before it to its own) holds the host's preparation of
 the step launched behind it and the emitting of the one before, so a step is measured only between
-neighbours of its own length that carry no prefill chunk. (Timing every step, a probe of plain decoding
+neighbours of its own length that carry no prefill chunk (a burst of steps: between neighbours of its
+length, chunks or not). (Timing every step, a probe of plain decoding
 between drafting steps was charged the drafting step's preparation, and the drafting step before it
 plain's: where the host sets the pace, a losing length looked as fast as the winner and the gate kept
 drafting at batch 128-256 on the H200, 0.66-0.81x plain decoding offline.) A step prepared after the
@@ -339,6 +340,13 @@ class SpeculationGate:
         after = self._started[0].kind if self._started else None
         if step.began >= previous:  # prepared after the step before finished: alone, unless another
             steady = after is None  # was launched behind it (then both preparations are in its time)
+        elif len(committed) > 1:
+            # A burst between neighbours of its length, with a prefill chunk or not: under a server's
+            # steady arrivals steps that take prompts in alternate with bursts (the engine leaves newer
+            # prompts waiting for one burst), and a burst measured only between chunkless neighbours
+            # was never measured there. A neighbour's preparation, split over the burst's steps, is a
+            # small share of each; every length's bursts sit between such steps alike.
+            steady = before is not None and after is not None and before[0] == after[0] == length
         else:
             steady = before == after == (length, False)
         if steady:
