@@ -19,7 +19,7 @@ from tiny_models import (
 )
 
 from dspark import LLMEngine, SamplingParams
-from dspark.config import EngineConfig
+from dspark.config import GPU_DECODE_BURST, EngineConfig
 
 
 def _count_bursts(engine: LLMEngine) -> list[int]:
@@ -296,9 +296,19 @@ def test_bursts_alternate_with_steps_that_take_prompts_in_under_steady_arrivals(
         assert calls <= single_waited[request_id] + 1, (request_id, calls, single_waited[request_id])
 
 
-def test_decode_burst_must_be_positive() -> None:
+@pytest.mark.shipped_overlap  # the engine's own view of the CPU (the suite makes it look like a GPU's)
+def test_decode_burst_must_not_be_negative_and_0_is_off_on_a_cpu(tiny_target_dir) -> None:
     with pytest.raises(ValueError, match="decode_burst"):
-        EngineConfig(decode_burst=0)
+        EngineConfig(decode_burst=-1)
+    # 0 (the default): bursts on a GPU, none on a CPU (eager bursts launch nothing ahead there).
+    assert EngineConfig().decode_burst == 0
+    engine = LLMEngine(
+        tiny_engine_config(tiny_target_dir, None, device="cpu", decode_burst=0, spec_mode="off")
+    )
+    assert engine.limits.decode_burst == 1
+    if torch.cuda.is_available():
+        config = gpu_graphs_config(tiny_target_dir, None, decode_burst=0, spec_mode="off")
+        assert LLMEngine(config).limits.decode_burst == GPU_DECODE_BURST
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.config import SPS_PROFILE, EngineConfig
+from dspark.config import GPU_DECODE_BURST, SPS_PROFILE, EngineConfig
 from dspark.engine.burst import LaunchedBurst, launch_burst
 from dspark.engine.kv_budget import resolve_kv_pages
 from dspark.engine.output_processor import OutputProcessor, PendingDelta
@@ -82,6 +82,7 @@ class ResolvedLimits:
     dtype: torch.dtype
     block_size: int
     max_model_len: int
+    decode_burst: int  # steps a burst runs at most (`decode_burst`, auto resolved; 1: no bursts)
 
 
 class LLMEngine:
@@ -152,7 +153,8 @@ class LLMEngine:
         )
         if capacity < 2:
             raise ValueError("num_kv_pages: the KV cache cannot hold even one request")
-        self.limits = ResolvedLimits(device, dtype, block_size, min(limit, capacity))
+        burst = config.decode_burst or (GPU_DECODE_BURST if device_runs_ahead(device) else 1)
+        self.limits = ResolvedLimits(device, dtype, block_size, min(limit, capacity), burst)
         self.loop_counters = LoopCounters()
         # Per-phase step timing: the host's time into the loop counters always, the device-synchronised
         # split only when a benchmark or profiler turns it on.
@@ -453,7 +455,7 @@ class LLMEngine:
         (`_decides_on_the_device`); whether a step's drafts allow one is `_burst_length`'s to say (the
         gate, if any, times a burst as its steps' share of its wall time: `finish_burst`)."""
         return (
-            self.config.decode_burst > 1
+            self.limits.decode_burst > 1
             and isinstance(self.runner, ModelRunner)
             and (not self._host_decides or self._host_decides.isdisjoint(self.scheduler.running))
         )
@@ -483,7 +485,7 @@ class LLMEngine:
             isinstance(plan.drafts, InStepDrafts) and self.runner.replays(first.step)
         ):
             return 1
-        length = self.config.decode_burst
+        length = self.limits.decode_burst
         max_model_len = self.limits.max_model_len
         # Behind a step in flight a request is past what the host knows of it (`_in_flight_tokens`).
         ahead = self._in_flight_tokens(schedule.decode, in_flight) if in_flight is not None else {}
