@@ -17,6 +17,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh served-bursts   carry [".carry/c4"] (~220 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh bursts-ahead   carry [".carry/c4"]  (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh bench-burst   carry [".carry/c4"]   (~270 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh bench-defaults   carry [".carry/c4"] (~450 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh overlap   carry [".carry/c4"]      (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh anchor   carry [".carry/c4"]       (~560 s)
 #
@@ -76,6 +77,15 @@ case "${1:-}" in
       --modes off,static --settings burst,ahead --repeats 2 --busy-steps 0 --out "$OUT/bursts-ahead.json" \
       > "$OUT/bursts-ahead.log" 2>&1
     echo "overlap: exit $?"; grep -A12 "^| batch" "$OUT/bursts-ahead.log"
+    ;;
+  bench-defaults)
+    # Issue 18's table with the shipped defaults (since session 45 decode bursts of 4 on a GPU, prompts
+    # deferred one burst), three rounds a level (one round's spread at 128-256 was 0.85-1.02) (~450 s,
+    # carry [".carry/c4"]).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 OVERHEAD_S=${OVERHEAD_S:-520} OVERHEAD_ARGS="--levels ${LEVELS:-1,8,64,128,256} \
+      --modes off,default --requests-per-stream 8 --user-defaults --rounds ${ROUNDS:-3}" \
+      bash benchmarks/gpu_check.sh > "$OUT/overhead-check.log" 2>&1
+    echo "overhead: exit $?"; head -9 "$OUT/overhead.md"
     ;;
   bench-burst)
     # Issue 18's table with decode bursts of 4 beside the defaults (modes off-burst4, default-burst4 of
