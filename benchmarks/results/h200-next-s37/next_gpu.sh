@@ -19,7 +19,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh bench-burst   carry [".carry/c4"]   (~270 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh bench-defaults   carry [".carry/c4"] (~450 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh overlap   carry [".carry/c4"]      (~330 s)
-#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh overlap-isolated   carry [".carry/c4"] (~300 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh overlap-isolated   carry [".carry/c4"] (~400 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh anchor   carry [".carry/c4"]       (~560 s)
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
@@ -233,11 +233,11 @@ case "${1:-}" in
     ;;
   overlap-isolated)
     # Issue 20's overlap table one mode a process (session 45: with six engines in one process plain at
-    # batch 128 with launch-ahead ran 47.2k tok/s, alone 84.6k), then the GPU busy share at 64 (~300 s,
+    # batch 128 with launch-ahead ran 47.2k tok/s, alone 84.6k), with the GPU busy shares (~400 s,
     # carry [".carry/c4"]).
     OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
     for mode in off static compact; do
-      timeout "${OVERLAP_S:-90}" python3 benchmarks/overlap.py --device cuda --batch-sizes 1,8,64,128 \
+      timeout "${OVERLAP_S:-120}" python3 benchmarks/overlap.py --device cuda --batch-sizes 1,8,64,128 \
         --modes "$mode" --settings ahead,off --repeats 3 --busy-steps "${BUSY_STEPS:-50}" \
         --out "$OUT/overlap-$mode.json" > "$OUT/overlap-$mode.log" 2>&1
       echo "overlap $mode: exit $?"; grep -A6 "^| batch" "$OUT/overlap-$mode.log"
