@@ -139,10 +139,10 @@ def timed_generate(
 def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_tokens: int) -> dict:
     """What the engine loop did in a window of `seconds` that produced `output_tokens` (two
     `LoopTotals` snapshots around it): steps/s, requests and output tokens per step, the shares of the
-    steps replayed from a graph, launched ahead and carrying a prefill chunk, the drafts a request
-    verified a step (the adaptive gate's choice), the share of the window
-    in step calls, and per step: wall ms (also apart for the steps that carried a prefill chunk and the
-    others), the acceptance's ms (where the host waits for the device), the served loop's ms between
+    steps replayed from a graph, launched ahead, carrying a prefill chunk and run in bursts, the drafts
+    a request verified a step (the adaptive gate's choice), the share of the window in step calls, and
+    per step: wall ms (also apart for the steps that carried a prefill chunk and the others), the
+    acceptance's ms (where the host waits for the device), the served loop's ms between
     steps (taking in commands, handing over deltas), the garbage collector's ms (and its full passes in
     the window) and the host's ms in each phase of the step (`host_<phase>_ms`)."""
     steps = max(after.steps - before.steps, 1)
@@ -157,6 +157,7 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
         "graph": round((after.graph_steps - before.graph_steps) / steps, 3),
         "ahead": round((after.ahead_steps - before.ahead_steps) / steps, 3),
         "prefill": round((after.prefill_steps - before.prefill_steps) / steps, 3),
+        "burst": round((after.burst_steps - before.burst_steps) / steps, 3),
         "drafts_per_request": round((after.verify_tokens - before.verify_tokens) / max(requests, 1), 3),
         "in_steps": round(step_s / seconds, 3),
         "step_ms": round(1e3 * step_s / steps, 3),

@@ -70,8 +70,9 @@ def test_bursts_give_the_tokens_of_steps_one_at_a_time(tiny_target_dir, graphs, 
     # Replayed from graphs with overlap, bursts go ahead of the step or burst on the device (completed
     # from its outputs there); eager ones wait for it (their later steps are packed from the schedule).
     assert (bursts[2] > 0) == (graphs and overlap), bursts
-    # Every step of a burst counts as a step; a burst is one call of the loop.
+    # Every step of a burst counts as a step, and as a burst's; a burst is one call of the loop.
     assert engine.loop_counters.steps >= bursts[1]
+    assert engine.loop_counters.burst_steps == bursts[1]
 
 
 # `compact` under the flat SPS table (the default) drafts inside the step as `static` does.

@@ -387,10 +387,12 @@ class LoopTotals:
     steps: int = 0
     step_requests: int = 0  # requests in each step, summed: / steps = the mean batch
     # Of the steps: those that replayed a captured graph (the rest ran eagerly), those launched ahead
-    # of the acceptance of the step before (`launch_ahead`), and those that carried a prefill chunk.
+    # of the acceptance of the step before (`launch_ahead`), those that carried a prefill chunk, and
+    # those run in decode bursts (`decode_burst`).
     graph_steps: int = 0
     ahead_steps: int = 0
     prefill_steps: int = 0
+    burst_steps: int = 0
     # Draft tokens the steps verified, summed over their requests (/ step_requests: the drafts a
     # request verified a step, as the adaptive gate chose them).
     verify_tokens: int = 0

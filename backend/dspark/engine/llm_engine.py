@@ -538,6 +538,7 @@ class LLMEngine:
                 ahead=ahead,
                 prefill=False,
                 verify_tokens=sum(plan.verify_lens),
+                burst=True,
             )
         self.timer.lap("target")
         return launched

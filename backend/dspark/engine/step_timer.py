@@ -89,15 +89,18 @@ class LoopCounters:
         pauses = collector_pauses()
         self._gc_before = (pauses.collections, pauses.full_collections, pauses.seconds)
 
-    def add_step(self, requests: int, graph: bool, ahead: bool, prefill: bool, verify_tokens: int) -> None:
+    def add_step(
+        self, requests: int, graph: bool, ahead: bool, prefill: bool, verify_tokens: int, burst: bool = False
+    ) -> None:
         """A step launched with `requests` requests: replayed from a graph or not, launched ahead of
         the acceptance of the one before or not, with a prefill chunk or not, verifying
-        `verify_tokens` drafts in all."""
+        `verify_tokens` drafts in all, in a decode burst or not."""
         self.steps += 1
         self.step_requests += requests
         self.graph_steps += graph
         self.ahead_steps += ahead
         self.prefill_steps += prefill
+        self.burst_steps += burst
         self.verify_tokens += verify_tokens
 
     def add_call(self, seconds: float, prefill: bool = False) -> None:
