@@ -171,3 +171,35 @@ def test_tune_keeps_the_first_fast_tile_not_the_fastest(monkeypatch, heads, firs
     kept = [config for key, config in tuner.cache.items() if key[:4] == kind]
     assert len(kept) == 1
     assert (kept[0].kwargs["BLOCK_N"] == 64) is kept_first
+
+
+@pytest.mark.parametrize("pages_in_a_run", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_window_laid_out_on_the_host_matches_the_paged_reference(pages_in_a_run, causal, gen):
+    """A CPU step of one window reads its layout from host values (`reference.one_window`: its pages in
+    place where they are one run, gathered otherwise): the same result as the paged reference, for
+    windows of one token, a verify window, a drafter's block and a prefill chunk, at random prefixes."""
+    page_size, num_pages = 8, 64
+    for q_len in (1, 4, 7, int(torch.randint(9, 40, (1,), generator=gen))):
+        prefix = int(torch.randint(0, 200, (1,), generator=gen))
+        num_keys = prefix + q_len
+        needed = -(-num_keys // page_size)
+        if pages_in_a_run:
+            first = int(torch.randint(0, num_pages - needed + 1, (1,), generator=gen))
+            pages = list(range(first, first + needed))
+        else:
+            pages = torch.randperm(num_pages, generator=gen)[:needed].tolist()
+        pages += [0, 5]  # a page table row is wider than the pages the window reads
+        q = torch.randn(q_len, 6, 16, generator=gen)
+        k_cache = torch.randn(num_pages, page_size, 2, 16, generator=gen)
+        v_cache = torch.randn(num_pages, page_size, 2, 16, generator=gen)
+        window = reference.one_window(pages, prefix, q_len, page_size, causal, torch.device("cpu"))
+        assert (window.first_page is not None) == (
+            pages_in_a_run or needed == 1 or pages[:needed] == list(range(pages[0], pages[0] + needed))
+        )
+        table = torch.tensor([pages], dtype=torch.int32)
+        cu = torch.tensor([0, q_len], dtype=torch.int32)
+        kv_lens = torch.tensor([num_keys], dtype=torch.int32)
+        expected = reference.paged_attention(q, k_cache, v_cache, table, cu, kv_lens, 0.25, causal)
+        got = ops.paged_attention(q, k_cache, v_cache, table, cu, kv_lens, 0.25, causal, window)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -57,6 +57,23 @@ def test_attention_batch_build_lays_out_every_token_by_hand(device, gen):
         assert batch.page_table[r, : len(row)].cpu().tolist() == row
 
 
+def test_a_host_step_of_one_window_carries_its_layout_as_host_values():
+    """On the CPU a step of one unpadded window carries `one_window` (every layer reads it instead of
+    the tensors); a padded layout, several windows or a GPU layout carry none."""
+    cpu = torch.device("cpu")
+    batch = AttentionBatch.build([[7, 8, 9]], [20], [4], 8, True, cpu)
+    window = batch.one_window
+    assert window is not None and (window.num_keys, window.num_queries, window.first_page) == (24, 4, 7)
+    assert window.mask is not None and window.mask.sum(dim=1).tolist() == [21, 22, 23, 24]
+    scattered = AttentionBatch.build([[7, 3, 9]], [20], [1], 8, True, cpu).one_window
+    assert scattered is not None and scattered.first_page is None and scattered.pages.tolist() == [7, 3, 9]
+    assert scattered.mask is None
+    assert AttentionBatch.build([[7, 8, 9]], [20], [4], 8, True, cpu, num_tokens=6).one_window is None
+    assert AttentionBatch.build([[1], [2]], [0, 0], [1, 1], 8, True, cpu).one_window is None
+    if DEVICE.type == "cuda":
+        assert AttentionBatch.build([[7, 8, 9]], [20], [4], 8, True, DEVICE).one_window is None
+
+
 @pytest.mark.parametrize("num_requests", [0, 1, 5, 64])
 def test_page_table_lists_each_requests_pages_and_pads_with_zeros(num_requests, gen):
     """build_page_table (the host half of every step's layout) against a row-by-row expectation, with

@@ -154,10 +154,17 @@ def paged_attention(
     kv_lens: torch.Tensor,
     scale: float,
     causal: bool,
+    one_window: reference.OneWindow | None = None,
 ) -> torch.Tensor:
-    """See reference.paged_attention."""
-    impl = load_kernels().attention if _on_gpu(q) else reference
-    return impl.paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale, causal)
+    """See reference.paged_attention. one_window: the same layout worked out on the host for a step of
+    one window (`reference.one_window`), which a CPU reads instead (a GPU reads the tensors)."""
+    if _on_gpu(q):
+        return load_kernels().attention.paged_attention(
+            q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale, causal
+        )
+    if one_window is not None:
+        return reference.one_window_attention(q, k_cache, v_cache, one_window, scale)
+    return reference.paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale, causal)
 
 
 def greedy_accept(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark.kernels import ops
+from dspark.kernels import ops, reference
 from dspark.runner.deferred_inputs import DeferredInputs
 from dspark.runner.host_to_device import to_device
 
@@ -21,7 +21,8 @@ class AttentionBatch:
     request including its window; page_table: [R, max_pages] int32; slots: [num_tokens] int64 cache
     slot of each packed token; causal: windows causal (target) or fully visible (draft block);
     positions: [num_tokens] int64 each packed token's position, when the layout was built here (a
-    captured step's layout keeps its own).
+    captured step's layout keeps its own); one_window: the layout of a host step of one window, as
+    host values every layer reads (`reference.one_window`; None elsewhere).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -30,6 +31,7 @@ class AttentionBatch:
     slots: torch.Tensor
     causal: bool
     positions: torch.Tensor | None = None
+    one_window: reference.OneWindow | None = None
 
     @property
     def num_requests(self) -> int:
@@ -75,7 +77,17 @@ class AttentionBatch:
         positions, slots, cu, kv_lens = ops.build_window_layout(
             bounds[0], bounds[1], table, page_size, num_tokens
         )
-        return cls(cu, kv_lens, table, slots, causal, positions)
+        one_window = None
+        if (
+            device.type == "cpu"
+            and count == num_requests == 1
+            and num_tokens == window_lens[0]
+            and deferred is None
+        ):
+            one_window = reference.one_window(
+                pages[0], window_starts[0], window_lens[0], page_size, causal, device
+            )
+        return cls(cu, kv_lens, table, slots, causal, positions, one_window)
 
 
 def build_page_table(pages: Sequence[Sequence[int]], num_rows: int) -> torch.Tensor:

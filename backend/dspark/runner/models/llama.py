@@ -74,7 +74,15 @@ class Attention(nn.Module):
             self.q_norm.eps if self.q_norm is not None else 1e-6,
         )
         out = ops.paged_attention(
-            q, k_cache, v_cache, batch.page_table, batch.cu_seqlens_q, batch.kv_lens, self.scale, batch.causal
+            q,
+            k_cache,
+            v_cache,
+            batch.page_table,
+            batch.cu_seqlens_q,
+            batch.kv_lens,
+            self.scale,
+            batch.causal,
+            batch.one_window,
         )
         return self.o_proj(out.reshape(n, self.num_heads * d))
 
