@@ -64,7 +64,7 @@ def test_a_host_step_of_one_window_carries_its_layout_as_host_values():
     batch = AttentionBatch.build([[7, 8, 9]], [20], [4], 8, True, cpu)
     window = batch.one_window
     assert window is not None and (window.num_keys, window.num_queries, window.first_page) == (24, 4, 7)
-    assert window.mask is not None and window.mask.sum(dim=1).tolist() == [21, 22, 23, 24]
+    assert window.mask is not None and (window.mask == 0).sum(dim=1).tolist() == [21, 22, 23, 24]
     scattered = AttentionBatch.build([[7, 3, 9]], [20], [1], 8, True, cpu).one_window
     assert scattered is not None and scattered.first_page is None and scattered.pages.tolist() == [7, 3, 9]
     assert scattered.mask is None
