@@ -57,21 +57,25 @@ def test_attention_batch_build_lays_out_every_token_by_hand(device, gen):
         assert batch.page_table[r, : len(row)].cpu().tolist() == row
 
 
-def test_a_host_step_of_one_window_carries_its_layout_as_host_values():
-    """On the CPU a step of one unpadded window carries `one_window` (every layer reads it instead of
-    the tensors); a padded layout, several windows or a GPU layout carry none."""
+def test_a_host_step_carries_its_layout_as_host_values():
+    """On the CPU an unpadded layout carries `host_windows` (every layer reads it instead of the
+    tensors); a padded layout or a GPU one carries none."""
     cpu = torch.device("cpu")
-    batch = AttentionBatch.build([[7, 8, 9]], [20], [4], 8, True, cpu)
-    window = batch.one_window
-    assert window is not None and (window.num_keys, window.num_queries, window.first_page) == (24, 4, 7)
-    assert window.mask is not None and (window.mask == 0).sum(dim=1).tolist() == [21, 22, 23, 24]
-    scattered = AttentionBatch.build([[7, 3, 9]], [20], [1], 8, True, cpu).one_window
-    assert scattered is not None and scattered.first_page is None and scattered.pages.tolist() == [7, 3, 9]
-    assert scattered.mask is None
-    assert AttentionBatch.build([[7, 8, 9]], [20], [4], 8, True, cpu, num_tokens=6).one_window is None
-    assert AttentionBatch.build([[1], [2]], [0, 0], [1, 1], 8, True, cpu).one_window is None
+    windows = AttentionBatch.build([[7, 8, 9]], [20], [4], 8, True, cpu).host_windows
+    assert windows is not None and (windows.num_keys, windows.window_len, windows.first_page) == (24, 4, 7)
+    assert windows.mask is not None and (windows.mask == 0).sum(dim=-1).flatten().tolist() == [21, 22, 23, 24]
+    scattered = AttentionBatch.build([[7, 3, 9]], [20], [1], 8, True, cpu).host_windows
+    assert scattered is not None and scattered.first_page is None and scattered.mask is None
+    assert scattered.key_slots.tolist() == [7 * 8 + i for i in range(8)] + [3 * 8 + i for i in range(8)] + [
+        9 * 8 + i for i in range(5)
+    ]
+    ragged = AttentionBatch.build([[1], [2, 3]], [0, 2], [1, 9], 8, True, cpu).host_windows
+    assert ragged is not None and ragged.window_len is None and ragged.num_windows == 2
+    assert [t.tolist() for t in ragged.query_rows] == [[0] + [1] * 9, [0, *range(9)]]
+    assert AttentionBatch.build([[7, 8, 9]], [20], [4], 8, True, cpu, num_tokens=6).host_windows is None
+    assert AttentionBatch.build([[1], [2]], [0, 0], [1, 1], 8, True, cpu, num_requests=3).host_windows is None
     if DEVICE.type == "cuda":
-        assert AttentionBatch.build([[7, 8, 9]], [20], [4], 8, True, DEVICE).one_window is None
+        assert AttentionBatch.build([[7, 8, 9]], [20], [4], 8, True, DEVICE).host_windows is None
 
 
 @pytest.mark.parametrize("num_requests", [0, 1, 5, 64])

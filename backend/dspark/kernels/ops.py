@@ -154,16 +154,16 @@ def paged_attention(
     kv_lens: torch.Tensor,
     scale: float,
     causal: bool,
-    one_window: reference.OneWindow | None = None,
+    host_windows: reference.HostWindows | None = None,
 ) -> torch.Tensor:
-    """See reference.paged_attention. one_window: the same layout worked out on the host for a step of
-    one window (`reference.one_window`), which a CPU reads instead (a GPU reads the tensors)."""
+    """See reference.paged_attention. host_windows: the same layout worked out on the host once a step
+    (`reference.host_windows`), which a CPU reads instead (a GPU reads the tensors)."""
     if _on_gpu(q):
         return load_kernels().attention.paged_attention(
             q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale, causal
         )
-    if one_window is not None:
-        return reference.one_window_attention(q, k_cache, v_cache, one_window, scale)
+    if host_windows is not None:
+        return reference.host_windows_attention(q, k_cache, v_cache, host_windows, scale)
     return reference.paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale, causal)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -224,50 +225,109 @@ def _one_request_attention(
 
 
 @dataclass(frozen=True)
-class OneWindow:
-    """A step of one window laid out on the host (the CPU's batch-1 step), worked out once for all its
-    layers rather than in each: the paged path's per-call reductions, host reads and gathers cost a
-    CPU decode step ~7% of its time (SmolLM2, 30 layers, 2-core AMD EPYC)."""
+class HostWindows:
+    """A CPU step's windows laid out once for all its layers (`host_windows`), where the paged path
+    works the layout out again in every layer: its reductions, host reads, gathers and masks cost a
+    CPU step of SmolLM2 (30 layers, 2-core AMD EPYC) ~7% of its time at one request and ~25% at eight.
+    Request r's keys are its first kv_lens[r] cache positions; its window the last of them."""
 
-    num_keys: int  # the window's end: every key before it is the request's
-    num_queries: int
-    first_page: int | None  # the pages read are first_page, first_page + 1, ...: read in place
-    pages: torch.Tensor  # [pages read] int64: gathered where they are not one run
-    # [num_queries, num_keys] fp32: 0 where query i sees a key, -inf where not; None: every key seen.
+    num_tokens: int  # the windows' tokens, packed back to back
+    window_len: int | None  # every window this long (its queries need no padding); None: ragged
+    num_keys: int  # the longest request's keys: each request's are padded to it
+    first_page: int | None  # one request whose pages are one run from this page: its keys read in place
+    key_slots: torch.Tensor  # [R * num_keys] int64 the cache slot of each request's keys (padding: 0)
+    query_rows: tuple[torch.Tensor, torch.Tensor] | None  # ragged: each token's request and its row
+    # [R, 1, query rows, num_keys] fp32: 0 where a query sees a key, -inf where not; None: all seen.
     mask: torch.Tensor | None
 
+    @property
+    def num_windows(self) -> int:
+        """R, the number of windows (requests)."""
+        return self.key_slots.shape[0] // self.num_keys
 
-def one_window(
-    pages: Sequence[int], start: int, length: int, page_size: int, causal: bool, device: torch.device
-) -> OneWindow:
-    """The OneWindow of a request's window of `length` positions from `start` over its `pages` (in
-    position order); causal: query i sees keys up to its own position, else every key."""
-    num_keys = start + length
-    used = list(pages[: -(-num_keys // page_size)])
+
+def host_windows(
+    pages: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    lens: Sequence[int],
+    page_size: int,
+    causal: bool,
+    device: torch.device,
+) -> HostWindows:
+    """The HostWindows of request r's window of lens[r] >= 1 positions from starts[r] over its pages
+    (in position order); causal: query i sees keys up to its own position, else every key."""
+    num_requests = len(lens)
+    kv_lens = [s + n for s, n in zip(starts, lens, strict=True)]
+    num_keys, max_q = max(kv_lens), max(lens)
+    used = [list(row[: -(-kv // page_size)]) for row, kv in zip(pages, kv_lens, strict=True)]
+    first = None
     # A free list hands pages out in order, so a lone request's pages are mostly one run.
-    first = used[0] if used and used == list(range(used[0], used[0] + len(used))) else None
+    if num_requests == 1 and used[0] == list(range(used[0][0], used[0][0] + len(used[0]))):
+        first = used[0][0]
+    rows = np.zeros((num_requests, -(-num_keys // page_size)), dtype=np.int64)
+    for row, request_pages in zip(rows, used, strict=True):
+        row[: len(request_pages)] = request_pages
+    table = torch.from_numpy(rows)
+    key_pos = torch.arange(num_keys)
+    kv = torch.tensor(kv_lens)
+    key_slots = table[:, key_pos // page_size] * page_size + key_pos % page_size
+    key_slots = key_slots.masked_fill(key_pos[None, :] >= kv[:, None], 0)
+    query_rows = None
+    if min(lens) != max_q:
+        request_of = torch.repeat_interleave(torch.arange(num_requests), torch.tensor(lens))
+        starts_of = torch.tensor([0, *lens]).cumsum(0)[:-1]
+        query_rows = (request_of, torch.arange(sum(lens)) - starts_of[request_of])
     mask = None
-    if causal and length > 1:
-        key_pos = torch.arange(num_keys, device=device)
-        hidden = key_pos[None, :] > (start + torch.arange(length, device=device))[:, None]
-        # Additive, as attention turns a boolean mask into one in every layer otherwise.
-        mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
-    return OneWindow(num_keys, length, first, torch.tensor(used, dtype=torch.long, device=device), mask)
+    if min(kv_lens) != num_keys or (causal and max_q > 1):
+        # Query i of request r sits at kv_lens[r] - lens[r] + i (a padding row past its window sees
+        # every key of its request); a key past kv_lens[r] is padding.
+        q_pos = (kv - torch.tensor(lens))[:, None] + torch.arange(max_q)[None, :]
+        hidden = key_pos[None, None, :] >= kv[:, None, None]
+        if causal:
+            hidden = hidden | (key_pos[None, None, :] > q_pos[:, :, None])
+        mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))[:, None].to(device)
+    return HostWindows(
+        sum(lens),
+        None if query_rows is not None else max_q,
+        num_keys,
+        first,
+        key_slots.flatten().to(device),
+        None if query_rows is None else (query_rows[0].to(device), query_rows[1].to(device)),
+        mask,
+    )
 
 
-def one_window_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: OneWindow, scale: float
+def host_windows_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, windows: HostWindows, scale: float
 ) -> torch.Tensor:
-    """paged_attention of one window laid out as `window`: the same result, q [num_queries, heads, D]."""
-    n = window.num_keys
-    if window.first_page is not None:
-        end = window.first_page + window.pages.shape[0]
-        k = k_cache[window.first_page : end].flatten(0, 1)[:n]
-        v = v_cache[window.first_page : end].flatten(0, 1)[:n]
+    """paged_attention of windows laid out as `windows`: the same result, [num_tokens, heads, D]."""
+    num_requests, num_keys, n = windows.num_windows, windows.num_keys, windows.num_tokens
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if windows.first_page is not None:
+        end = windows.first_page + -(-num_keys // k_cache.shape[1])
+        k = k_cache[windows.first_page : end].flatten(0, 1)[None, :num_keys]
+        v = v_cache[windows.first_page : end].flatten(0, 1)[None, :num_keys]
     else:
-        k = k_cache.index_select(0, window.pages).flatten(0, 1)[:n]
-        v = v_cache.index_select(0, window.pages).flatten(0, 1)[:n]
-    return _window_attention(q[: window.num_queries], k, v, window.mask, scale)
+        shape = (num_requests, num_keys, *k_cache.shape[2:])
+        k = k_cache.flatten(0, 1).index_select(0, windows.key_slots).view(shape)
+        v = v_cache.flatten(0, 1).index_select(0, windows.key_slots).view(shape)
+    if windows.query_rows is None:
+        queries = q[:n].view(num_requests, n // num_requests, num_heads, head_dim)
+    else:
+        rows = int(windows.query_rows[1].max()) + 1
+        queries = q.new_zeros(num_requests, rows, num_heads, head_dim)
+        queries[windows.query_rows] = q[:n]
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2).float(),
+        k.transpose(1, 2).float(),
+        v.transpose(1, 2).float(),
+        attn_mask=windows.mask,
+        scale=scale,
+        enable_gqa=num_heads > k.shape[2],
+    ).transpose(1, 2)
+    if windows.query_rows is None:
+        return out.reshape(n, num_heads, head_dim).to(q.dtype)
+    return out[windows.query_rows].to(q.dtype)
 
 
 def _window_attention(

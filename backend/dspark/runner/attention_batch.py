@@ -21,8 +21,8 @@ class AttentionBatch:
     request including its window; page_table: [R, max_pages] int32; slots: [num_tokens] int64 cache
     slot of each packed token; causal: windows causal (target) or fully visible (draft block);
     positions: [num_tokens] int64 each packed token's position, when the layout was built here (a
-    captured step's layout keeps its own); one_window: the layout of a host step of one window, as
-    host values every layer reads (`reference.one_window`; None elsewhere).
+    captured step's layout keeps its own); host_windows: on a CPU, the layout once more as every layer
+    reads it there (`reference.host_windows`; None for a padded or deferred layout and on a GPU).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -31,7 +31,7 @@ class AttentionBatch:
     slots: torch.Tensor
     causal: bool
     positions: torch.Tensor | None = None
-    one_window: reference.OneWindow | None = None
+    host_windows: reference.HostWindows | None = None
 
     @property
     def num_requests(self) -> int:
@@ -77,17 +77,13 @@ class AttentionBatch:
         positions, slots, cu, kv_lens = ops.build_window_layout(
             bounds[0], bounds[1], table, page_size, num_tokens
         )
-        one_window = None
-        if (
-            device.type == "cpu"
-            and count == num_requests == 1
-            and num_tokens == window_lens[0]
-            and deferred is None
-        ):
-            one_window = reference.one_window(
-                pages[0], window_starts[0], window_lens[0], page_size, causal, device
+        host_windows = None
+        unpadded = num_requests == count and num_tokens == int(lens.sum())
+        if device.type == "cpu" and count and unpadded and deferred is None and min(window_lens) > 0:
+            host_windows = reference.host_windows(
+                pages, window_starts, window_lens, page_size, causal, device
             )
-        return cls(cu, kv_lens, table, slots, causal, positions, one_window)
+        return cls(cu, kv_lens, table, slots, causal, positions, host_windows)
 
 
 def build_page_table(pages: Sequence[Sequence[int]], num_rows: int) -> torch.Tensor:

@@ -82,7 +82,7 @@ class Attention(nn.Module):
             batch.kv_lens,
             self.scale,
             batch.causal,
-            batch.one_window,
+            batch.host_windows,
         )
         return self.o_proj(out.reshape(n, self.num_heads * d))
 
