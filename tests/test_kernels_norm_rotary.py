@@ -106,3 +106,47 @@ def test_realistic_shapes(gen):
     case = parity.make_rotary_case(2048, 32, 8, 128, 16, torch.bfloat16, DEVICE, gen, padding_rows=5)
     parity.check_rotary_store_kv(KERNELS, case, qk_norm=True)
     parity.check_inject_kv(KERNELS, case, k_norm=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_host_steps_rotary_multipliers_made_once_rotate_as_each_layer_would(dtype, gen):
+    """`reference.host_rotation` (a CPU step's rotary multipliers, made once for its layers): the same
+    bits as `rotary` working them out itself; one made from other positions or another table is not
+    used, whatever its values."""
+    num_tokens, head_dim = 7, 32
+    table = torch.randn(300, head_dim, generator=gen)
+    positions = torch.randint(0, 300, (num_tokens,), generator=gen)
+    q = torch.randn(num_tokens, 6, head_dim, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, 2, head_dim, generator=gen).to(dtype)
+    expected = reference.rotary(q, k, positions, table)
+    made = reference.host_rotation(positions, table)
+    for got in (
+        reference.rotary(q, k, positions, table, made),
+        reference.rotary(q, k, positions, table, reference.host_rotation(positions.flip(0), table)),
+        reference.rotary(q, k, positions, table, reference.host_rotation(positions, table * 2)),
+    ):
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+    wrong = reference.rotary(q, k, positions, table * 2)
+    assert not torch.equal(wrong[0], expected[0])
+
+
+def test_a_host_layout_carries_the_rotary_multipliers_of_its_own_positions():
+    """AttentionBatch.build on the CPU with the model's rotary table: multipliers of the layout's own
+    positions (none for a padded layout, or without a table)."""
+    from dspark.runner.attention_batch import AttentionBatch
+
+    cpu = torch.device("cpu")
+    table = torch.arange(64 * 8, dtype=torch.float32).view(64, 8)
+    batch = AttentionBatch.build([[3, 4], [9]], [10, 2], [4, 1], 8, True, cpu, rotary_table=table)
+    rotation = batch.host_rotation
+    assert rotation is not None and rotation.positions is batch.positions and rotation.table is table
+    assert batch.positions.tolist() == [10, 11, 12, 13, 2]
+    torch.testing.assert_close(rotation.cos[:, 0, :4], table[batch.positions, :4], rtol=0, atol=0)
+    assert (
+        AttentionBatch.build(
+            [[3, 4]], [10], [4], 8, True, cpu, num_tokens=6, rotary_table=table
+        ).host_rotation
+        is None
+    )
+    assert AttentionBatch.build([[3, 4]], [10], [4], 8, True, cpu).host_rotation is None

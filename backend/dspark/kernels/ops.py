@@ -121,11 +121,16 @@ def rotary_store_kv(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    rotation: reference.HostRotation | None = None,
 ) -> torch.Tensor:
-    """See reference.rotary_store_kv."""
-    impl = load_kernels().rotary_store if _on_gpu(q) else reference
-    return impl.rotary_store_kv(
-        q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_norm_weight, k_norm_weight, eps
+    """See reference.rotary_store_kv. rotation: the step's rotary multipliers made once on the host
+    (`reference.host_rotation`), which a CPU reads (a GPU computes its own)."""
+    if _on_gpu(q):
+        return load_kernels().rotary_store.rotary_store_kv(
+            q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_norm_weight, k_norm_weight, eps
+        )
+    return reference.rotary_store_kv(
+        q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_norm_weight, k_norm_weight, eps, rotation
     )
 
 

@@ -22,7 +22,9 @@ class AttentionBatch:
     slot of each packed token; causal: windows causal (target) or fully visible (draft block);
     positions: [num_tokens] int64 each packed token's position, when the layout was built here (a
     captured step's layout keeps its own); host_windows: on a CPU, the layout once more as every layer
-    reads it there (`reference.host_windows`; None for a padded or deferred layout and on a GPU).
+    reads it there (`reference.host_windows`; None for a padded or deferred layout and on a GPU);
+    host_rotation: with host_windows, the rotary multipliers of `positions` from the table `build` was
+    given (`reference.host_rotation`), which every layer rotating by that table reads.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -32,6 +34,7 @@ class AttentionBatch:
     causal: bool
     positions: torch.Tensor | None = None
     host_windows: reference.HostWindows | None = None
+    host_rotation: reference.HostRotation | None = None
 
     @property
     def num_requests(self) -> int:
@@ -51,6 +54,7 @@ class AttentionBatch:
         num_requests: int = 0,
         token_ids: torch.Tensor | None = None,
         deferred: DeferredInputs | None = None,
+        rotary_table: torch.Tensor | None = None,
     ) -> AttentionBatch:
         """Lay out windows: request r's window covers positions [window_starts[r], +window_lens[r]).
 
@@ -60,7 +64,8 @@ class AttentionBatch:
         The page table is built on the host; slots, boundaries and key counts on `device`
         (`ops.build_window_layout`: the layout kernel on a GPU). `deferred`: what the windows take from
         an earlier step not yet accepted, applied to the device copy of the starts and to `token_ids`
-        (the step's token ids on `device`) before the layout is computed.
+        (the step's token ids on `device`) before the layout is computed. `rotary_table`: the cos/sin
+        table of the model this layout is for (a CPU layout then carries its rotary multipliers).
         """
         count = len(window_lens)
         num_requests = max(num_requests, count)
@@ -83,7 +88,10 @@ class AttentionBatch:
             host_windows = reference.host_windows(
                 pages, window_starts, window_lens, page_size, causal, device
             )
-        return cls(cu, kv_lens, table, slots, causal, positions, host_windows)
+        rotation = None
+        if host_windows is not None and rotary_table is not None:
+            rotation = reference.host_rotation(positions, rotary_table)
+        return cls(cu, kv_lens, table, slots, causal, positions, host_windows, rotation)
 
 
 def build_page_table(pages: Sequence[Sequence[int]], num_rows: int) -> torch.Tensor:

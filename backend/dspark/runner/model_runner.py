@@ -267,6 +267,7 @@ class ModelRunner:
             self.device,
             token_ids=token_ids,
             deferred=step.deferred,
+            rotary_table=self.model.cos_sin,
         )
         positions = batch.positions if step.positions is None else to_device(step.positions, self.device)
         made = None

@@ -259,12 +259,18 @@ class DSparkProposer:
         """What a block pass outside a graph takes: block ids and positions [R * block_size] on the device,
         and every request's block laid out (block_size positions from its first uncached one, seeing the
         whole block). A replayed block lays itself out on the device instead."""
-        block_size = self.block_size
-        positions = (torch.tensor(starts)[:, None] + torch.arange(block_size)[None, :]).flatten()
         batch = AttentionBatch.build(
-            pages, starts, [block_size] * len(starts), self.page_size, False, self.device
+            pages,
+            starts,
+            [self.block_size] * len(starts),
+            self.page_size,
+            False,
+            self.device,
+            rotary_table=self.drafter.cos_sin,
         )
-        return to_device(block.flatten(), self.device), to_device(positions, self.device), batch
+        # The layout's own positions: a CPU layout's rotary multipliers are made for that tensor.
+        assert batch.positions is not None
+        return to_device(block.flatten(), self.device), batch.positions, batch
 
     def _block_heads(
         self,

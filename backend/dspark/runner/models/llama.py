@@ -72,6 +72,7 @@ class Attention(nn.Module):
             self.q_norm.weight if self.q_norm is not None else None,
             self.k_norm.weight if self.k_norm is not None else None,
             self.q_norm.eps if self.q_norm is not None else 1e-6,
+            batch.host_rotation,
         )
         out = ops.paged_attention(
             q,
