@@ -62,6 +62,16 @@ def gen() -> torch.Generator:
     return generator
 
 
+@pytest.fixture
+def cpu_gen(gen: torch.Generator) -> torch.Generator:
+    """A CPU generator seeded from `gen` (its printed seed replays both), for a kernel test of a path
+    that runs on the CPU whatever the kernel tests' device."""
+    import kernel_parity
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device=gen.device))
+    return kernel_parity.generator(torch.device("cpu"), seed)[0]
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama checkpoint with an 8-token vocabulary (see tests/tiny_models.py)."""

@@ -24,11 +24,6 @@ FALLING = [(1, 100.0), (8, 96.0), (24, 70.0), (64, 30.0)]
 BUMPY = [(2, 50.0), (5, 58.0), (9, 40.0), (16, 45.0), (30, 20.0)]
 
 
-@pytest.fixture
-def cpu_gen(gen) -> torch.Generator:
-    return parity.generator(CPU, int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device=DEVICE)))[0]
-
-
 @pytest.mark.parametrize("caps", [False, True])
 def test_greedy_accept_over_ragged_windows(caps, gen):
     parity.check_greedy_accept(KERNELS, [0, 7, 3, 1, 7, 5, 0, 2], 7, 4, caps, DEVICE, gen)

@@ -175,48 +175,49 @@ def test_tune_keeps_the_first_fast_tile_not_the_fastest(monkeypatch, heads, firs
 
 @pytest.mark.parametrize("pages_in_a_run", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
-def test_one_window_laid_out_on_the_host_matches_the_paged_reference(pages_in_a_run, causal, gen):
+def test_one_window_laid_out_on_the_host_matches_the_paged_reference(pages_in_a_run, causal, cpu_gen):
     """A CPU step of one window reads its layout from host values (`reference.host_windows`: its pages
     in place where they are one run, gathered otherwise): the paged reference's result, for windows of
     one token, a verify window, a drafter's block and a prefill chunk, at random prefixes."""
     page_size, num_pages = 8, 64
-    for q_len in (1, 4, 7, int(torch.randint(9, 40, (1,), generator=gen))):
-        prefix = int(torch.randint(0, 200, (1,), generator=gen))
+    for q_len in (1, 4, 7, int(torch.randint(9, 40, (1,), generator=cpu_gen))):
+        prefix = int(torch.randint(0, 200, (1,), generator=cpu_gen))
         needed = -(-(prefix + q_len) // page_size)
         if pages_in_a_run:
-            first = int(torch.randint(0, num_pages - needed + 1, (1,), generator=gen))
+            first = int(torch.randint(0, num_pages - needed + 1, (1,), generator=cpu_gen))
             pages = list(range(first, first + needed))
         else:
-            pages = torch.randperm(num_pages, generator=gen)[:needed].tolist()
+            pages = torch.randperm(num_pages, generator=cpu_gen)[:needed].tolist()
         run = pages == list(range(pages[0], pages[0] + needed))
         pages += [0, 5]  # a page table row is wider than the pages the window reads
         windows = reference.host_windows([pages], [prefix], [q_len], page_size, causal, torch.device("cpu"))
         assert (windows.first_page is not None) == run
-        _check_host_windows([pages], [prefix], [q_len], page_size, num_pages, causal, gen)
+        _check_host_windows([pages], [prefix], [q_len], page_size, num_pages, causal, cpu_gen)
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_many_windows_laid_out_on_the_host_match_the_paged_reference(causal, gen):
+def test_many_windows_laid_out_on_the_host_match_the_paged_reference(causal, cpu_gen):
     """Several windows laid out on the host (`reference.host_windows`): decode steps (windows of one
     token), verify windows all of one length (no query padding) and ragged ones (prefill chunks beside
     decode windows), over shuffled pages, against the paged reference."""
     page_size, num_pages = 4, 400
-    for lens in ([1] * 5, [4] * 3, [1, 4, 13, 2], [int(n) for n in torch.randint(1, 9, (7,), generator=gen)]):
-        prefixes = torch.randint(0, 60, (len(lens),), generator=gen).tolist()
-        order = torch.randperm(num_pages, generator=gen).tolist()
+    ragged = [int(n) for n in torch.randint(1, 9, (7,), generator=cpu_gen)]
+    for lens in ([1] * 5, [4] * 3, [1, 4, 13, 2], ragged):
+        prefixes = torch.randint(0, 60, (len(lens),), generator=cpu_gen).tolist()
+        order = torch.randperm(num_pages, generator=cpu_gen).tolist()
         pages, used = [], 0
         for prefix, n in zip(prefixes, lens, strict=True):
             needed = -(-(prefix + n) // page_size) + 1  # a page reserved past the window
             pages.append(order[used : used + needed])
             used += needed
-        _check_host_windows(pages, prefixes, lens, page_size, num_pages, causal, gen)
+        _check_host_windows(pages, prefixes, lens, page_size, num_pages, causal, cpu_gen)
 
 
-def _check_host_windows(pages, prefixes, lens, page_size, num_pages, causal, gen):
+def _check_host_windows(pages, prefixes, lens, page_size, num_pages, causal, cpu_gen):
     """host_windows_attention (through ops) == reference.paged_attention over the same pages."""
-    q = torch.randn(sum(lens), 6, 16, generator=gen)
-    k_cache = torch.randn(num_pages, page_size, 2, 16, generator=gen)
-    v_cache = torch.randn(num_pages, page_size, 2, 16, generator=gen)
+    q = torch.randn(sum(lens), 6, 16, generator=cpu_gen)
+    k_cache = torch.randn(num_pages, page_size, 2, 16, generator=cpu_gen)
+    v_cache = torch.randn(num_pages, page_size, 2, 16, generator=cpu_gen)
     windows = reference.host_windows(pages, prefixes, lens, page_size, causal, torch.device("cpu"))
     width = max(map(len, pages))
     table = torch.tensor([row + [0] * (width - len(row)) for row in pages], dtype=torch.int32)

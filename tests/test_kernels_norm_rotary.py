@@ -109,15 +109,15 @@ def test_realistic_shapes(gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_host_steps_rotary_multipliers_made_once_rotate_as_each_layer_would(dtype, gen):
+def test_a_host_steps_rotary_multipliers_made_once_rotate_as_each_layer_would(dtype, cpu_gen):
     """`reference.host_rotation` (a CPU step's rotary multipliers, made once for its layers): the same
     bits as `rotary` working them out itself; one made from other positions or another table is not
     used, whatever its values."""
     num_tokens, head_dim = 7, 32
-    table = torch.randn(300, head_dim, generator=gen)
-    positions = torch.randint(0, 300, (num_tokens,), generator=gen)
-    q = torch.randn(num_tokens, 6, head_dim, generator=gen).to(dtype)
-    k = torch.randn(num_tokens, 2, head_dim, generator=gen).to(dtype)
+    table = torch.randn(300, head_dim, generator=cpu_gen)
+    positions = torch.randint(0, 300, (num_tokens,), generator=cpu_gen)
+    q = torch.randn(num_tokens, 6, head_dim, generator=cpu_gen).to(dtype)
+    k = torch.randn(num_tokens, 2, head_dim, generator=cpu_gen).to(dtype)
     expected = reference.rotary(q, k, positions, table)
     made = reference.host_rotation(positions, table)
     for got in (
