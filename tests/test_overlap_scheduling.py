@@ -49,6 +49,26 @@ def _deltas_by_request(engine: LLMEngine, prompts, params, abort_after: dict[str
     return out
 
 
+def _assert_same_deltas(got: dict[str, list[tuple]], expected: dict[str, list[tuple]]) -> None:
+    """The same deltas per request: tokens, text, finish and error exactly, each logprob's token ids
+    and ranks exactly and its value to fp32 rounding. (About one draw in 400 of the test below, plain
+    decoding under preemption, gave logprobs ~1e-6 apart with every token the same: a request's logits
+    come from products whose CPU path depends on the step's row count, so the step it was decoded in
+    was made up differently with overlap; seen before and after session 46's CPU attention layout.)"""
+    assert got.keys() == expected.keys()
+    for request_id, deltas in expected.items():
+        assert len(got[request_id]) == len(deltas), request_id
+        for mine, theirs in zip(got[request_id], deltas, strict=True):
+            assert mine[:4] == theirs[:4] and mine[5] == theirs[5], request_id
+            assert (mine[4] is None) == (theirs[4] is None), request_id
+            for a, b in zip(mine[4] or [], theirs[4] or [], strict=True):
+                assert a.keys() == b.keys(), request_id
+                for token_id, entry in a.items():
+                    other = b[token_id]
+                    assert (entry.rank, entry.decoded_token) == (other.rank, other.decoded_token), request_id
+                    assert entry.logprob == pytest.approx(other.logprob, rel=1e-5, abs=1e-5), request_id
+
+
 @pytest.mark.parametrize("mode", ["off", "static", "compact"])
 def test_overlap_gives_every_request_the_same_deltas(tiny_target_dir, tiny_drafter_dir, mode) -> None:
     rng = random.Random()
@@ -67,7 +87,7 @@ def test_overlap_gives_every_request_the_same_deltas(tiny_target_dir, tiny_draft
             break
     engine = LLMEngine(config.replace(overlap_scheduling=True))
     overlapped = _deltas_by_request(engine, prompts, params)
-    assert overlapped == waiting
+    _assert_same_deltas(overlapped, waiting)
     assert all(deltas and deltas[-1][2] for deltas in overlapped.values())  # each ends once
     assert engine.allocator.num_used == 0
     if mode == "off":  # (speculative modes reserve their windows differently)
