@@ -1,5 +1,7 @@
-"""overlap_scheduling: a step's text and deltas are made while the device runs the next step. The
-engine runs the same steps either way, so every request gets the same deltas, in the same order."""
+"""overlap_scheduling: a step's text and deltas are made while the device runs the next step. Every
+request gets the same deltas either way, in the same order (under preemption the scheduler, not yet
+knowing what the step in flight commits, may preempt other requests and so make up steps differently:
+the tokens are the same, a logprob the same to fp32 rounding)."""
 
 from __future__ import annotations
 
@@ -52,9 +54,9 @@ def _deltas_by_request(engine: LLMEngine, prompts, params, abort_after: dict[str
 def _assert_same_deltas(got: dict[str, list[tuple]], expected: dict[str, list[tuple]]) -> None:
     """The same deltas per request: tokens, text, finish and error exactly, each logprob's token ids
     and ranks exactly and its value to fp32 rounding. (About one draw in 400 of the test below, plain
-    decoding under preemption, gave logprobs ~1e-6 apart with every token the same: a request's logits
-    come from products whose CPU path depends on the step's row count, so the step it was decoded in
-    was made up differently with overlap; seen before and after session 46's CPU attention layout.)"""
+    decoding under preemption, gave logprobs ~1e-6 apart with every token the same: with overlap the
+    scheduler preempted 3 times against 2, so steps were made up differently from the second on, and a
+    CPU product's path, and so its last bits, depends on the step's row count.)"""
     assert got.keys() == expected.keys()
     for request_id, deltas in expected.items():
         assert len(got[request_id]) == len(deltas), request_id
