@@ -62,7 +62,8 @@ def test_a_host_step_carries_its_layout_as_host_values():
     tensors); a padded layout or a GPU one carries none."""
     cpu = torch.device("cpu")
     windows = AttentionBatch.build([[7, 8, 9]], [20], [4], 8, True, cpu).host_windows
-    assert windows is not None and (windows.num_keys, windows.window_len, windows.first_page) == (24, 4, 7)
+    assert windows is not None and (windows.num_keys, windows.num_tokens, windows.first_page) == (24, 4, 7)
+    assert windows.query_rows is None  # one window: no query padding
     assert windows.mask is not None and (windows.mask == 0).sum(dim=-1).flatten().tolist() == [21, 22, 23, 24]
     scattered = AttentionBatch.build([[7, 3, 9]], [20], [1], 8, True, cpu).host_windows
     assert scattered is not None and scattered.first_page is None and scattered.mask is None
@@ -70,7 +71,7 @@ def test_a_host_step_carries_its_layout_as_host_values():
         9 * 8 + i for i in range(5)
     ]
     ragged = AttentionBatch.build([[1], [2, 3]], [0, 2], [1, 9], 8, True, cpu).host_windows
-    assert ragged is not None and ragged.window_len is None and ragged.num_windows == 2
+    assert ragged is not None and ragged.query_rows is not None and ragged.num_windows == 2
     assert [t.tolist() for t in ragged.query_rows] == [[0] + [1] * 9, [0, *range(9)]]
     assert AttentionBatch.build([[7, 8, 9]], [20], [4], 8, True, cpu, num_tokens=6).host_windows is None
     assert AttentionBatch.build([[1], [2]], [0, 0], [1, 1], 8, True, cpu, num_requests=3).host_windows is None

@@ -227,6 +227,12 @@ class LLMEngine:
             self._drafts_in_step()  # follows the target graphs' layout: its blocks are captured too
             self.proposer.capture_graphs()
 
+    def _drafts_apart(self) -> bool:
+        """Whether a step's drafts are made apart from the target step, from the host's state of its
+        requests (a drafter that does not draft inside the step): nothing goes ahead of such a step
+        or into a burst's defers."""
+        return self.proposer is not None and not self._drafts_in_step()
+
     def _drafts_in_step(self) -> bool:
         """Whether a step's greedy drafts can be made inside the target step, from the target graphs'
         layout (`InStepDrafts`): a policy whose verify lengths do not depend on the drafts, a
@@ -446,9 +452,7 @@ class LLMEngine:
         drafts inside the target step), and the step before took prompts in. Under a steady stream of
         arrivals (a server's load) steps that take prompts in then alternate with bursts instead of
         leaving no step to burst; a prompt waits one burst at most."""
-        return (
-            self._took_prompts and self._burst_capable() and (self.proposer is None or self._drafts_in_step())
-        )
+        return self._took_prompts and self._burst_capable() and not self._drafts_apart()
 
     def _burst_capable(self) -> bool:
         """Bursts on, one rank and every running request decoding on the device
@@ -619,14 +623,21 @@ class LLMEngine:
         queued = queue_greedy(earlier.plan, earlier.drafts, earlier.result)
         return self._launch(in_flight, queued), queued
 
+    def _may_go_ahead(self) -> bool:
+        """Whether anything may be launched before the step or burst in flight is accepted: launch_ahead
+        on, one rank (ranks are sent host tokens), no drafts made apart (`_drafts_apart`), and no
+        running request whose next step reads what the host learns from the acceptance."""
+        return (
+            self.config.launch_ahead
+            and isinstance(self.runner, ModelRunner)
+            and not self._drafts_apart()
+            and (not self._host_decides or self._host_decides.isdisjoint(self.scheduler.running))
+        )
+
     def _in_flight_of_burst(self, earlier: LaunchedBurst) -> InFlight | None:
         """`_in_flight_of` a burst: each of its requests cached at least an anchor a step and may have
         accepted every draft of each; one that may end inside it (max_tokens, the context) sits out."""
-        if not self.config.launch_ahead:
-            return None
-        if self.proposer is not None and not self._drafts_in_step():
-            return None  # the next step's drafts would be made from the host's state, behind the burst
-        if self._host_decides and not self._host_decides.isdisjoint(self.scheduler.running):
+        if not self._may_go_ahead():
             return None
         windows = self._windows_in_flight(earlier.schedule, earlier.plan, earlier.length)
         advance, reach, follows, sit_out = windows
@@ -658,11 +669,7 @@ class LLMEngine:
         host tokens), drafts made apart from the step (from the host's state of the requests), or a
         running request whose next step reads what the host learns from the acceptance (sampling,
         penalties, stop strings, logprobs)."""
-        if not self.config.launch_ahead or not isinstance(self.runner, ModelRunner):
-            return None
-        if self.proposer is not None and not self._drafts_in_step():
-            return None
-        if self._host_decides and not self._host_decides.isdisjoint(self.scheduler.running):
+        if not self._may_go_ahead():
             return None
         schedule = earlier.schedule
         advance, reach, follows, sit_out = self._windows_in_flight(schedule, earlier.plan, 1)

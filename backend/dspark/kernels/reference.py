@@ -260,11 +260,11 @@ class HostWindows:
     kv_lens[r] cache positions; its window the last of them."""
 
     num_tokens: int  # the windows' tokens, packed back to back
-    window_len: int | None  # every window this long (its queries need no padding); None: ragged
     num_keys: int  # the longest request's keys: each request's are padded to it
     first_page: int | None  # one request whose pages are one run from this page: its keys read in place
     key_slots: torch.Tensor  # [R * num_keys] int64 the cache slot of each request's keys (padding: 0)
-    query_rows: tuple[torch.Tensor, torch.Tensor] | None  # ragged: each token's request and its row
+    # Ragged windows: each token's request and its row (None: windows of one length, no padding).
+    query_rows: tuple[torch.Tensor, torch.Tensor] | None
     # [R, 1, query rows, num_keys] fp32: 0 where a query sees a key, -inf where not; None: all seen.
     mask: torch.Tensor | None
 
@@ -316,7 +316,6 @@ def host_windows(
         mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))[:, None].to(device)
     return HostWindows(
         sum(lens),
-        None if query_rows is not None else max_q,
         num_keys,
         first,
         key_slots.flatten().to(device),

@@ -73,7 +73,8 @@ class AttentionBatch:
         lens = torch.zeros(num_requests, dtype=torch.int64)
         starts[:count] = torch.tensor(window_starts, dtype=torch.int64)
         lens[:count] = torch.tensor(window_lens, dtype=torch.int64)
-        num_tokens = max(num_tokens, int(lens.sum()))
+        window_tokens = int(lens.sum())
+        num_tokens = max(num_tokens, window_tokens)
         table = to_device(build_page_table(pages, num_requests), device)
         bounds = to_device(torch.stack([starts, lens]), device)
         if deferred is not None:
@@ -83,7 +84,7 @@ class AttentionBatch:
             bounds[0], bounds[1], table, page_size, num_tokens
         )
         host_windows = None
-        unpadded = num_requests == count and num_tokens == int(lens.sum())
+        unpadded = num_requests == count and num_tokens == window_tokens
         if device.type == "cpu" and count and unpadded and deferred is None and min(window_lens) > 0:
             host_windows = reference.host_windows(
                 pages, window_starts, window_lens, page_size, causal, device
