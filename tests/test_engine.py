@@ -209,12 +209,18 @@ def test_async_engine_streams_deltas_that_add_up(tiny_target_dir, tiny_drafter_d
     assert not engine.healthy
 
 
-def test_step_timer_splits_each_step_into_phases(tiny_target_dir, tiny_drafter_dir) -> None:
-    llm = LLM(_config(tiny_target_dir, tiny_drafter_dir))
+@pytest.mark.parametrize("spec_mode,decode_burst", [("compact", 1), ("off", 4)])
+def test_step_timer_splits_each_step_into_phases(
+    tiny_target_dir, tiny_drafter_dir, spec_mode, decode_burst
+) -> None:
+    config = _config(tiny_target_dir, tiny_drafter_dir, spec_mode=spec_mode, decode_burst=decode_burst)
+    llm = LLM(config)
     llm.engine.timer.enabled = True
     outs = llm.generate(params=GREEDY, prompt_token_ids=_prompts(3, seed=1))
     phases = llm.engine.timer.summary()
     steps = max(o.spec_stats.steps for o in outs)
+    # A burst's steps count one by one (a GPU bursts speculative steps too, a CPU plain ones only).
+    assert (llm.engine.load().loop.burst_steps > 0) == (decode_burst > 1)
     assert phases["steps"] >= steps
     for phase in ("schedule", "draft", "plan", "layout", "target", "accept", "emit"):
         assert phases[phase] > 0, phase

@@ -367,8 +367,10 @@ class LLMEngine:
         timer = self.timer
         started = timer.start()
         failed, self._pending = self._pending, []
+        completed: LaunchedStep | LaunchedBurst | None = None  # what this call accepts and commits
         if self.overlaps:
             earlier, launched, done = self._in_flight, None, []
+            completed = earlier
             if earlier is not None:
                 launched, queued = self._launch_ahead(earlier)
                 done = self._complete(earlier, queued)
@@ -379,12 +381,13 @@ class LLMEngine:
             self._in_flight = launched
         else:
             done = self._apply_aborts()
-            launched = self._launch()
+            launched = completed = self._launch()
             if launched is not None:
                 done += self._complete(launched)
         deltas = failed + [pending.make(self.defer_text) for pending in done]
         if launched is not None or done:
-            timer.finish("emit")
+            # A burst's steps count one by one, as the loop's totals count them.
+            timer.finish("emit", completed.length if isinstance(completed, LaunchedBurst) else 1)
             prefill = launched is not None and bool(launched.schedule.prefill)
             self.loop_counters.add_call(time.perf_counter() - started, prefill)
         return deltas

@@ -43,11 +43,12 @@ class StepTimer:
             self._last = time.perf_counter()
         return self._host_last
 
-    def finish(self, phase: str) -> None:
-        """The last lap of a step that ran: charge it to `phase` and count the step."""
+    def finish(self, phase: str, steps: int = 1) -> None:
+        """The last lap of a step call that ran: charge it to `phase` and count its `steps` (a burst's
+        steps one by one)."""
         if self.enabled:
             self.lap(phase)
-            self._steps += 1
+            self._steps += steps
 
     def lap(self, phase: str) -> None:
         """Charge the time since the last mark to `phase`."""
