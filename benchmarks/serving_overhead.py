@@ -91,6 +91,11 @@ MODES = {
     # than chunked over two or three (at 256 streams a burst's arrivals outgrow 512 tokens less the windows).
     "off-burst4-mbt2048": {"spec_mode": "off", "decode_burst": 4, "max_num_batched_tokens": 2048},
     "default-burst4-mbt2048": {"decode_burst": 4, "max_num_batched_tokens": 2048},
+    # A step budget of 1024 tokens replayed from graphs up to that size: at 256 streams the default's
+    # windows may verify up to three drafts (two while prompts wait) instead of one (none), and a
+    # burst's arrivals fit one step (session 47: 0.80 served/offline there, 0.95x plain offline).
+    "off-mbt1024": {"spec_mode": "off", "max_num_batched_tokens": 1024, "cuda_graph_max_tokens": 1024},
+    "default-mbt1024": {"max_num_batched_tokens": 1024, "cuda_graph_max_tokens": 1024},
 }
 # Modes whose engine is another mode's (only the server differs): their offline figures are that one's.
 OFFLINE_OF = {"off-unpaced": "off", "default-unpaced": "default"}

@@ -17,6 +17,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh served-bursts   carry [".carry/c4"] (~220 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh bursts-ahead   carry [".carry/c4"]  (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh bench-burst   carry [".carry/c4"]   (~270 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh mbt1024   carry [".carry/c4"]      (~400 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh bench-defaults   carry [".carry/c4"] (~450 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh overlap   carry [".carry/c4"]      (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh overlap-isolated   carry [".carry/c4"] (~400 s)
@@ -86,6 +87,15 @@ case "${1:-}" in
     OUT=$OUT TESTS_S=0 SERVING_S=0 OVERHEAD_S=${OVERHEAD_S:-520} OVERHEAD_ARGS="--levels ${LEVELS:-1,8,64,128,256} \
       --modes off,default --requests-per-stream 8 --user-defaults --rounds ${ROUNDS:-3}" \
       bash benchmarks/gpu_check.sh > "$OUT/overhead-check.log" 2>&1
+    echo "overhead: exit $?"; head -9 "$OUT/overhead.md"
+    ;;
+  mbt1024)
+    # Session 47's question at 256 streams: a 1024-token step budget replayed from graphs (windows of up
+    # to 4 positions for 256 requests, a burst's arrivals in one step) against the defaults' 512, both
+    # modes, 128 and 256 streams, two rounds (~400 s, carry [".carry/c4"]).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 OVERHEAD_S=${OVERHEAD_S:-520} OVERHEAD_ARGS="--levels ${LEVELS:-128,256} \
+      --modes ${MODES:-off,default,off-mbt1024,default-mbt1024} --requests-per-stream 8 --user-defaults \
+      --rounds ${ROUNDS:-2}" bash benchmarks/gpu_check.sh > "$OUT/overhead-check.log" 2>&1
     echo "overhead: exit $?"; head -9 "$OUT/overhead.md"
     ;;
   bench-burst)
@@ -258,7 +268,7 @@ case "${1:-}" in
     echo "variants: exit $?"; cat "$OUT/variants/variants.md"
     ;;
   *)
-    echo "usage: next_gpu.sh tests|tests-lite|bench|smt|diagnose|plain-cost|clients|window|timeline|gate-order|served-bursts|bursts-ahead|bench-burst|overlap|anchor" >&2
+    echo "usage: next_gpu.sh tests|tests-lite|bench|mbt1024|smt|diagnose|plain-cost|clients|window|timeline|gate-order|served-bursts|bursts-ahead|bench-burst|overlap|anchor" >&2
     exit 2
     ;;
 esac
