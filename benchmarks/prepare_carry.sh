@@ -10,10 +10,12 @@
 #                    training/prompts_train.jsonl moved aside)
 #   .carry/c4        the last GGUF part, its sha256 and the gguf wheel: carried by every working call
 #   .carry/c5        the remaining serving wheels (and distill shards, if .carry/distill has any)
-# Parking calls, back to back (the machine goes cold 30 s after a call), with drafters/ and
-# training/prompts_train.jsonl moved out of the tree meanwhile:
+# Parking calls, back to back (the machine goes cold 30 s after a call), with drafters/,
+# benchmarks/results/ and training/prompts_train.jsonl moved out of the tree meanwhile:
 #   run(carry=[".carry/cN"], command="mkdir -p /tmp/carry/distill && cp -r .carry/cN/* /tmp/carry/")
-# for N = 1, 2, 3, 5; then the working calls carry [".carry/c4"] (plus what they need).
+# for N = 1, 2, then c3 and c5 in one call (carry [".carry/c3", ".carry/c5"]: together with the bare
+# tree under 64 MiB while c5 holds no shards, as in session 47); put drafters/ and benchmarks/results/
+# back (they and c4 fit one call), and the working calls carry [".carry/c4"] (plus what they need).
 # Wheels are for the device's Python (3.12, manylinux x86_64; DEVICE_PYTHON overrides the version):
 # nvidia-pytriton 0.7.0 (tritonserver and the Python backend stub, which needs numpy < 2 in the Python
 # it embeds, so numpy 1.26.4 travels too), the tritonclient stack, pytest-xdist and py-spy.
