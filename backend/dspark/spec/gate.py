@@ -37,8 +37,8 @@ halves of that rate are measured apart:
 A step's time is measured only where it tells its own length's cost: with overlap scheduling the
 wall time a step adds (from the finish of the one before it to its own) holds the host's preparation of
 the step launched behind it and the emitting of the one before, so a step is measured only between
-neighbours of its own length that carry no prefill chunk (a burst of steps: between neighbours of its
-length, chunks or not). (Timing every step, a probe of plain decoding
+neighbours of its own length that carry no prefill chunk (a burst of steps: between neighbours each of
+its length or carrying a prefill chunk, whatever its length). (Timing every step, a probe of plain decoding
 between drafting steps was charged the drafting step's preparation, and the drafting step before it
 plain's: where the host sets the pace, a losing length looked as fast as the winner and the gate kept
 drafting at batch 128-256 on the H200, 0.66-0.81x plain decoding offline.) A step prepared after the
@@ -341,12 +341,22 @@ class SpeculationGate:
         if step.began >= previous:  # prepared after the step before finished: alone, unless another
             steady = after is None  # was launched behind it (then both preparations are in its time)
         elif len(committed) > 1:
-            # A burst between neighbours of its length, with a prefill chunk or not: under a server's
-            # steady arrivals steps that take prompts in alternate with bursts (the engine leaves newer
-            # prompts waiting for one burst), and a burst measured only between chunkless neighbours
-            # was never measured there. A neighbour's preparation, split over the burst's steps, is a
-            # small share of each; every length's bursts sit between such steps alike.
-            steady = before is not None and after is not None and before[0] == after[0] == length
+            # A burst between neighbours of its length or with a prefill chunk: under a server's steady
+            # arrivals steps that take prompts in alternate with bursts (the engine leaves newer prompts
+            # waiting for one burst), and a burst measured only between chunkless neighbours was never
+            # measured there. Such a neighbour's length is often not the burst's: the scheduler shortens
+            # its windows to leave prompts their share of the step's tokens (at 256 requests and 512
+            # tokens, no drafts at all), so a drafting burst required to sit between steps of its own
+            # length was never measured under steady arrivals, and the gate followed times taken in a
+            # lull (without the prompt-taking step's preparation in them) against plain bursts measured
+            # with it. A neighbour's preparation, split over the burst's steps, is a small share of each;
+            # every length's bursts sit between such steps alike.
+            steady = (
+                before is not None
+                and after is not None
+                and (before[0] == length or before[1])
+                and (after[0] == length or after[1])
+            )
         else:
             steady = before == after == (length, False)
         if steady:
