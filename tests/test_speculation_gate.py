@@ -497,6 +497,12 @@ def test_a_burst_between_steps_that_take_prompts_in_is_measured(neighbour_length
         assert seconds[2].value == pytest.approx((5.0 - 1.0) / burst)
 
 
+def _burst_tokens(length: int, requests: int) -> list[list[int]]:
+    """What each of a burst's 4 steps commits per request: 1 token, plus the draft for two requests in
+    five when the burst drafts (each draft accepted with probability 0.4)."""
+    return [[1 + (length > 0 and r % 5 < 2) for r in range(requests)]] * 4
+
+
 def _served_bursts(
     gate: SpeculationGate, clock: _Clock, requests: int, count: int, step_s: dict[int, float], intake_s: float
 ) -> list[int]:
@@ -504,7 +510,7 @@ def _served_bursts(
     prompts in and followed by the next (launched behind it): the prompt-taking steps' windows are
     shortened to no drafts (the scheduler's share for prompts at a full budget), whatever the gate chose
     for them; a burst's step of length n takes step_s[n] seconds, and every draft is accepted with
-    probability 0.4 (two requests in five). Returns the bursts' lengths."""
+    probability 0.4 (`_burst_tokens`). Returns the bursts' lengths."""
     lengths = []
     gate.draft_length(requests)
     gate.start_step(0, at=clock.now, prefill=True)
@@ -517,8 +523,7 @@ def _served_bursts(
         gate.draft_length(requests)
         gate.start_step(0, at=clock.now, prefill=True)
         clock.now += 4 * step_s[length]
-        committed = [1 + (length > 0 and r % 5 < 2) for r in range(requests)]
-        gate.finish_burst([committed] * 4, [[length] * requests] * 4)
+        gate.finish_burst(_burst_tokens(length, requests), [[length] * requests] * 4)
     return lengths
 
 
@@ -526,7 +531,7 @@ def _lull_bursts(
     gate: SpeculationGate, clock: _Clock, requests: int, count: int, step_s: dict[int, float]
 ) -> list[int]:
     """`count` bursts of 4 steps back to back with no prompt waiting (each launched behind the one
-    before), timed and accepted as in `_served_bursts`."""
+    before), timed and accepted as in `_served_bursts` (the last one too)."""
     lengths = []
     in_flight = None
     for _ in range(count + 1):
@@ -534,12 +539,11 @@ def _lull_bursts(
         gate.start_step(length, at=clock.now)
         if in_flight is not None:
             clock.now += 4 * step_s[in_flight]
-            committed = [1 + (in_flight > 0 and r % 5 < 2) for r in range(requests)]
-            gate.finish_burst([committed] * 4, [[in_flight] * requests] * 4)
+            gate.finish_burst(_burst_tokens(in_flight, requests), [[in_flight] * requests] * 4)
             lengths.append(in_flight)
         in_flight = length
     clock.now += 4 * step_s[in_flight]
-    gate.finish_burst([[1] * requests] * 4, [[in_flight] * requests] * 4)
+    gate.finish_burst(_burst_tokens(in_flight, requests), [[in_flight] * requests] * 4)
     return lengths
 
 
