@@ -47,8 +47,10 @@ def test_a_tight_token_budget_shortens_the_windows_and_stays_lossless(
 ) -> None:
     # 6 requests' windows of 5 tokens (blocks of 4) need 30 tokens a step; 16 fit: every request
     # still decodes each step, on shorter windows, and prompts keep a share while they prefill.
-    # Every step waits for the one before: launched ahead (on a GPU), a request near its end sits a
-    # step out whatever the budget, which is not what this counts.
+    # Every step waits for the one before and none bursts: launched ahead (on a GPU), a request near
+    # its end sits a step out whatever the budget, and a burst after a prompt-taking step runs only the
+    # requests already decoding while the others' prompts wait (`_defers_prompts`), neither of which
+    # is what this counts.
     prompts, expected = reference
     # No prompt lookup: its copies commit more a step, so prefill steps would weigh more in the count.
     config = _config(
@@ -57,6 +59,7 @@ def test_a_tight_token_budget_shortens_the_windows_and_stays_lossless(
         spec_mode="static",
         max_num_batched_tokens=16,
         launch_ahead=False,
+        decode_burst=1,
         prompt_lookup=False,
     )
     llm = LLM(config)
