@@ -33,7 +33,9 @@ def test_eager_block_drafts_only_the_first_positions(
     """propose(seqs, k): the whole block's first k drafts, nothing past them, k projections a block.
     On the CPU: the eager proposer is the one that drafts position by position (a GPU's decodes the
     block in one kernel and keeps its first k)."""
-    llm = LLM(tiny_engine_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static", device="cpu"))
+    # No prompt lookup: a block it copies from the prompt is drafted without the heads.
+    config = tiny_engine_config(tiny_target_dir, tiny_drafter_dir, spec_mode="static", device="cpu")
+    llm = LLM(config.replace(prompt_lookup=False))
     engine = llm.engine
     block_size = engine.limits.block_size
     prompts = _random_prompts(3)
