@@ -10,8 +10,8 @@ every step: its draft length, whether it carried a prefill chunk, was launched a
 graph; the device's time for its target work (CUDA events around the runner's step, from the device
 reaching its launch, so the device idling while the host fills the step counts; none on a CPU) and
 the device's idle time before it; the host's time launching it and completing it (the wait for the
-device included); its finish-to-finish time (from the engine's completion of the step before to its
-own); and the time the gate recorded for it, if any. It prints per engine and length: steps, steps the
+device included); its finish-to-finish time (between the moments the engine tells its gate, gate or
+not, that the step before and the step are done: `LLMEngine._tell_gate`); and the time the gate recorded for it, if any. It prints per engine and length: steps, steps the
 gate timed, and medians of the gate's times, of those steps' device and finish-to-finish times and of
 every decode-only step's. A gate time far above its steps' finish-to-finish times is the gate's
 measurement; finish-to-finish far above the device time, with the device idle between steps, is the
@@ -81,7 +81,7 @@ class Timeline:
         self.recording = False
         self._events: list[tuple[StepRecord, object, object]] = []
         self._open: list[StepRecord] = []  # launched, not yet completed, oldest first
-        self._length = 0  # the draft length of the step being launched (the gate's start_step)
+        self._completed: StepRecord | None = None  # the step the engine's call completed last
         self._prefill = False  # whether the step being launched carries a prefill chunk
         self._ahead = False  # whether the step being launched goes ahead of one not yet accepted
         self._gate_value: list[float] = []
@@ -95,14 +95,20 @@ class Timeline:
             start_step, finish_burst = gate.start_step, gate.finish_burst
 
             def started(length, at=None, prefill=False):  # noqa: ANN001, ANN202 - the gate's signature
-                timeline._length = length
+                # Told once the step is launched: its records (made as it ran) are the newest open ones.
+                for record in reversed(timeline._open):
+                    if record.length >= 0:
+                        break
+                    record.length = length
                 return start_step(length, at, prefill)
 
             def finished(committed, verified=None):  # noqa: ANN001, ANN202
+                # Told at the end of the engine's call that completed the step (its tokens emitted).
                 timeline._gate_value.clear()
                 result = finish_burst(committed, verified)
-                if timeline.recording and timeline._open and timeline._gate_value:
-                    timeline._open[0].gate_ms = 1e3 * timeline._gate_value[-1]
+                record = timeline._completed
+                if timeline.recording and record is not None and timeline._gate_value:
+                    record.gate_ms = 1e3 * timeline._gate_value[-1]
                 return result
 
             gate.start_step, gate.finish_burst = started, finished  # type: ignore[method-assign]
@@ -130,10 +136,8 @@ class Timeline:
         def run_step(step):  # noqa: ANN001, ANN202 - the runner's signature
             if not timeline.recording:
                 return run(step)
-            record = StepRecord(
-                timeline._length if gate is not None else 0, timeline._prefill, timeline._ahead
-            )
-            timeline._length = 0
+            # A gated step's length is told to the gate once launched (`started`): -1 until then.
+            record = StepRecord(-1 if gate is not None else 0, timeline._prefill, timeline._ahead)
             record.replayed = engine.runner.replays(step)
             if cuda:
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -152,16 +156,27 @@ class Timeline:
         def completed(launched, queued=None):  # noqa: ANN001, ANN202 - the engine's signature
             began = time.perf_counter()
             done = complete(launched, queued)
+            timeline._completed = None
             if timeline.recording and timeline._open:
-                record = timeline._open.pop(0)
-                record.finish_s = time.perf_counter()
-                record.complete_ms = 1e3 * (record.finish_s - began)
+                record = timeline._completed = timeline._open.pop(0)
+                record.complete_ms = 1e3 * (time.perf_counter() - began)
                 timeline.records.append(record)
                 if timeline.syncs:
                     timeline._attribute(record)
             return done
 
         engine._complete = completed  # type: ignore[method-assign]
+        tell_gate = engine._tell_gate
+
+        def told():  # noqa: ANN202 - the engine's signature
+            # A step finishes where the engine tells its gate (it does so with or without one): at the
+            # end of the call that completed it, its tokens emitted, or before a launch behind it.
+            tell_gate()
+            if timeline._completed is not None:
+                timeline._completed.finish_s = time.perf_counter()
+                timeline._completed = None
+
+        engine._tell_gate = told  # type: ignore[method-assign]
 
     def _attribute(self, record: StepRecord) -> None:
         """Give `record` the synchronising calls and device allocations since the last completion."""

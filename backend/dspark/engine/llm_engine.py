@@ -141,6 +141,9 @@ class LLMEngine:
         self.gate = (
             SpeculationGate(block_size) if self.proposer is not None and config.adaptive_speculation else None
         )
+        # What the step just completed tells the gate (per step, the tokens each request committed and
+        # the drafts it verified), told at the end of the call, once its tokens are emitted.
+        self._gate_report: tuple[list[list[int]], list[list[int]] | None] | None = None
         # Target layers whose outputs the drafter takes (none without speculation).
         self._capture_layers = tuple(self.proposer.target_layer_ids) if self.proposer is not None else ()
         # Positions a decoding request may touch past its cache: its verify window, and the proposer's
@@ -377,6 +380,8 @@ class LLMEngine:
             # After the completion: an aborted request's last committed tokens come before its end.
             done += self._apply_aborts()
             if launched is None:
+                # Nothing went ahead: the step is done before the next one is prepared.
+                self._tell_gate()
                 launched = self._launch()
             self._in_flight = launched
         else:
@@ -385,12 +390,21 @@ class LLMEngine:
             if launched is not None:
                 done += self._complete(launched)
         deltas = failed + [pending.make(self.defer_text) for pending in done]
+        self._tell_gate()
         if launched is not None or done:
             # A burst's steps count one by one, as the loop's totals count them.
             timer.finish("emit", completed.length if isinstance(completed, LaunchedBurst) else 1)
             prefill = launched is not None and bool(launched.schedule.prefill)
             self.loop_counters.add_call(time.perf_counter() - started, prefill)
         return deltas
+
+    def _tell_gate(self) -> None:
+        """Tell the gate the step just completed has finished (`_gate_report`), if not told yet: at the
+        end of the call, its tokens emitted (its emitting is its cost, as its preparation is), or before
+        a step launched behind its completion rather than ahead of it."""
+        if self._gate_report is not None:
+            report, self._gate_report = self._gate_report, None
+            self.gate.finish_burst(*report)
 
     def _launch(
         self, in_flight: InFlight | None = None, earlier: EarlierOutputs | None = None
@@ -428,10 +442,12 @@ class LLMEngine:
             # the requests, which the step in flight has not reached yet.
             return None
         burst = self._burst_length(schedule, plan, packed, in_flight, defers)
-        if self.gate is not None:
-            self.gate.start_step(length if drafts is not None else 0, began, bool(schedule.prefill))
+        gated = length if drafts is not None else 0
         if burst > 1:
-            return self._launch_burst(schedule, plan, packed, burst, ahead=in_flight is not None)
+            launched_burst = self._launch_burst(schedule, plan, packed, burst, ahead=in_flight is not None)
+            if self.gate is not None:  # its preparation ends with the launch (the gate charges it)
+                self.gate.start_step(gated, began, False)
+            return launched_burst
         self.loop_counters.add_step(
             len(schedule.decode) + len(schedule.prefill),
             graph=self.runner.replays(packed.step),
@@ -441,6 +457,8 @@ class LLMEngine:
         )
         result = self.runner.run(packed.step)
         timer.lap("target")
+        if self.gate is not None:
+            self.gate.start_step(gated, began, bool(schedule.prefill))
         return LaunchedStep(schedule, plan, packed, result)
 
     def _bursts(self) -> bool:
@@ -594,7 +612,7 @@ class LLMEngine:
                     reasons[seq] = reason
                     self._finish(seq, reason)
         if self.gate is not None:
-            self.gate.finish_burst(committed, lens)
+            self._gate_report = (committed, lens)
         done = [
             PendingDelta(processor, tuple(appended[seq]), reasons.get(seq))
             for seq, processor in processors.items()
@@ -718,11 +736,11 @@ class LLMEngine:
         if self.gate is not None:
             # Decode-only steps are comparable; a prefill chunk would charge its own cost to the length.
             if schedule.prefill:
-                self.gate.finish_step([])
+                self._gate_report = ([[]], None)
             else:  # `done` follows `committed`: the decoding requests that had not ended, in order
                 verify_lens = dict(zip(schedule.decode, plan.verify_lens, strict=True))
                 lens = [verify_lens[c.seq] for c in committed]
-                self.gate.finish_step([len(pending.tokens) for pending in done], lens)
+                self._gate_report = ([[len(pending.tokens) for pending in done]], [lens])
         self.timer.lap("emit")  # committing counts with making the deltas, whenever that comes
         return done
 

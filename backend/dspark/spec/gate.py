@@ -35,10 +35,12 @@ halves of that rate are measured apart:
   the offline engine's 1.9, and committed 1.13 tokens a step against 1.51.
 
 A step's time is measured only where it tells its own length's cost: with overlap scheduling the
-wall time a step adds (from the finish of the one before it to its own) holds the host's preparation of
-the step launched behind it and the emitting of the one before, so a step is measured only between
-neighbours of its own length that carry no prefill chunk (a burst of steps: between neighbours each of
-its length or carrying a prefill chunk, whatever its length). (Timing every step, a probe of plain decoding
+wall time a step adds (from the finish of the one before it to its own, a finish counted once the
+step's tokens are emitted) holds the host's preparation of the step launched behind it, not its own
+(made while the step before ran), so that preparation is swapped for the step's own (`start_step`
+times each); the device's time, which overlaps them, is not split that way, so a step is still
+measured only between neighbours of its own length that carry no prefill chunk (a burst of steps:
+between neighbours each of its length or carrying a prefill chunk, whatever its length). (Timing every step, a probe of plain decoding
 between drafting steps was charged the drafting step's preparation, and the drafting step before it
 plain's: where the host sets the pace, a losing length looked as fast as the winner and the gate kept
 drafting at batch 128-256 on the H200, 0.66-0.81x plain decoding offline.) A step prepared after the
@@ -225,12 +227,14 @@ class _Run:
 @dataclass(frozen=True)
 class _Launched:
     """A launched step, until it finishes: when its preparation began, its length, whether it
-    carries a prefill chunk and whether a warm-up chose it (its time is then provisional)."""
+    carries a prefill chunk, whether a warm-up chose it (its time is then provisional) and how long its
+    preparation took (from `began` to its launch)."""
 
     began: float
     length: int
     prefill: bool
     warm_up: bool = False
+    prepared: float = 0.0
 
     @property
     def kind(self) -> tuple[int, bool]:
@@ -297,8 +301,8 @@ class SpeculationGate:
 
     def start_step(self, length: int, at: float | None = None, prefill: bool = False) -> None:
         """Mark the launch of an engine step that verified up to `length` drafts (0: plain), whose
-        preparation began `at` (the clock's time; None: now), with a prefill chunk or not. Each launched
-        step is finished, in launch order."""
+        preparation began `at` (the clock's time; None: now) and ends now, once its work is queued on
+        the device, with a prefill chunk or not. Each launched step is finished, in launch order."""
         choice, self._choice = self._choice, None
         warm_up = False
         if choice is not None:
@@ -313,7 +317,9 @@ class SpeculationGate:
                 stats = run.tier  # a run's steps count as its tier's tries
                 warm_up = not run.probe and length == chosen
             stats.chosen[chosen] += 1
-        self._started.append(_Launched(self.clock() if at is None else at, length, prefill, warm_up))
+        now = self.clock()
+        began = now if at is None else at
+        self._started.append(_Launched(began, length, prefill, warm_up, max(now - began, 0.0)))
 
     def finish_step(self, committed: Sequence[int], verified: Sequence[int] | None = None) -> None:
         """Record the oldest launched step, finished: the tokens each of its decoding requests committed
@@ -360,7 +366,17 @@ class SpeculationGate:
         else:
             steady = before == after == (length, False)
         if steady:
-            seconds = max(now - max(step.began, previous), 1e-9) / len(committed)
+            wall = now - max(step.began, previous)
+            if step.began < previous:
+                # Overlapped: the wall time holds the preparation of the steps launched behind this one,
+                # not its own (done before the step before finished): each step is charged its own. With
+                # neighbours of its length the two are alike; between steps that take prompts in they
+                # are not, and a drafting burst, whose preparation costs most of its extra host work, was
+                # measured with a prompt-taking step's preparation in its place (served at 256 requests
+                # on the H100 the gate drafted 74-87% of its steps at 0.94x served plain).
+                behind = sum(later.prepared for later in self._started if later.began >= previous)
+                wall += step.prepared - behind
+            seconds = max(wall, 1e-9) / len(committed)
             self._tier(len(committed[0])).seconds[length].add(seconds, provisional=step.warm_up)
         acceptance = self._acceptance
         for j, step_committed in enumerate(committed):
