@@ -8,14 +8,14 @@ plain engine's steps took 1.05-1.3 ms and the default's engine held at plain ste
 plain decoding. This records, for the serve default and then for the plain engine on the same batch,
 every step: its draft length, whether it carried a prefill chunk, was launched ahead and replayed a
 graph; the device's time for its target work (CUDA events around the runner's step, from the device
-reaching its launch, so the device idling while the host fills the step counts; none on a CPU) and
-the device's idle time before it; the host's time launching it and completing it (the wait for the
-device included); its finish-to-finish time (between the moments the engine tells its gate, gate or
-not, that the step before and the step are done: `LLMEngine._tell_gate`); and the time the gate recorded for it, if any. It prints per engine and length: steps, steps the
-gate timed, and medians of the gate's times, of those steps' device and finish-to-finish times and of
-every decode-only step's. A gate time far above its steps' finish-to-finish times is the gate's
-measurement; finish-to-finish far above the device time, with the device idle between steps, is the
-host.
+reaching its launch, so the device idling while the host fills the step counts; none on a CPU) and the
+device's idle time before it; the host's time launching it and completing it (the wait for the device
+included); its finish-to-finish time (between the moments the engine tells its gate, gate or not, that
+the step before and the step are done: `LLMEngine._tell_gate`); and the time the gate recorded for it,
+if any. It prints per engine and length: steps, steps the gate timed, and medians of the gate's times,
+of those steps' device and finish-to-finish times and of every decode-only step's. A gate time far above
+its steps' finish-to-finish times is the gate's measurement; finish-to-finish far above the device time,
+with the device idle between steps, is the host.
 
 `--before 256,128 --before-runs 4`: each engine, sized for the largest batch, first runs 4 generate()s
 of `--max-tokens` at each of those batch sizes, as `ab_trees.py --batch-sizes 256,128,64` does before

@@ -34,17 +34,17 @@ halves of that rate are measured apart:
   server on this project's CPU the serve default then verified 0.6 drafts a request a step against
   the offline engine's 1.9, and committed 1.13 tokens a step against 1.51.
 
-A step's time is measured only where it tells its own length's cost: with overlap scheduling the
-wall time a step adds (from the finish of the one before it to its own, a finish counted once the
-step's tokens are emitted) holds the host's preparation of the step launched behind it, not its own
-(made while the step before ran), so that preparation is swapped for the step's own (`start_step`
-times each); the device's time, which overlaps them, is not split that way, so a step is still
-measured only between neighbours of its own length that carry no prefill chunk (a burst of steps:
-between neighbours each of its length or carrying a prefill chunk, whatever its length). (Timing every step, a probe of plain decoding
-between drafting steps was charged the drafting step's preparation, and the drafting step before it
-plain's: where the host sets the pace, a losing length looked as fast as the winner and the gate kept
-drafting at batch 128-256 on the H200, 0.66-0.81x plain decoding offline.) A step prepared after the
-one before it finished (no overlap) is measured alone, if no step was launched behind it.
+A step's time is measured only where it tells its own length's cost: with overlap scheduling the wall
+time a step adds (from the finish of the one before it to its own, a finish counted once the step's
+tokens are emitted) holds the host's preparation of the step launched behind it, not its own (made while
+the step before ran), so that preparation is swapped for the step's own (`start_step` times each); the
+device's time, which overlaps them, is not split that way, so a step is still measured only between
+neighbours of its own length that carry no prefill chunk (a burst of steps: between neighbours each of
+its length or carrying a prefill chunk, whatever its length). (Timing every step, a probe of plain
+decoding between drafting steps was charged the drafting step's preparation, and the drafting step
+before it plain's: where the host sets the pace, a losing length looked as fast as the winner and the
+gate kept drafting at batch 128-256 on the H200, 0.66-0.81x plain decoding offline.) A step prepared
+after the one before it finished (no overlap) is measured alone, if no step was launched behind it.
 
 A warm-up tries each length in the first tier, longest first, until it has a few measured steps (three
 in a row without overlap, five with it: the first and last of a run are not measured), and then in
