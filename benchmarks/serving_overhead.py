@@ -58,7 +58,8 @@ from load_generator import LoadResult, run_load  # noqa: E402
 from serving_ceiling import _process_table, start_server, stat_cpu_seconds, stat_fields, stop_server  # noqa: E402
 
 from dspark.config import EngineConfig  # noqa: E402
-from dspark.outputs import STEP_PHASES, LoopTotals  # noqa: E402
+from dspark.outputs import STEP_PHASES, LoopTotals, gate_rows  # noqa: E402
+from dspark.runner.cuda_graphs import next_pow2  # noqa: E402
 from dspark.serving.triton_config import (  # noqa: E402
     DEFAULT_INSTANCES,
     DEFAULT_MODEL_REPOSITORY,
@@ -132,6 +133,11 @@ class Offline(OfflineEngine):
         print(f"offline {batch:>4} streams: {rate:.0f} tok/s, loop {loop}", flush=True)
         return rate, tokens, loop
 
+    def gate(self) -> list[dict]:
+        """The offline engine's adaptive gate's view now (`gate_rows`; empty without a gate)."""
+        gate = self.llm.engine.gate
+        return gate_rows(gate.view()) if gate is not None else []
+
 
 def thread_clock(pid: int, tid: int) -> tuple[float, int]:
     """CPU seconds one thread has run and the times it was descheduled while it could run (involuntary
@@ -181,6 +187,34 @@ def metrics_text(metrics_port: int) -> str:
     """The server's metrics now (the stub publishes its own at most 0.1 s after each step: wait a
     little after a load before reading)."""
     return urllib.request.urlopen(f"http://localhost:{metrics_port}/metrics", timeout=10).read().decode()
+
+
+GATE_GAUGES = {
+    "dspark_spec_gate_step_seconds": "step_seconds",
+    "dspark_spec_gate_chosen_steps": "chosen_steps",
+    "dspark_spec_gate_tokens_per_request": "tokens_per_request",
+}
+
+
+def served_gate(text: str) -> list[dict]:
+    """The served engine's adaptive gate's view, from its `dspark_spec_gate_*` gauges in `metrics_text`:
+    one dict a tier and draft length (as `gate_rows`, without the measured steps)."""
+    rows: dict[tuple[int, int], dict] = {}
+    tokens: dict[int, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name not in GATE_GAUGES or 'model="dspark"' not in line:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("{", 1)[1].rsplit("}", 1)[0]))
+        value, length = float(line.rsplit(" ", 1)[1]), int(labels["length"])
+        if "tier" not in labels:
+            tokens[length] = value
+            continue
+        key = (int(labels["tier"]), length)
+        rows.setdefault(key, {"tier": key[0], "length": length})[GATE_GAUGES[name]] = value
+    for row in rows.values():
+        row["tokens_per_request"] = tokens.get(row["length"])
+    return [rows[key] for key in sorted(rows)]
 
 
 def served_loop_totals(text: str) -> LoopTotals:
@@ -335,7 +369,11 @@ def served(
             offline_figures = {}
             if offline is not None:
                 rate, _, offline_loop = offline.measure(level)
-                offline_figures = {"offline_tokens_per_s": rate, "offline_loop": offline_loop}
+                offline_figures = {
+                    "offline_tokens_per_s": rate,
+                    "offline_loop": offline_loop,
+                    "offline_gate": offline.gate(),
+                }
             result, loop, before, after = served_load(
                 url,
                 ports[2],
@@ -352,7 +390,8 @@ def served(
                 run_load(url, level, max(10 * level, 1280), max_tokens, prompts=prompts)
                 if profiler is not None:
                     profiler.wait(profile_s + 30)
-            results[level].append(asdict(result) | {"loop": loop, "intake": intake} | offline_figures)
+            figures = {"loop": loop, "intake": intake, "gate": served_gate(after)}
+            results[level].append(asdict(result) | figures | offline_figures)
             print(
                 f"round {r} server {level:>4} streams: {result.tokens_per_s:.0f} tok/s, "
                 f"TTFT p50 {result.ttft_p50_ms:.1f} ms, {result.responses_per_s:.0f} responses/s, "
@@ -397,6 +436,7 @@ def summarize(rounds: list[dict], offline_of: list[dict] | None = None) -> dict:
     entry = dict(rounds[pick])
     if offline_of:
         entry["offline_loop"] = offline_of[pick].get("offline_loop", {})
+        entry["offline_gate"] = offline_of[pick].get("offline_gate", [])
     entry["tokens_per_s"] = round(statistics.median(r["tokens_per_s"] for r in rounds), 1)
     entry["ttft_p50_ms"] = round(statistics.median(r["ttft_p50_ms"] for r in rounds), 2)
     offline_rates = [r["offline_tokens_per_s"] for r in offline_rounds if r.get("offline_tokens_per_s")]
@@ -473,6 +513,49 @@ def loop_table(levels: list[int], runs: dict) -> str:
         "step_ms; `accept` holds the wait for the device)",
     )
     return loop + "\n\n" + phases
+
+
+def gate_table(levels: list[int], runs: dict) -> str:
+    """Markdown: the adaptive gate's view after each level's chosen round, offline / served, per mode
+    with a gate and level, in the level's tier (its power of two of decoding requests): per draft
+    length, the median ms of a step it measured, the tokens a request it expects a step and its share
+    of the tier's steps so far (`SpeculationGate.view`; served: the `dspark_spec_gate_*` gauges)."""
+    lines = [
+        "The adaptive gate's view at the end of each level's chosen round, offline / served, in the "
+        "level's tier: per draft length, the ms of a step it measured (median of its latest), the "
+        "tokens a request it expects a step, and the share of the tier's steps it chose that length, "
+        "since the engine started",
+        "",
+        "| mode | streams | tier | length | step ms | tokens a request | share of steps |",
+        "|---|---:|---:|---:|---|---|---|",
+    ]
+    for mode, run in runs.items():
+        if not isinstance(run, dict) or "server" not in run:
+            continue
+        for level in levels:
+            entry = run["server"].get(level, {})
+            tier = next_pow2(level)
+            sides = [
+                {r["length"]: r for r in entry.get(key, []) if r["tier"] == tier}
+                for key in ("offline_gate", "gate")
+            ]
+            if not any(sides):
+                continue
+            totals = [sum(r.get("chosen_steps", 0) for r in side.values()) or 1 for side in sides]
+            for length in sorted(set(sides[0]) | set(sides[1])):
+                rows = [side.get(length, {}) for side in sides]
+                ms = [f"{1e3 * r['step_seconds']:.3f}" if r.get("step_seconds") else "-" for r in rows]
+                tokens = [
+                    f"{r['tokens_per_request']:.2f}" if r.get("tokens_per_request") else "-" for r in rows
+                ]
+                shares = [
+                    f"{r.get('chosen_steps', 0) / total:.2f}" for r, total in zip(rows, totals, strict=True)
+                ]
+                lines.append(
+                    f"| {mode} | {level} | {tier} | {length} | {' / '.join(ms)} | {' / '.join(tokens)} "
+                    f"| {' / '.join(shares)} |"
+                )
+    return "\n".join(lines)
 
 
 # The client's figures in the intake table (load_generator.LoadResult's fields).
@@ -626,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[mode] = {"server": summary, "rounds": server}
         (args.out / "overhead.json").write_text(json.dumps(runs, indent=1))
     markdown = table(levels, runs) + "\n\n" + loop_table(levels, runs) + "\n\n" + intake_table(levels, runs)
+    markdown += "\n\n" + gate_table(levels, runs)
     if outputs.get("off") and outputs.get("default"):
         # Greedy with and without speculation, same prompts and batch: identical sequences (exact in
         # fp32; in bf16 the verify window's shape changes the target's rounding, and near-ties flip).

@@ -17,7 +17,14 @@ from dspark.outputs import STEP_PHASES, LoopTotals
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from agreement import loop_shares  # noqa: E402
-from serving_overhead import _process_table, engine_pids, thread_clock, thread_shares  # noqa: E402
+from serving_overhead import (  # noqa: E402
+    _process_table,
+    engine_pids,
+    gate_table,
+    served_gate,
+    thread_clock,
+    thread_shares,
+)
 
 
 def test_loop_shares_are_per_step_differences_under_distinct_keys() -> None:
@@ -101,3 +108,43 @@ def test_engine_pids_are_the_spawned_children_that_a_spawned_process_did_not_spa
         subprocess.run(["pkill", "-P", str(server.pid)], check=False)
         server.kill()
         server.wait()
+
+
+def test_the_served_gate_s_view_is_read_from_its_gauges_and_tabled_beside_the_offline_one() -> None:
+    """serving_overhead.py's gate table: the served side from the `dspark_spec_gate_*` gauges (another
+    model's and the unlabelled lines ignored), the offline side from `gate_rows`, in the level's tier."""
+    text = "\n".join(
+        [
+            "# HELP dspark_spec_gate_step_seconds ...",
+            'dspark_spec_gate_step_seconds{model="dspark",version="1",length="0",tier="256"} 0.0013',
+            'dspark_spec_gate_step_seconds{model="dspark",version="1",length="1",tier="256"} 0.002',
+            'dspark_spec_gate_chosen_steps{model="dspark",version="1",length="0",tier="256"} 30',
+            'dspark_spec_gate_chosen_steps{model="dspark",version="1",length="1",tier="256"} 90',
+            'dspark_spec_gate_chosen_steps{model="dspark",version="1",length="1",tier="128"} 4',
+            'dspark_spec_gate_chosen_steps{model="other",version="1",length="1",tier="256"} 7',
+            'dspark_spec_gate_tokens_per_request{model="dspark",version="1",length="0"} 1',
+            'dspark_spec_gate_tokens_per_request{model="dspark",version="1",length="1"} 1.4',
+        ]
+    )
+    rows = served_gate(text)
+    assert rows == [
+        {"tier": 128, "length": 1, "chosen_steps": 4.0, "tokens_per_request": 1.4},
+        {"tier": 256, "length": 0, "step_seconds": 0.0013, "chosen_steps": 30.0, "tokens_per_request": 1.0},
+        {"tier": 256, "length": 1, "step_seconds": 0.002, "chosen_steps": 90.0, "tokens_per_request": 1.4},
+    ]
+    offline = [
+        {
+            "tier": 256,
+            "length": 0,
+            "step_seconds": 0.0012,
+            "measured_steps": 9,
+            "chosen_steps": 60,
+            "tokens_per_request": 1.0,
+        },
+    ]
+    runs = {"default": {"server": {200: {"gate": rows, "offline_gate": offline}}}, "args": {}}
+    table = gate_table([200], runs).splitlines()
+    assert table[-2:] == [
+        "| default | 200 | 256 | 0 | 1.200 / 1.300 | 1.00 / 1.00 | 1.00 / 0.25 |",
+        "| default | 200 | 256 | 1 | - / 2.000 | - / 1.40 | 0.00 / 0.75 |",
+    ]

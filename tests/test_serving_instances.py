@@ -1,16 +1,18 @@
 """Several instances of the model (backend stubs, `instance_group { count: 2 }`) share one engine process
 (dspark.serving.shared_engine): one spawns it, the other attaches; requests through either stream the
 same greedy text, a cancel by id reaches a request whichever instance holds it, the engine's metrics
-come from one instance and request counts from both, once each, and nothing outlives the server."""
+(its adaptive gate's view too) come from one instance and request counts from both, once each, and
+nothing outlives the server."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 import pytest
-from server_fixtures import GrpcStream, wait_for
+from server_fixtures import TEST_ENGINE_CONFIG, GrpcStream, wait_for
 
 pytestmark = pytest.mark.server
 
@@ -25,7 +27,9 @@ def two_instance_server(smollm2_dir, tmp_path_factory):
     from dspark.tools.cli import main as dspark_main
 
     assert dspark_main(["create-draft", "--if-missing"]) == 0
-    server = start_server(tmp_path_factory.mktemp("triton-instances"), instances=2)
+    # The serve default's adaptive gate (the session server drafts on every step): its gauges too.
+    config = TEST_ENGINE_CONFIG.replace(adaptive_speculation=True)
+    server = start_server(tmp_path_factory.mktemp("triton-instances"), config, instances=2)
     engines = _engine_processes(server)
     yield server
     stopping = time.monotonic()
@@ -155,6 +159,34 @@ def test_each_request_is_counted_once_and_the_engine_by_one_instance(two_instanc
     expected = (before[0] + 4, before[1] + 20, before[2] + 4)  # each instance publishes every 0.1 s
     assert wait_for(lambda: counts() == expected, timeout=10), (before, counts())
     assert not wait_for(lambda: counts() != expected, timeout=1)  # and nothing more comes
+
+
+def test_the_adaptive_gate_s_view_is_published_once(two_instance_server):
+    """The serve default's gate, per tier and draft length: the steps it chose, the step times it
+    measured and the tokens a request it expects, from the instance that spawned the engine."""
+    with GrpcStream(two_instance_server) as grpc:
+        outcome = grpc.send(
+            text_input="Count from one to twenty.", sampling_parameters={"max_tokens": 48, "ignore_eos": True}
+        ).collect(timeout=60)
+    assert outcome.error is None
+
+    def samples(name: str) -> list[tuple[dict[str, str], float]]:
+        found = []
+        for line in two_instance_server.metrics_text().splitlines():
+            match = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
+            if match:
+                found.append((dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))), float(match.group(2))))
+        return found
+
+    assert wait_for(lambda: samples("dspark_spec_gate_chosen_steps"), timeout=10)
+    chosen = samples("dspark_spec_gate_chosen_steps")
+    keys = [(labels["tier"], labels["length"]) for labels, _ in chosen]
+    assert len(keys) == len(set(keys)), chosen  # one instance publishes them
+    assert sum(value for labels, value in chosen if labels["tier"] == "1") > 0  # one request: tier 1
+    timed = samples("dspark_spec_gate_step_seconds")
+    assert timed and all(0 < value < 10 for _, value in timed), timed
+    tokens = {labels["length"]: value for labels, value in samples("dspark_spec_gate_tokens_per_request")}
+    assert tokens["0"] == 1.0 and all(1.0 <= value for value in tokens.values()), tokens
 
 
 def _metric_total(server, name: str) -> float:

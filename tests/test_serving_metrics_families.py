@@ -113,6 +113,25 @@ def test_gauges_give_mean_window_acceptance_length_and_per_position_rates_of_the
     assert metric("dspark_spec_acceptance_rate", position="3").value == 0.0
 
 
+def test_the_gate_s_view_is_published_per_tier_and_draft_length():
+    """`EngineLoad.gate` (the adaptive gate's view) as gauges: step seconds and chosen steps per tier
+    and length, tokens a request per length; a length chosen but not yet measured has no step time."""
+    metrics = make()
+    view = (64, 0, 0.0012, 5, 40, 1.0) + (64, 3, 0.0015, 7, 300, 2.25) + (128, 3, 0.0, 0, 2, 2.25)
+    metrics.load(EngineLoad(0, 0, 0, 8, gate=view))
+    metrics.flush()
+    assert metric("dspark_spec_gate_step_seconds", tier="64", length="0").value == 0.0012
+    assert metric("dspark_spec_gate_step_seconds", tier="64", length="3").value == 0.0015
+    assert metric("dspark_spec_gate_chosen_steps", tier="64", length="3").value == 300
+    assert metric("dspark_spec_gate_chosen_steps", tier="128", length="3").value == 2
+    assert metric("dspark_spec_gate_tokens_per_request", length="3").value == 2.25
+    assert metric("dspark_spec_gate_tokens_per_request", length="0").value == 1.0
+    families = FakeFamily.created
+    tiers = {dict(key).get("tier") for key in families["dspark_spec_gate_step_seconds"].metrics}
+    assert tiers == {"64"}  # tier 128's length 3 was chosen twice, never measured
+    assert all("tier" not in dict(key) for key in families["dspark_spec_gate_tokens_per_request"].metrics)
+
+
 def test_first_tokens_observe_ttft_and_each_later_update_its_per_token_latency():
     # One observation per update (as vLLM observes one per engine step): each observe is a round trip
     # to the server process, and an update carries every token committed since the last one.

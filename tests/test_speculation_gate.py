@@ -10,7 +10,9 @@ import pytest
 from tiny_models import emulated_graphs_config, use_emulated_graphs
 
 from dspark import LLM, EngineConfig, SamplingParams
+from dspark.outputs import gate_rows
 from dspark.spec.gate import (
+    FIRST_PRIOR,
     LATER_TIER_WARM_UP_STEPS,
     PROBE_INTERVAL,
     PROBE_MOST_STEPS,
@@ -563,6 +565,25 @@ def test_drafting_bursts_under_steady_arrivals_are_measured_where_the_prompt_ste
     assert served[-60:].count(0) >= 50, served  # plain, but for a probe now and then
     rates = gate.rates(requests)
     assert rates[0] > rates[1]
+
+
+def test_the_view_holds_each_tier_s_measured_times_choices_and_the_tokens_a_request() -> None:
+    """`view()` (published as `dspark_spec_gate_*` gauges through `EngineLoad.gate`): per tier and
+    length it measured or chose, the median step time, its measured and chosen steps, and the tokens a
+    request commits (shared by the tiers)."""
+    clock = _Clock()
+    gate = SpeculationGate(1, clock)
+    assert gate.view() == ()
+    accepted = _cycle({0: 50, 1: 50}, requests=8)
+    _run_steps(gate, clock, 8, 40, lambda n: 0.002 if n else 0.001, accepted)
+    rows = {(row["tier"], row["length"]): row for row in gate_rows(gate.view())}
+    assert set(rows) == {(8, 0), (8, 1)}
+    assert rows[8, 0]["step_seconds"] == pytest.approx(0.001)
+    assert rows[8, 1]["step_seconds"] == pytest.approx(0.002)
+    assert rows[8, 0]["chosen_steps"] + rows[8, 1]["chosen_steps"] == 40
+    assert rows[8, 0]["measured_steps"] == rows[8, 0]["chosen_steps"]  # without overlap: every step
+    assert rows[8, 0]["tokens_per_request"] == 1.0
+    assert rows[8, 1]["tokens_per_request"] == pytest.approx(1 + gate._acceptance.chance(1, FIRST_PRIOR))
 
 
 def _alternating_calls(

@@ -452,3 +452,26 @@ class EngineLoad:
     # made when a request finishes): the speculation gauges are engine-wide ratios of these, the same
     # whichever of the server's instances publishes them.
     spec: SpecStats = field(default_factory=SpecStats)
+    # The adaptive gate's view (`SpeculationGate.view`; empty without a gate), flat: GATE_FIELDS for
+    # each tier and draft length it measured or chose (`gate_rows` reads them). Flat numbers: the load
+    # goes with a batch of deltas whenever a request ended, pickled on the engine loop.
+    gate: tuple[float, ...] = ()
+
+
+# What `EngineLoad.gate` holds per tier (a power-of-two count of decoding requests) and draft length (0:
+# plain): the median wall seconds of its latest measured steps (0.0 before one), how many steps were
+# measured and chosen, and the tokens a request commits in a step of that length (the acceptance is
+# shared by the tiers).
+GATE_FIELDS = ("tier", "length", "step_seconds", "measured_steps", "chosen_steps", "tokens_per_request")
+
+
+def gate_rows(flat: Sequence[float]) -> list[dict[str, float]]:
+    """`EngineLoad.gate` as one dict a tier and length (GATE_FIELDS; the counts as ints)."""
+    width = len(GATE_FIELDS)
+    rows = []
+    for start in range(0, len(flat) - width + 1, width):
+        row = dict(zip(GATE_FIELDS, flat[start : start + width], strict=True))
+        for name in ("tier", "length", "measured_steps", "chosen_steps"):
+            row[name] = int(row[name])
+        rows.append(row)
+    return rows

@@ -64,6 +64,7 @@ from dspark.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 MEMORY_READ_INTERVAL_S = 0.5  # how stale the load's GPU memory figures may be
+GATE_VIEW_INTERVAL_S = 0.5  # and its view of the gate (a few dozen numbers, made at most this often)
 
 
 def device_runs_ahead(device: torch.device) -> bool:
@@ -181,6 +182,8 @@ class LLMEngine:
         self.planner = VerifyPlanner(config.planner_policy, sps, config.planner_lag)
         self.total_spec_stats = SpecStats()
         self._spec_snapshot: SpecStats | None = None  # a copy of the totals for `load`, made on change
+        self._gate_view: tuple[float, ...] = ()  # the gate's view for `load`, and when it was made
+        self._gate_view_at = float("-inf")
         self._seqs: dict[str, Sequence] = {}
         self._outputs: dict[str, OutputProcessor] = {}
         # History counts of the requests with penalties (on the device), by request id.
@@ -331,6 +334,8 @@ class LLMEngine:
             # of the GIL, too much for every step (the engine process reports its load with each).
             self._memory = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
             self._memory_read_at = now
+        if self.gate is not None and now - self._gate_view_at >= GATE_VIEW_INTERVAL_S:
+            self._gate_view, self._gate_view_at = self.gate.view(), now
         return EngineLoad(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -340,6 +345,7 @@ class LLMEngine:
             gpu_memory_reserved_bytes=self._memory[1],
             loop=self.loop_counters.totals(),
             spec=self._spec_totals(),
+            gate=self._gate_view,
         )
 
     def _spec_totals(self) -> SpecStats:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dspark.config import EngineConfig
-from dspark.outputs import STEP_PHASES, EngineLoad, LoopTotals
+from dspark.outputs import STEP_PHASES, EngineLoad, LoopTotals, gate_rows
 from dspark.runner.models.hf_config import ModelConfig
 from dspark.sampling_params import MAX_INT
 
@@ -215,6 +215,28 @@ class TritonMetrics(Metrics):
             "dspark_gpu_memory_reserved_bytes",
             "Bytes the engine's caching allocator holds on its GPU (torch.cuda.memory_reserved; 0 on CPU)",
         )
+        # The adaptive gate's view (`EngineLoad.gate`), per tier of decoding requests and draft length.
+        self._gate_families = {
+            "step_seconds": self._new(
+                family.GAUGE,
+                "dspark_spec_gate_step_seconds",
+                "Adaptive speculation: the median wall seconds of a step, per tier (a power-of-two count "
+                "of decoding requests) and draft length (0: plain), over its latest measured steps",
+            ),
+            "chosen_steps": self._new(
+                family.GAUGE,
+                "dspark_spec_gate_chosen_steps",
+                "Adaptive speculation: steps the gate ran at each draft length, per tier, since the engine "
+                "started",
+            ),
+            "tokens_per_request": self._new(
+                family.GAUGE,
+                "dspark_spec_gate_tokens_per_request",
+                "Adaptive speculation: the tokens a request commits in a step of each draft length, as "
+                "the gate estimates them from acceptance so far",
+            ),
+        }
+        self._gate_metrics: dict[tuple[str, int, int], Any] = {}
         # The engine loop's totals (`LoopTotals`): counters that move by the difference between loads.
         self._loop = {
             name: self._metric(family.COUNTER, f"dspark_engine_{name}_total", help_text)
@@ -299,6 +321,12 @@ class TritonMetrics(Metrics):
             for k, verified in enumerate(spec.verified_per_position):
                 if verified:
                     self._gauges[self._position(k + 1)] = spec.accepted_per_position[k] / verified
+            for row in gate_rows(load.gate):
+                tier, length = row["tier"], row["length"]
+                if row["measured_steps"]:
+                    self._gauges[self._gate_metric("step_seconds", tier, length)] = row["step_seconds"]
+                self._gauges[self._gate_metric("chosen_steps", tier, length)] = row["chosen_steps"]
+                self._gauges[self._gate_metric("tokens_per_request", 0, length)] = row["tokens_per_request"]
             seen, self._loop_seen = self._loop_seen, load.loop
             if load.loop.steps < seen.steps:  # another engine (a restart): its totals start over
                 seen = LoopTotals()
@@ -345,6 +373,15 @@ class TritonMetrics(Metrics):
 
     def _add(self, counter: Any, amount: float) -> None:
         self._pending[counter] = self._pending.get(counter, 0) + amount
+
+    def _gate_metric(self, name: str, tier: int, length: int) -> Any:
+        """The gate gauge `name` of this tier (0: none, the family has no tier label) and length."""
+        key = (name, tier, length)
+        if key not in self._gate_metrics:
+            labels = {**self._labels, "length": str(length)} | ({"tier": str(tier)} if tier else {})
+            with self._publish:
+                self._gate_metrics[key] = self._gate_families[name].Metric(labels=labels)
+        return self._gate_metrics[key]
 
     def _position(self, position: int) -> Any:
         if position not in self._positions:

@@ -409,6 +409,20 @@ class SpeculationGate:
             # between probes would leave the estimate to the prior.
             acceptance.fade(range(length + 1, self.lengths[-1] + 1), SMOOTHING / len(step_committed))
 
+    def view(self) -> tuple[float, ...]:
+        """What the gate knows, flat (`dspark.outputs.GATE_FIELDS`, read by `gate_rows`): per tier and
+        length it measured or chose, its step time, measured and chosen steps and tokens a request."""
+        flat: list[float] = []
+        acceptance = self._acceptance
+        tokens = {length: acceptance.tokens_per_request(length) for length in self.lengths}
+        for tier, stats in sorted(self._tiers.items()):
+            for length in self.lengths:
+                measured, chosen = stats.measured(length), stats.chosen[length]
+                if measured or chosen:
+                    seconds = stats.seconds[length].value if measured else 0.0
+                    flat += (tier, length, seconds, measured, chosen, tokens[length])
+        return tuple(flat)
+
     def rates(self, num_requests: int) -> dict[int, float]:
         """Committed tokens per second estimated for this many requests, per draft length measured."""
         stats = self._tiers.get(next_pow2(num_requests))
