@@ -76,6 +76,40 @@ def test_bursts_give_the_tokens_of_steps_one_at_a_time(tiny_target_dir, graphs, 
     assert engine.loop_counters.burst_steps == bursts[1]
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "waiting"])
+def test_a_burst_runs_past_the_ends_of_a_few_requests(tiny_target_dir, graphs, overlap) -> None:
+    """Requests whose max_tokens fall at different steps: a burst is not cut at the fewest tokens any
+    request has left (each ending would cut the whole batch's bursts short), only where the rows it
+    computes for requests already ended would reach a quarter of its rows; the ended ones keep their
+    tokens up to their end, as one step at a time."""
+    seed = random.randrange(2**31)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    count = 12
+    prompts = [[rng.randrange(1, 8) for _ in range(rng.randrange(2, 6))] for _ in range(count)]
+    params = [SamplingParams(max_tokens=rng.randrange(6, 40), ignore_eos=True) for _ in prompts]
+    changes = {"max_num_seqs": count, "max_num_batched_tokens": 64}
+    single = _run(_engine(tiny_target_dir, graphs, overlap_scheduling=False, **changes), prompts, params)
+    engine = _engine(tiny_target_dir, graphs, overlap_scheduling=overlap, decode_burst=4, **changes)
+    lengths = []
+    launch = engine._launch_burst
+
+    def counted(schedule, plan, first, length, ahead=False):  # noqa: ANN001, ANN202 - the engine's own
+        # The rows for requests ended inside it, as the host knows them when nothing is in flight.
+        ended = sum(max(0, length - seq.remaining_tokens) for seq in schedule.decode)
+        lengths.append((length, ended, len(schedule.decode), ahead))
+        return launch(schedule, plan, first, length, ahead)
+
+    engine._launch_burst = counted  # type: ignore[method-assign]
+    assert _run(engine, prompts, params) == single
+    assert engine.allocator.num_used == 0
+    # Some burst ran past a request's end (with twelve lengths drawn from 34, nearly every draw has one),
+    # and none computed a quarter of its rows or more for ended requests (of those the host knew of).
+    assert any(ended for _, ended, _, _ in lengths), lengths
+    assert all(ended < length * n / 4 for length, ended, n, ahead in lengths if not ahead), lengths
+
+
 # `compact` under the flat SPS table (the default) drafts inside the step as `static` does.
 @pytest.mark.parametrize("spec_mode", ["static", "compact"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "waiting"])
