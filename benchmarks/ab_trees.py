@@ -89,10 +89,18 @@ def build(tree: Tree, args: argparse.Namespace, mode: str, max_batch: int):  # n
     return llm
 
 
-def timed_run(tree: Tree, llm, ids: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:  # noqa: ANN001
-    """Seconds and greedy tokens of one batch generate()."""
+def timed_run(
+    tree: Tree,
+    llm,  # noqa: ANN001 - a tree's LLM
+    ids: list[list[int]],
+    max_tokens: int | list[int],
+) -> tuple[float, list[list[int]]]:
+    """Seconds and greedy tokens of one batch generate() (`max_tokens`: one for all, or one a request)."""
     tree.activate()
-    params = tree.dspark.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    if isinstance(max_tokens, int):
+        params = tree.dspark.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    else:
+        params = [tree.dspark.SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -100,6 +108,13 @@ def timed_run(tree: Tree, llm, ids: list[list[int]], max_tokens: int) -> tuple[f
     seconds = time.perf_counter() - start
     tree.capture_new_modules()
     return seconds, [o.token_ids for o in outs]
+
+
+def spread_lengths(batch: int, max_tokens: int, spread: float) -> list[int]:
+    """Each request's max_tokens: `max_tokens` less up to `spread` of it, spread evenly over the batch in
+    a fixed shuffled order (neighbouring prompts get unlike lengths)."""
+    span = round(spread * max_tokens)
+    return [max_tokens - (span * ((i * 37) % batch)) // max(batch - 1, 1) for i in range(batch)]
 
 
 def _gate_rates(llm, batch: int) -> dict[int, int]:  # noqa: ANN001 - a tree's LLM
@@ -165,6 +180,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="off,static", help="of off, static, compact, default")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--max-tokens-spread",
+        type=float,
+        default=0.0,
+        help="requests' max_tokens spread evenly over the top this share of --max-tokens (0.5 with 128: "
+        "64-128), so that they end at different steps, as a server's do",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -178,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
 
         tokenizer = engines[("base", modes[0])].tokenizer
         ids = [encode_prompt(tokenizer, PROMPTS[i % len(PROMPTS)]) for i in range(batch)]
+        lengths = spread_lengths(batch, args.max_tokens, args.max_tokens_spread)
         for mode in modes:
             for tree in trees:  # warm-up: kernels, graph captures of this batch's sizes
                 timed_run(tree, engines[(tree.name, mode)], ids, min(32, args.max_tokens))
@@ -186,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
             for r in range(args.rounds):
                 order = trees if r % 2 == 0 else trees[::-1]
                 for tree in order:
-                    took, out = timed_run(tree, engines[(tree.name, mode)], ids, args.max_tokens)
+                    took, out = timed_run(tree, engines[(tree.name, mode)], ids, lengths)
                     seconds[tree.name].append(took)
                     tokens.setdefault(tree.name, out)
             ratios = sorted(b / n for b, n in zip(seconds["base"], seconds["new"], strict=True))

@@ -22,6 +22,8 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh overlap   carry [".carry/c4"]      (~330 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh overlap-isolated   carry [".carry/c4"] (~400 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh anchor   carry [".carry/c4"]       (~560 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s48   carry [".carry/c4"]          (~450 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s49   carry [".carry/c4", ".carry/base49"] (~350 s)
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
 #   83f678b has run on a GPU: the gate's median step times, the frozen startup heaps, session 36's
@@ -271,6 +273,21 @@ case "${1:-}" in
       echo "gpu_e2e step: exit $?"; grep -v "^step \|Loading" "$OUT/e2e.log" | tail -14
     fi
     ;;
+  s49)
+    # Session 49's call (~350 s, carry [".carry/c4", ".carry/base49"]; `mkdir -p .carry/base49 && git
+    # archive 6685dd3 backend | tar -x -C .carry/base49`): issue 18's table at 64-256 with the gate's
+    # view offline beside served (the fourth table of overhead.md: what the gate measured per length
+    # at each tier), then bursts past the ends of a few requests (0d9e84e) against 6685dd3, offline,
+    # requests of 64-128 tokens (`--max-tokens-spread 0.5`), plain and the serve default.
+    OUT=$OUT TESTS_S=0 SERVING_S=0 OVERHEAD_S=${OVERHEAD_S:-300} OVERHEAD_ARGS="--levels ${LEVELS:-64,128,256} \
+      --modes off,default --requests-per-stream 8 --user-defaults --rounds ${ROUNDS:-3}" \
+      bash benchmarks/gpu_check.sh > "$OUT/overhead-check.log" 2>&1
+    echo "overhead: exit $?"; head -6 "$OUT/overhead.md"; grep -A40 "^The adaptive gate's view" "$OUT/overhead.md"
+    timeout "${AB_S:-150}" python3 benchmarks/ab_trees.py --base .carry/base49/backend --device cuda \
+      --batch-sizes 256,128,64 --modes off,default --rounds "${AB_ROUNDS:-6}" --max-tokens 128 \
+      --max-tokens-spread 0.5 --out "$OUT/ab-bursts.json" > "$OUT/ab-bursts.log" 2>&1
+    echo "ab bursts: exit $?"; grep -vE "^\{" "$OUT/ab-bursts.log" | tail -10
+    ;;
   anchor)
     # Issue 19's capacity table: the anchor feature (session 41, training/README.md "An anchor feature")
     # against the base, from scratch on the same fresh data, equal steps, as session 25 compared five
@@ -286,7 +303,7 @@ case "${1:-}" in
     echo "variants: exit $?"; cat "$OUT/variants/variants.md"
     ;;
   *)
-    echo "usage: next_gpu.sh tests|tests-lite|bench|mbt1024|smt|diagnose|plain-cost|clients|window|timeline|gate-order|served-bursts|bursts-ahead|bench-burst|overlap|anchor|s48" >&2
+    echo "usage: next_gpu.sh tests|tests-lite|bench|mbt1024|smt|diagnose|plain-cost|clients|window|timeline|gate-order|served-bursts|bursts-ahead|bench-burst|overlap|anchor|s48|s49" >&2
     exit 2
     ;;
 esac
