@@ -64,10 +64,10 @@ from dspark.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 MEMORY_READ_INTERVAL_S = 0.5  # how stale the load's GPU memory figures may be
-# A burst may run past the ends of some requests while their dropped rows stay within this share of its
+GATE_VIEW_INTERVAL_S = 0.5  # how stale the load's view of the gate may be (remade at most this often)
+# A burst may run past the ends of some requests while their dropped rows stay below this share of its
 # rows (`_past_some_ends`).
 BURST_ENDED_ROWS = 0.25
-GATE_VIEW_INTERVAL_S = 0.5  # and its view of the gate (a few dozen numbers, made at most this often)
 
 
 def device_runs_ahead(device: torch.device) -> bool:
@@ -981,8 +981,10 @@ def _past_some_ends(length: int, left: list[int]) -> int:
     different steps run mostly single steps (64 requests of 20-119 tokens on this project's CPU: 45
     of 58 decode launches shortened, 30 to one step), each with the host's whole per-step work. One
     request alone still stops where it ends."""
-    while length > 1 and sum(length - n for n in left if n < length) >= BURST_ENDED_ROWS * length * len(left):
+    short = [n for n in left if n < length]  # most steps: none (one pass over the batch)
+    while short and length > 1 and sum(length - n for n in short) >= BURST_ENDED_ROWS * length * len(left):
         length -= 1
+        short = [n for n in short if n < length]
     return length
 
 
