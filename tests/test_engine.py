@@ -67,7 +67,9 @@ def test_a_tight_token_budget_shortens_the_windows_and_stays_lossless(
     assert [o.token_ids for o in outs] == expected
     assert sum(o.spec_stats.verified_tokens for o in outs) > 0  # shorter windows still draft
     loop = llm.engine.load().loop
-    assert loop.step_requests / loop.steps > 4  # most steps run every request (6) at once
+    # Most steps run every request (6) at once: windows of 5 tokens would fit 3 (16 // 5). The steps
+    # that prefill run fewer: over 60 draws of the random prompts the mean was 3.96-5.5 a step.
+    assert loop.step_requests / loop.steps > 3.5
 
 
 def test_pages_are_freed_after_every_request_finishes(tiny_target_dir, tiny_drafter_dir, reference) -> None:
