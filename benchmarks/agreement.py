@@ -139,7 +139,8 @@ def timed_generate(
 def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_tokens: int) -> dict:
     """What the engine loop did in a window of `seconds` that produced `output_tokens` (two
     `LoopTotals` snapshots around it): steps/s, requests and output tokens per step, the shares of the
-    steps replayed from a graph, launched ahead, carrying a prefill chunk and run in bursts, the drafts
+    steps replayed from a graph, launched ahead, carrying a prefill chunk and run in bursts (and the
+    bursts' mean length), the drafts
     a request verified a step (the adaptive gate's choice), the share of the window in step calls, and
     per step: wall ms (also apart for the steps that carried a prefill chunk and the others), the
     acceptance's ms (where the host waits for the device), the served loop's ms between
@@ -158,6 +159,9 @@ def loop_shares(before: LoopTotals, after: LoopTotals, seconds: float, output_to
         "ahead": round((after.ahead_steps - before.ahead_steps) / steps, 3),
         "prefill": round((after.prefill_steps - before.prefill_steps) / steps, 3),
         "burst": round((after.burst_steps - before.burst_steps) / steps, 3),
+        "burst_length": round(
+            (after.burst_steps - before.burst_steps) / max(after.bursts - before.bursts, 1), 2
+        ),
         "drafts_per_request": round((after.verify_tokens - before.verify_tokens) / max(requests, 1), 3),
         "in_steps": round(step_s / seconds, 3),
         "step_ms": round(1e3 * step_s / steps, 3),

@@ -482,7 +482,16 @@ def table(levels: list[int], runs: dict) -> str:
 def loop_table(levels: list[int], runs: dict) -> str:
     """Markdown: the engine loop offline and served, per mode and level (`agreement.loop_shares`)."""
     keys = ("steps_per_s", "requests_per_step", "tokens_per_step", "drafts_per_request", "graph", "ahead")
-    keys += ("prefill", "burst", "in_steps", "step_ms", "prefill_step_ms", "decode_step_ms", "accept_ms")
+    keys += (
+        "prefill",
+        "burst",
+        "burst_length",
+        "in_steps",
+        "step_ms",
+        "prefill_step_ms",
+        "decode_step_ms",
+        "accept_ms",
+    )
     keys += (
         "intake_ms",
         "handover_ms",
@@ -497,8 +506,8 @@ def loop_table(levels: list[int], runs: dict) -> str:
         keys,
         "Engine loop, offline / served (`agreement.loop_shares`): steps/s, requests and output tokens "
         "per step, drafts a request verified a step, the shares of steps replayed from a graph, "
-        "launched ahead, with a prefill chunk and in decode bursts, the share of the measured window in "
-        "step calls, and "
+        "launched ahead, with a prefill chunk and in decode bursts (and the bursts' mean length), the "
+        "share of the measured window in step calls, and "
         "per step: wall ms (all steps, those with a prefill chunk, the others), the acceptance's ms "
         "(the host waiting for the device), and the served loop's ms between steps taking in commands "
         "and handing over deltas (0 offline); the garbage collector's ms a step and its full passes in the "

@@ -74,6 +74,7 @@ def test_bursts_give_the_tokens_of_steps_one_at_a_time(tiny_target_dir, graphs, 
     # Every step of a burst counts as a step, and as a burst's; a burst is one call of the loop.
     assert engine.loop_counters.steps >= bursts[1]
     assert engine.loop_counters.burst_steps == bursts[1]
+    assert engine.loop_counters.bursts == bursts[0]
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])

@@ -35,6 +35,8 @@ def test_loop_shares_are_per_step_differences_under_distinct_keys() -> None:
         step_requests=50,
         verify_tokens=64,
         prefill_steps=2,
+        burst_steps=6,
+        bursts=2,
         step_seconds=1.1,
         prefill_step_seconds=0.03,
         accept_seconds=0.502,
@@ -46,6 +48,7 @@ def test_loop_shares_are_per_step_differences_under_distinct_keys() -> None:
     assert shares["steps_per_s"] == 50.0 and shares["requests_per_step"] == 4.0
     assert shares["tokens_per_step"] == 12.0 and shares["prefill"] == 0.2
     assert shares["drafts_per_request"] == 1.5  # 60 drafts over 40 request-steps
+    assert shares["burst"] == 0.6 and shares["burst_length"] == 3.0  # 6 steps of 10 in 2 bursts
     assert shares["gc_ms"] == pytest.approx(4.0) and shares["gc_full"] == 1  # 40 ms over 10 steps
     assert shares["step_ms"] == pytest.approx(10.0) and shares["accept_ms"] == pytest.approx(0.2)
     # 2 prefill-carrying steps took 30 ms, the other 8 took 70.

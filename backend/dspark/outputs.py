@@ -393,6 +393,7 @@ class LoopTotals:
     ahead_steps: int = 0
     prefill_steps: int = 0
     burst_steps: int = 0
+    bursts: int = 0  # decode bursts launched (burst_steps / bursts: their mean length)
     # Draft tokens the steps verified, summed over their requests (/ step_requests: the drafts a
     # request verified a step, as the adaptive gate chose them).
     verify_tokens: int = 0

@@ -569,6 +569,7 @@ class LLMEngine:
         """Launch a burst of `length` steps of `schedule` under `plan` (pages reserved), each counted
         (`ahead`: behind a step in flight)."""
         launched = launch_burst(self.runner, schedule, plan, first, self._capture_layers, length)
+        self.loop_counters.bursts += 1
         for _ in range(length):
             self.loop_counters.add_step(
                 len(schedule.decode),

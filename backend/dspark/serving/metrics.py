@@ -46,6 +46,7 @@ LOOP_COUNTERS = {
     "ahead_steps": "Engine steps launched before the step ahead of them was accepted (launch_ahead)",
     "prefill_steps": "Engine steps that carried a prefill chunk",
     "burst_steps": "Engine steps run in decode bursts (decode_burst)",
+    "bursts": "Decode bursts launched (burst_steps / bursts: their mean length)",
     "verify_tokens": "Draft tokens the engine's steps verified (/ step_requests: a request's drafts a step)",
     "step_seconds": "Wall seconds of the engine's steps",
     "prefill_step_seconds": "Of step_seconds: the steps that carried a prefill chunk",
