@@ -505,27 +505,37 @@ def _burst_tokens(length: int, requests: int) -> list[list[int]]:
     return [[1 + (length > 0 and r % 5 < 2) for r in range(requests)]] * 4
 
 
-def _served_bursts(
-    gate: SpeculationGate, clock: _Clock, requests: int, count: int, step_s: dict[int, float], intake_s: float
+def _alternating_calls(
+    gate: SpeculationGate,
+    clock: _Clock,
+    requests: int,
+    count: int,
+    prepare_s: dict[int, float],
+    complete_s: dict[int, float],
 ) -> list[int]:
-    """`count` bursts of 4 steps under a server's steady arrivals, each launched behind a step that takes
-    prompts in and followed by the next (launched behind it): the prompt-taking steps' windows are
-    shortened to no drafts (the scheduler's share for prompts at a full budget), whatever the gate chose
-    for them; a burst's step of length n takes step_s[n] seconds, and every draft is accepted with
-    probability 0.4 (`_burst_tokens`). Returns the bursts' lengths."""
-    lengths = []
-    gate.draft_length(requests)
-    gate.start_step(0, at=clock.now, prefill=True)
-    for _ in range(count):
+    """`count` bursts of 4 steps alternating with steps that take prompts in, driven as the engine's
+    overlapped calls run them where the host sets the pace: a call prepares and launches the next step
+    or burst (prepare_s[n] seconds a burst of length n, prepare_s[-1] a prompt-taking step, whose
+    windows draft nothing), then accepts and emits the one launched by the call before (complete_s, the
+    same keys) and tells the gate; every draft is accepted with probability 0.4 (`_burst_tokens`).
+    Returns the bursts' lengths."""
+    lengths: list[int] = []
+    in_flight: int | None = None  # the kind launched by the call before: a burst's length, -1 a prompt step
+    for call in range(2 * count):
         length = gate.draft_length(requests)
-        gate.start_step(length, at=clock.now)
-        lengths.append(length)
-        clock.now += intake_s
-        gate.finish_step([])
-        gate.draft_length(requests)
-        gate.start_step(0, at=clock.now, prefill=True)
-        clock.now += 4 * step_s[length]
-        gate.finish_burst(_burst_tokens(length, requests), [[length] * requests] * 4)
+        kind = length if call % 2 else -1
+        began = clock.now
+        clock.now += prepare_s[kind]
+        gate.start_step(max(kind, 0), at=began, prefill=kind < 0)
+        if kind >= 0:
+            lengths.append(kind)
+        if in_flight is not None:
+            clock.now += complete_s[in_flight]
+            if in_flight < 0:
+                gate.finish_step([])
+            else:
+                gate.finish_burst(_burst_tokens(in_flight, requests), [[in_flight] * requests] * 4)
+        in_flight = kind
     return lengths
 
 
@@ -533,7 +543,7 @@ def _lull_bursts(
     gate: SpeculationGate, clock: _Clock, requests: int, count: int, step_s: dict[int, float]
 ) -> list[int]:
     """`count` bursts of 4 steps back to back with no prompt waiting (each launched behind the one
-    before), timed and accepted as in `_served_bursts` (the last one too)."""
+    before), timed and accepted as in `_alternating_calls` (the last one too)."""
     lengths = []
     in_flight = None
     for _ in range(count + 1):
@@ -561,7 +571,11 @@ def test_drafting_bursts_under_steady_arrivals_are_measured_where_the_prompt_ste
     requests = 200
     lull = _lull_bursts(gate, clock, requests, 40, {0: 0.0010, 1: 0.0012})
     assert lull[-20:].count(1) >= 15  # drafting pays in the lull (a probe of plain aside)
-    served = _served_bursts(gate, clock, requests, 120, {0: 0.0010, 1: 0.0020}, intake_s=0.003)
+    # Under arrivals, a prompt-taking step (launched ahead) between bursts: 3 ms to accept it, a
+    # burst's four steps 1.0 ms each plain, 2.0 drafting, the host's time all after the launches.
+    served = _alternating_calls(
+        gate, clock, requests, 120, dict.fromkeys((-1, 0, 1), 0.0), {-1: 0.003, 0: 0.004, 1: 0.008}
+    )
     assert served[-60:].count(0) >= 50, served  # plain, but for a probe now and then
     rates = gate.rates(requests)
     assert rates[0] > rates[1]
@@ -584,39 +598,6 @@ def test_the_view_holds_each_tier_s_measured_times_choices_and_the_tokens_a_requ
     assert rows[8, 0]["measured_steps"] == rows[8, 0]["chosen_steps"]  # without overlap: every step
     assert rows[8, 0]["tokens_per_request"] == 1.0
     assert rows[8, 1]["tokens_per_request"] == pytest.approx(1 + gate._acceptance.chance(1, FIRST_PRIOR))
-
-
-def _alternating_calls(
-    gate: SpeculationGate,
-    clock: _Clock,
-    requests: int,
-    count: int,
-    prepare_s: dict[int, float],
-    complete_s: dict[int, float],
-) -> list[int]:
-    """`count` bursts of 4 steps alternating with steps that take prompts in, driven as the engine's
-    overlapped calls run them where the host sets the pace: a call prepares and launches the next step
-    or burst (prepare_s[n] seconds a burst of length n, prepare_s[-1] a prompt-taking step, whose
-    windows draft nothing), then accepts and emits the one launched by the call before (complete_s, the
-    same keys) and tells the gate. Returns the bursts' lengths."""
-    lengths: list[int] = []
-    in_flight: int | None = None  # the kind launched by the call before: a burst's length, -1 a prompt step
-    for call in range(2 * count):
-        length = gate.draft_length(requests)
-        kind = length if call % 2 else -1
-        began = clock.now
-        clock.now += prepare_s[kind]
-        gate.start_step(max(kind, 0), at=began, prefill=kind < 0)
-        if kind >= 0:
-            lengths.append(kind)
-        if in_flight is not None:
-            clock.now += complete_s[in_flight]
-            if in_flight < 0:
-                gate.finish_step([])
-            else:
-                gate.finish_burst(_burst_tokens(in_flight, requests), [[in_flight] * requests] * 4)
-        in_flight = kind
-    return lengths
 
 
 def test_a_burst_between_prompt_taking_steps_is_charged_its_own_preparation() -> None:
