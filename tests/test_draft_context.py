@@ -51,8 +51,10 @@ class _Recorder:
         self.inner.inject(features, positions, slots)
 
 
-def _fresh_block(engine, context: list[int]) -> tuple[list[int], torch.Tensor]:
-    """Drafts and confidences from a new proposer whose cache holds exactly `context[:-1]`'s features."""
+def _fresh_block(engine, context: list[int]) -> tuple[list[int], torch.Tensor, list[float]]:
+    """Drafts and confidences from a new proposer whose cache holds exactly `context[:-1]`'s features,
+    and each decoded position's gap between its two highest draft logits (a float near-tie there may
+    pick either token: the engine's batched arithmetic rounds differently from this single request's)."""
     inner: DSparkProposer = engine.proposer.inner
     model, device = engine.runner.model, engine.limits.device
     anchor = len(context) - 1
@@ -67,9 +69,22 @@ def _fresh_block(engine, context: list[int]) -> tuple[list[int], torch.Tensor]:
     proposer.inject(features[0, :anchor], torch.arange(anchor, device=device), slots)
     seq = Sequence("fresh", 0, context, SamplingParams(), None)
     seq.num_cached, seq.pages = anchor, pages
-    proposal = proposer.propose([seq])
+    drafter, gaps = inner.drafter, []
+    corrected_logits = drafter.corrected_logits
+
+    def recording(*args, **kwargs) -> torch.Tensor:
+        logits = corrected_logits(*args, **kwargs)
+        top = logits[0].float().topk(2).values
+        gaps.append(float(top[0] - top[1]))
+        return logits
+
+    drafter.corrected_logits = recording  # this instance only, for this one block
+    try:
+        proposal = proposer.propose([seq])
+    finally:
+        del drafter.corrected_logits
     drafted = proposer.block_size if proposal.lengths is None else int(proposal.lengths[0])
-    return proposal.tokens[0, :drafted].tolist(), proposal.confidences[0].cpu()
+    return proposal.tokens[0, :drafted].tolist(), proposal.confidences[0].cpu(), gaps
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -146,11 +161,21 @@ def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
         assert recorder.inner.graphs is not None and engine.runner.graphs is not None
     if block_size:
         assert recorder.inner.block_size == block_size < recorder.inner.drafter.config.block_size
+    ties = 0
     for context, tokens, confidences in recorder.blocks:
-        fresh_tokens, fresh_confidences = _fresh_block(engine, context)
+        fresh_tokens, fresh_confidences, gaps = _fresh_block(engine, context)
         decoded = len(confidences)  # the positions the engine's block decoded: a prefix of the block's
+        differ = next((k for k, (a, b) in enumerate(zip(tokens, fresh_tokens, strict=False)) if a != b), None)
+        if differ is not None:
+            # Only a float tie may differ (~1e-6 between the top two logits; a stale context row moves
+            # logits and confidences by far more); the positions after it follow other tokens.
+            assert gaps[differ] < 1e-4, (context, tokens, fresh_tokens, gaps)
+            ties += 1
+            decoded = differ + 1
+            tokens, fresh_tokens = tokens[:differ], fresh_tokens[:differ]
         assert tokens == fresh_tokens[:decoded], context
-        torch.testing.assert_close(confidences, fresh_confidences[:decoded], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(confidences[:decoded], fresh_confidences[:decoded], atol=1e-5, rtol=1e-5)
+    assert ties <= len(recorder.blocks) // 10, "ties are rare: more points at a real difference"
 
 
 @pytest.mark.parametrize("threshold", [0.0, 0.05, 0.3, 0.9])
