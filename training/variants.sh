@@ -23,6 +23,13 @@
 #   anchor-feature the base with the anchor's context row (the projected target features of the position
 #                  before the block) added to every block input, as EAGLE feeds its drafter the target's
 #                  state directly (DraftConfig.anchor_feature; +0.33M parameters)
+# Warm starts from INIT_DRAFT (default: the shipped drafter), its shape kept but for what the name adds
+# (grown at zero, so each starts where INIT_DRAFT is): what continued training buys with each change,
+# without the from-scratch runs' bias towards whatever learns fastest in a few hundred steps:
+#   warm                 INIT_DRAFT trained on
+#   warm-anchor          plus the anchor feature
+#   warm-two-layers      plus a second layer
+#   warm-anchor-two-layers  both
 # All train on blocks of 7 but block3. Each variant trains TRAIN_MINUTES (default: an equal share of the
 # budget) or, with TRAIN_STEPS, that many steps (equal steps, unless the time share stops a variant
 # first: it also bends that variant's learning-rate schedule, and variants_table.py says when steps differ).
@@ -46,6 +53,7 @@ OUT=${OUT:-/tmp/dspark-out}
 WORK=${WORK:-/tmp/dspark-variants}
 VARIANTS=${VARIANTS:-base two-layers five-features rank64}
 TRAIN_STEPS=${TRAIN_STEPS:-0}
+INIT_DRAFT=${INIT_DRAFT:-drafters/SmolLM2-135M-Instruct-dspark}
 LR=${LR:-1e-3}
 START=$(date +%s)
 export PYTHONUNBUFFERED=1
@@ -57,6 +65,7 @@ if (( TINY )); then
   TRAIN_ARGS=(--batch-size 2 --anchors 4 --log-every 1 --save-every 100)
   TRAIN_STEPS=1
   CAL_ARGS=(--anchors 4 --batch-size 2)
+  LIMITS_ARGS=(--anchors 4 --batch-size 2)
   COST_ARGS=(--batches 1,4 --context 16 --repeats 2)
   EVAL_ARGS=(--per-domain 1 --max-tokens 8 --num-kv-pages 256 --max-num-seqs 4)
   VARIANT_RESERVE_S=0
@@ -64,6 +73,7 @@ else
   BUDGET_S=${BUDGET_S:-585}
   TRAIN_ARGS=(--batch-size 32 --anchors 48 --log-every 50 --save-every 100000)
   CAL_ARGS=(--anchors 32 --batch-size 16)
+  LIMITS_ARGS=(--anchors 16 --batch-size 16)
   COST_ARGS=(--batches 1,64 --context 256 --repeats 50)
   EVAL_ARGS=(--per-domain "${EVAL_PER_DOMAIN:-8}" --max-tokens "${MAX_NEW:-96}")
   # What calibration, the cost timing and the evaluation of one variant take, with some slack.
@@ -81,6 +91,10 @@ variant_flags() {
     argmax-ce) echo "--block-size 7 --num-layers 1 --num-target-features 3 --markov-rank 32 --ce-target argmax" ;;
     top-layer) echo "--block-size 7 --num-layers 1 --target-layers 1,14,29 --markov-rank 32" ;;
     anchor-feature) echo "--block-size 7 --num-layers 1 --num-target-features 3 --markov-rank 32 --anchor-feature" ;;
+    warm) echo "--block-size 7 --init-draft $INIT_DRAFT" ;;
+    warm-anchor) echo "--block-size 7 --init-draft $INIT_DRAFT --anchor-feature" ;;
+    warm-two-layers) echo "--block-size 7 --init-draft $INIT_DRAFT --num-layers 2" ;;
+    warm-anchor-two-layers) echo "--block-size 7 --init-draft $INIT_DRAFT --num-layers 2 --anchor-feature" ;;
     *) echo "unknown variant: $1" >&2; return 1 ;;
   esac
 }
@@ -115,6 +129,10 @@ run() {
     stage "$v: held-out teacher-forced tau (calibration)"
     dspark calibrate-draft --draft "$dir/drafter" --data "${DATA[@]}" --report "$dir/calibration.json" \
       "${CAL_ARGS[@]}"
+
+    stage "$v: where its drafts miss, by the target's own certainty (benchmarks/tau_limits.py)"
+    "$PY" "$ROOT/benchmarks/tau_limits.py" --data "${DATA[@]}" --draft "$dir/drafter" \
+      --json "$dir/tau_limits.json" "${LIMITS_ARGS[@]}" || echo "tau_limits of $v failed (exit $?)"
 
     stage "$v: drafter cost per step"
     dspark draft-cost --draft-model "$dir/drafter" --out "$dir/cost.json" "${COST_ARGS[@]}"
