@@ -34,24 +34,15 @@ BINS = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0001)  # the target's top-1 probability
 def collect(target, drafter, records, anchors: int, batch_size: int, max_length: int, seed: int) -> dict:
     """Per whole block [N, block_size] (blocks running past an answer's end are left out): the target's
     top-1 probability and the drafter's hit in its top 1, 2 and 4."""
+    from dspark.training.calibration import teacher_forced_blocks
     from dspark.training.data import AnchorSampler
-    from dspark.training.draft_forward import block_hidden
-    from dspark.training.trainer import block_targets
 
-    cfg = drafter.config
-    block_size, device = cfg.block_size, drafter.fc.weight.device
+    block_size, device = drafter.config.block_size, drafter.fc.weight.device
     sampler = AnchorSampler(records, batch_size, anchors, max_length, seed, min_following=block_size)
     columns: dict[str, list[torch.Tensor]] = defaultdict(list)
     with torch.no_grad():
         for _, batch in sampler.one_pass():
-            batch = batch.to(device)
-            features, targets = block_targets(target, batch, block_size, list(cfg.target_layer_ids))
-            hidden = block_hidden(
-                drafter, target.embed_tokens.weight, features, batch.token_ids, batch.anchors
-            ).flatten(0, 1)
-            markov = drafter.markov_features(targets.previous)
-            base = torch.nn.functional.linear(hidden, target.lm_head.weight.to(hidden.dtype)).float()
-            logits = drafter.corrected_logits(base, markov)
+            targets, _, _, logits = teacher_forced_blocks(target, drafter, batch.to(device))
             probs = torch.softmax(targets.target_logits.float(), -1)
             top_p, top_id = probs.max(-1)
             ranked = logits.topk(4, dim=-1).indices

@@ -21,8 +21,9 @@ import torch
 
 from dspark.runner.models.llama import CausalLM
 from dspark.spec.drafter import Drafter
-from dspark.training.data import AnchorSampler, DistillRecord
+from dspark.training.data import AnchorSampler, DistillRecord, TrainBatch
 from dspark.training.draft_forward import block_hidden, confidence_logits
+from dspark.training.losses import BlockTargets
 from dspark.training.trainer import block_targets
 
 SURVIVAL_MODES = ("record", "greedy", "sampled")
@@ -36,6 +37,23 @@ class CalibrationData:
 
     logits: torch.Tensor
     survival: torch.Tensor
+
+
+@torch.no_grad()
+def teacher_forced_blocks(
+    target: CausalLM, drafter: Drafter, batch: TrainBatch
+) -> tuple[BlockTargets, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A batch's blocks drafted teacher-forced (each position's previous token the true one): what they
+    are checked against, the drafter's final states [N, block_size, hidden], the Markov features of the
+    previous tokens and the corrected logits over the whole vocabulary [N, block_size, vocab] fp32."""
+    cfg = drafter.config
+    features, targets = block_targets(target, batch, cfg.block_size, list(cfg.target_layer_ids))
+    hidden = block_hidden(
+        drafter, target.embed_tokens.weight, features, batch.token_ids, batch.anchors
+    ).flatten(0, 1)
+    markov = drafter.markov_features(targets.previous)
+    base = torch.nn.functional.linear(hidden, target.lm_head.weight.to(hidden.dtype)).float()
+    return targets, hidden, markov, drafter.corrected_logits(base, markov)
 
 
 @torch.no_grad()
@@ -67,13 +85,7 @@ def collect_calibration_data(
     for picks, batch in sampler.one_pass():
         batch = batch.to(device)
         with amp:
-            features, targets = block_targets(target, batch, block_size, list(cfg.target_layer_ids))
-            hidden = block_hidden(
-                drafter, target.embed_tokens.weight, features, batch.token_ids, batch.anchors
-            ).flatten(0, 1)
-            markov = drafter.markov_features(targets.previous)
-            base = torch.nn.functional.linear(hidden, target.lm_head.weight.to(hidden.dtype)).float()
-            logits = drafter.corrected_logits(base, markov)
+            targets, hidden, markov, logits = teacher_forced_blocks(target, drafter, batch)
             conf = confidence_logits(drafter, hidden, markov)
         greedy_hit = (logits.argmax(-1) == targets.target_logits.argmax(-1)).float()
         overlap = torch.minimum(torch.softmax(logits, -1), torch.softmax(targets.target_logits.float(), -1))
