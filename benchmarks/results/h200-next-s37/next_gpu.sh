@@ -296,7 +296,9 @@ case "${1:-}" in
     # the same fresh data, equal steps (~570 s, carry [".carry/c4"] after parking c1-c3, c5): trained on
     # alone and with the anchor feature (VARIANTS="warm warm-anchor-two-layers": a second layer too);
     # each variant's table row, engine tau and tau_limits table (where the target is sure, does the
-    # change hit more?).
+    # change hit more?). Its data stage reads training/prompts_train.jsonl and its variants drafters/:
+    # both must be in the tree, so move benchmarks/results/* but this folder aside instead (the tree
+    # then ~28 MiB, with c4 ~52 MiB of the 64 a call carries).
     WORK=/tmp/w1 OUT=$OUT/data DATA_MINUTES=${DATA_MINUTES:-2} TRAIN_MINUTES=0 RESPONSES=3 DATA_SEED=49 \
       SAMPLE_FRACTION=0.5 BUDGET_S=200 bash training/run_h200.sh > "$OUT/data.log" 2>&1
     echo "data: exit $?"; tail -3 "$OUT/data.log"
