@@ -10,10 +10,13 @@ be if the drafter hit every position where the target's top-1 probability is at 
 missed where it does today elsewhere (the share of tau's shortfall each group of positions holds).
 
     .venv/bin/dspark distill-data --device cpu --dtype float32 --prompts training/prompts_eval.jsonl \\
-        --out-dir /tmp/heldout --num-prompts 96 --val-prompts 96 --max-new-tokens 128 \\
-        --sample-fraction 0 --batch-size 48
-    .venv/bin/python benchmarks/tau_limits.py --data /tmp/heldout \\
+        --out-dir /tmp/heldout --num-prompts 128 --val-prompts 128 --max-new-tokens 128 \\
+        --sample-fraction 0 --batch-size 64 --max-minutes 15 --seed 5
+    .venv/bin/python benchmarks/tau_limits.py --data /tmp/heldout --both-sides \\
         --draft drafters/SmolLM2-135M-Instruct-dspark
+
+(Every answer there is to an evaluation prompt, which no drafter trains on: `--both-sides` scores the
+ones distill-data filed on its training side too.)
 """
 
 from __future__ import annotations
@@ -23,15 +26,30 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+# training/variants.sh runs this where the project is not installed (as training/run_dspark.py does).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
+
+if TYPE_CHECKING:
+    from dspark.runner.models.llama import CausalLM
+    from dspark.spec.drafter import Drafter
+    from dspark.training.records import DistillRecord
 
 BINS = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0001)  # the target's top-1 probability
 
 
-def collect(target, drafter, records, anchors: int, batch_size: int, max_length: int, seed: int) -> dict:
+def collect(
+    target: CausalLM,
+    drafter: Drafter,
+    records: list[DistillRecord],
+    anchors: int,
+    batch_size: int,
+    max_length: int,
+    seed: int,
+) -> dict:
     """Per whole block [N, block_size] (blocks running past an answer's end are left out): the target's
     top-1 probability and the drafter's hit in its top 1, 2 and 4."""
     from dspark.training.calibration import teacher_forced_blocks
