@@ -99,7 +99,7 @@ def summarize(data: dict, block_size: int) -> dict:
     per_domain = {}
     domains = data["domain"]
     for domain in sorted(set(domains)) + ["all"]:
-        rows_of = torch.tensor([domain in (d, "all") for d in domains])
+        rows_of = torch.tensor([domain == "all" or d == domain for d in domains])
         hits = hit1[rows_of]
         per_domain[domain] = {
             "blocks": int(rows_of.sum()),

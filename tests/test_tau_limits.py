@@ -33,10 +33,8 @@ def test_tau_and_the_bins_follow_the_hits_and_the_targets_probabilities() -> Non
     data = {"top_p": top_p, "hit1": hit1, "hit2": hit2, "hit4": hit4, "domain": domains}
     summary = tau_limits.summarize(data, block_size)
 
-    assert abs(sum(row["share"] for row in summary["bins"]) - 1.0) < 4e-3  # six bins, each rounded to 0.001
-    assert (
-        abs(sum(row["share_first"] for row in summary["bins"]) - 1.0) < 4e-3
-    )  # six bins, each rounded to 0.001
+    for share in ("share", "share_first"):  # six bins, each rounded to 0.001
+        assert abs(sum(row[share] for row in summary["bins"]) - 1.0) < 4e-3
     row = summary["domains"]["all"]
     assert row["blocks"] == blocks
     assert abs(row["tau"] - _tau(hit1.tolist())) < 1e-3
