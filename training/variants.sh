@@ -30,9 +30,11 @@
 #   warm-anchor          plus the anchor feature
 #   warm-two-layers      plus a second layer
 #   warm-anchor-two-layers  both
-# All train on blocks of 7 but block3. Each variant trains TRAIN_MINUTES (default: an equal share of the
-# budget) or, with TRAIN_STEPS, that many steps (equal steps, unless the time share stops a variant
-# first: it also bends that variant's learning-rate schedule, and variants_table.py says when steps differ).
+#   shipped              INIT_DRAFT as it is, not trained: the baseline the warm variants are read against
+# All train on blocks of 7 but block3 and the warm ones (WARM_BLOCK, default 3). Each variant trains
+# TRAIN_MINUTES (default: an equal share of the budget) or, with TRAIN_STEPS, that many steps (equal
+# steps, unless the time share stops a variant first: it also bends that variant's learning-rate
+# schedule, and variants_table.py says when steps differ).
 # $OUT receives 3 files: variants.md (the table, rewritten after every variant), run.log and
 # reports.tar.gz (each variant's train log, calibration, cost and evaluation JSON).
 set -euo pipefail
@@ -55,6 +57,8 @@ VARIANTS=${VARIANTS:-base two-layers five-features rank64}
 TRAIN_STEPS=${TRAIN_STEPS:-0}
 INIT_DRAFT=${INIT_DRAFT:-drafters/SmolLM2-135M-Instruct-dspark}
 LR=${LR:-1e-3}
+# The warm variants' block: the shipped drafter's (3) by default, so they and `shipped` are measured alike.
+WARM_BLOCK=${WARM_BLOCK:-3}
 START=$(date +%s)
 export PYTHONUNBUFFERED=1
 # shellcheck source=training/lib.sh
@@ -91,10 +95,11 @@ variant_flags() {
     argmax-ce) echo "--block-size 7 --num-layers 1 --num-target-features 3 --markov-rank 32 --ce-target argmax" ;;
     top-layer) echo "--block-size 7 --num-layers 1 --target-layers 1,14,29 --markov-rank 32" ;;
     anchor-feature) echo "--block-size 7 --num-layers 1 --num-target-features 3 --markov-rank 32 --anchor-feature" ;;
-    warm) echo "--block-size 7 --init-draft $INIT_DRAFT" ;;
-    warm-anchor) echo "--block-size 7 --init-draft $INIT_DRAFT --anchor-feature" ;;
-    warm-two-layers) echo "--block-size 7 --init-draft $INIT_DRAFT --num-layers 2" ;;
-    warm-anchor-two-layers) echo "--block-size 7 --init-draft $INIT_DRAFT --num-layers 2 --anchor-feature" ;;
+    shipped) echo "" ;;
+    warm) echo "--block-size $WARM_BLOCK --init-draft $INIT_DRAFT" ;;
+    warm-anchor) echo "--block-size $WARM_BLOCK --init-draft $INIT_DRAFT --anchor-feature" ;;
+    warm-two-layers) echo "--block-size $WARM_BLOCK --init-draft $INIT_DRAFT --num-layers 2" ;;
+    warm-anchor-two-layers) echo "--block-size $WARM_BLOCK --init-draft $INIT_DRAFT --num-layers 2 --anchor-feature" ;;
     *) echo "unknown variant: $1" >&2; return 1 ;;
   esac
 }
@@ -109,10 +114,11 @@ run() {
   collect_data_in
   (( ${#DATA[@]} )) || { echo "DATA_IN: name the folders of the shards to train on"; exit 1; }
 
-  local minutes=0
-  if (( ! TINY )); then
+  local minutes=0 trained=0
+  for v in "${variants[@]}"; do [[ $v == shipped ]] || trained=$(( trained + 1 )); done
+  if (( ! TINY && trained )); then
     minutes=$("$PY" -c "print(round(max(0.5, min(${TRAIN_MINUTES:-99},
-      ($(left) - ${#variants[@]} * $VARIANT_RESERVE_S) / ${#variants[@]} / 60)), 2))")
+      ($(left) - ${#variants[@]} * $VARIANT_RESERVE_S) / $trained / 60)), 2))")
   fi
   local steps=$(( TRAIN_STEPS > 0 ? TRAIN_STEPS : 100000 )) train_s
   train_s=$("$PY" -c "print(int(60 * $minutes))")
@@ -122,9 +128,17 @@ run() {
     local dir="$WORK/$v" flags
     read -ra flags <<< "$(variant_flags "$v")"
     mkdir -p "$dir"
-    stage "variant $i/${#variants[@]}: $v (${flags[*]}; ${minutes} min, 0: steps only; $steps steps at most)"
-    dspark train-draft --data "${DATA[@]}" --out "$dir/drafter" --work-dir "$dir/train" --restart \
-      "${flags[@]}" --seed 0 --run-index 0 --lr "$LR" --steps "$steps" --max-minutes "$minutes" "${TRAIN_ARGS[@]}"
+    if [[ $v == shipped ]]; then
+      # The baseline: INIT_DRAFT as it is, measured by the same stages (its old train log left behind,
+      # so the table's loss and step columns compare only the trained variants).
+      stage "variant $i/${#variants[@]}: shipped ($INIT_DRAFT, untrained here)"
+      mkdir -p "$dir/drafter"
+      cp "$INIT_DRAFT"/config.json "$INIT_DRAFT"/*.safetensors "$dir/drafter/"
+    else
+      stage "variant $i/${#variants[@]}: $v (${flags[*]}; ${minutes} min, 0: steps only; $steps steps at most)"
+      dspark train-draft --data "${DATA[@]}" --out "$dir/drafter" --work-dir "$dir/train" --restart \
+        "${flags[@]}" --seed 0 --run-index 0 --lr "$LR" --steps "$steps" --max-minutes "$minutes" "${TRAIN_ARGS[@]}"
+    fi
 
     stage "$v: held-out teacher-forced tau (calibration)"
     dspark calibrate-draft --draft "$dir/drafter" --data "${DATA[@]}" --report "$dir/calibration.json" \
