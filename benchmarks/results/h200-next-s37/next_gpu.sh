@@ -299,14 +299,23 @@ case "${1:-}" in
     # change hit more?). Its data stage reads training/prompts_train.jsonl and its variants drafters/:
     # both must be in the tree, so move benchmarks/results/* but this folder aside instead (the tree
     # then ~28 MiB, with c4 ~52 MiB of the 64 a call carries).
-    WORK=/tmp/w1 OUT=$OUT/data DATA_MINUTES=${DATA_MINUTES:-2} TRAIN_MINUTES=0 RESPONSES=3 DATA_SEED=49 \
-      SAMPLE_FRACTION=0.5 BUDGET_S=200 bash training/run_h200.sh > "$OUT/data.log" 2>&1
+    # Session 50: `shipped` first (the drafter as it is, measured by the same stages on the same data).
+    # The trained drafters stay in /tmp/wv/<variant>/drafter while the machine is warm (`keep` below).
+    WORK=/tmp/w1 OUT=$OUT/data DATA_MINUTES=${DATA_MINUTES:-1.5} TRAIN_MINUTES=0 RESPONSES=3 DATA_SEED=49 \
+      SAMPLE_FRACTION=0.5 BUDGET_S=170 bash training/run_h200.sh > "$OUT/data.log" 2>&1
     echo "data: exit $?"; tail -3 "$OUT/data.log"
-    WORK=/tmp/wv OUT=$OUT/variants DATA_IN=/tmp/w1/data VARIANTS="${VARIANTS:-warm warm-anchor}" \
-      TRAIN_STEPS=${TRAIN_STEPS:-500} LR=${LR:-3e-4} BUDGET_S=${VARIANTS_S:-360} bash training/variants.sh \
+    WORK=/tmp/wv OUT=$OUT/variants DATA_IN=/tmp/w1/data VARIANTS="${VARIANTS:-shipped warm warm-anchor}" \
+      TRAIN_STEPS=${TRAIN_STEPS:-500} LR=${LR:-3e-4} BUDGET_S=${VARIANTS_S:-400} bash training/variants.sh \
       > "$OUT/variants.log" 2>&1
     echo "variants: exit $?"; cat "$OUT/variants/variants.md"
     grep -B2 -A16 "^| target top-1" "$OUT/variants/run.log" | tail -60
+    ;;
+  keep)
+    # A trained variant back from the warm machine (V=warm-anchor): its drafter in parts under 16 MiB.
+    src=/tmp/wv/${V:-warm-anchor}/drafter
+    mkdir -p "$OUT/drafter" && cp "$src"/config.json "$src"/train_log.jsonl "$src"/draft_vocab.safetensors "$OUT/drafter/"
+    split -b 15M -d -a 2 "$src/model.safetensors" "$OUT/drafter/model.safetensors.part-"
+    ls -l "$OUT/drafter"; sha256sum "$src/model.safetensors"
     ;;
   anchor)
     # Issue 19's capacity table: the anchor feature (session 41, training/README.md "An anchor feature")
@@ -323,7 +332,7 @@ case "${1:-}" in
     echo "variants: exit $?"; cat "$OUT/variants/variants.md"
     ;;
   *)
-    echo "usage: next_gpu.sh tests|tests-lite|bench|mbt1024|smt|diagnose|plain-cost|clients|window|timeline|gate-order|served-bursts|bursts-ahead|bench-burst|overlap|anchor|warm|s48|s49" >&2
+    echo "usage: next_gpu.sh tests|tests-lite|bench|mbt1024|smt|diagnose|plain-cost|clients|window|timeline|gate-order|served-bursts|bursts-ahead|bench-burst|overlap|anchor|warm|keep|s48|s49" >&2
     exit 2
     ;;
 esac
