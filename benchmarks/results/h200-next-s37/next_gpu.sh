@@ -25,6 +25,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s48   carry [".carry/c4"]          (~450 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s49   carry [".carry/c4", ".carry/base49"] (~350 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh warm   carry [".carry/c4"]         (~570 s)
+#   V=warm-anchor OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh keep   carry [".carry/c4"] (~20 s, right after warm)
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
 #   83f678b has run on a GPU: the gate's median step times, the frozen startup heaps, session 36's
