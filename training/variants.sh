@@ -129,11 +129,13 @@ run() {
     read -ra flags <<< "$(variant_flags "$v")"
     mkdir -p "$dir"
     if [[ $v == shipped ]]; then
-      # The baseline: INIT_DRAFT as it is, measured by the same stages (its old train log left behind,
-      # so the table's loss and step columns compare only the trained variants).
+      # The baseline: INIT_DRAFT as it is, measured by the same stages. Only what a trained variant's
+      # folder holds: its old train log stays behind (the table's loss and step columns compare the
+      # trained variants), and so does its draft vocabulary (train-draft writes none, so every row
+      # drafts from the whole vocabulary).
       stage "variant $i/${#variants[@]}: shipped ($INIT_DRAFT, untrained here)"
       mkdir -p "$dir/drafter"
-      cp "$INIT_DRAFT"/config.json "$INIT_DRAFT"/*.safetensors "$dir/drafter/"
+      cp "$INIT_DRAFT"/config.json "$INIT_DRAFT"/model.safetensors "$dir/drafter/"
     else
       stage "variant $i/${#variants[@]}: $v (${flags[*]}; ${minutes} min, 0: steps only; $steps steps at most)"
       dspark train-draft --data "${DATA[@]}" --out "$dir/drafter" --work-dir "$dir/train" --restart \

@@ -312,9 +312,10 @@ case "${1:-}" in
     grep -B2 -A16 "^| target top-1" "$OUT/variants/run.log" | tail -60
     ;;
   keep)
-    # A trained variant back from the warm machine (V=warm-anchor): its drafter in parts under 16 MiB.
+    # A trained variant back from the warm machine (V=warm-anchor): its drafter in parts under 16 MiB
+    # (train-draft writes no draft vocabulary: shipping it, copy the shipped draft_vocab.safetensors in).
     src=/tmp/wv/${V:-warm-anchor}/drafter
-    mkdir -p "$OUT/drafter" && cp "$src"/config.json "$src"/train_log.jsonl "$src"/draft_vocab.safetensors "$OUT/drafter/"
+    mkdir -p "$OUT/drafter" && cp "$src"/config.json "$src"/train_log.jsonl "$OUT/drafter/"
     split -b 15M -d -a 2 "$src/model.safetensors" "$OUT/drafter/model.safetensors.part-"
     ls -l "$OUT/drafter"; sha256sum "$src/model.safetensors"
     ;;
