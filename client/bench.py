@@ -117,16 +117,19 @@ class ProgressBar:
 
 
 class Streamer:
-    """One worker's connection: streams a prompt over its own gRPC stream, or over HTTP."""
+    """One worker's connection: streams a prompt (a user turn, or raw text) over its own gRPC stream, or
+    over HTTP."""
 
-    def __init__(self, http: bool, url: str, model: str, params: dict) -> None:
-        self.http, self.url, self.model, self.params = http, url, model, params
+    def __init__(self, http: bool, url: str, model: str, params: dict, chat: bool = True) -> None:
+        self.http, self.url, self.model, self.params, self.chat = http, url, model, params, chat
         self._session = None if http else GrpcSession(url, model)
 
     def __call__(self, prompt: str) -> Iterator[Chunk]:
         if self._session is None:
-            return stream_http(prompt, self.params, url=self.url, model=self.model, spec_stats=True)
-        return self._session.generate(prompt, self.params, spec_stats=True)
+            return stream_http(
+                prompt, self.params, url=self.url, model=self.model, spec_stats=True, chat=self.chat
+            )
+        return self._session.generate(prompt, self.params, spec_stats=True, chat=self.chat)
 
     def close(self) -> None:
         if self._session is not None:

@@ -41,13 +41,20 @@ def main(argv: list[str] | None = None) -> int:
         "a line (default: eight everyday questions)",
     )
     for sub in (generate, bench):
+        sub.add_argument(
+            "--raw",
+            action="store_true",
+            help="send the prompt as raw text (default: as one user turn through the model's chat template, "
+            "which the server applies: its apply_chat_template input)",
+        )
         _connection_args(sub)
         _sampling_args(sub, max_tokens=64 if sub is generate else 32)
     args = parser.parse_args(argv)
     try:
         return _generate(args) if args.command == "generate" else _bench(args)
     except ServerError as exc:
-        print(f"dspark-client: server error: {exc}", file=sys.stderr)
+        hint = " (a model without a chat template: send --raw)" if "apply_chat_template" in str(exc) else ""
+        print(f"dspark-client: server error: {exc}{hint}", file=sys.stderr)
         return 1
     except ConnectionError as exc:
         print(f"dspark-client: cannot reach the server: {exc}", file=sys.stderr)
@@ -86,11 +93,13 @@ def _generate(args: argparse.Namespace) -> int:
     params = _params(args)
     started = time.perf_counter()
     if args.http:
-        chunks = stream_http(args.prompt, params, url=_url(args), model=args.model, spec_stats=args.stats)
+        chunks = stream_http(
+            args.prompt, params, url=_url(args), model=args.model, spec_stats=args.stats, chat=not args.raw
+        )
         session = None
     else:
         session = GrpcSession(_url(args), args.model)
-        chunks = session.generate(args.prompt, params, spec_stats=args.stats)
+        chunks = session.generate(args.prompt, params, spec_stats=args.stats, chat=not args.raw)
     tokens, reason, stats = 0, "", None
     try:
         for chunk in chunks:
@@ -112,7 +121,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     levels = [int(level) for level in args.concurrency.split(",") if level.strip()]
-    make_streamer = partial(Streamer, args.http, _url(args), args.model, _params(args))
+    make_streamer = partial(Streamer, args.http, _url(args), args.model, _params(args), chat=not args.raw)
     try:
         prompts = read_prompts(args.prompts) if args.prompts else PROMPTS
     except (OSError, ValueError) as exc:

@@ -59,9 +59,11 @@ class GrpcSession:
         request_id: str | None = None,
         spec_stats: bool = False,
         timeout: float | None = None,
+        chat: bool = False,
     ) -> Iterator[Chunk]:
         """Send one request and yield its chunks until the final one (ServerError when a response takes
-        longer than `timeout` seconds, if given)."""
+        longer than `timeout` seconds, if given); with `chat`, the server renders the prompt as one user
+        turn through the model's chat template."""
         inputs = [
             self._input("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
             self._input("stream", np.array([True]), "BOOL"),
@@ -71,6 +73,8 @@ class GrpcSession:
             self._input("return_finish_reason", np.array([True]), "BOOL"),
             self._input("return_spec_stats", np.array([spec_stats]), "BOOL"),
         ]
+        if chat:  # only then: a model without this input (Triton's vLLM backend's) takes raw requests
+            inputs.append(self._input("apply_chat_template", np.array([True]), "BOOL"))
         self._client.async_stream_infer(self.model, inputs, request_id=request_id or next_request_id())
         self._in_flight = True
         while True:
@@ -119,8 +123,10 @@ def stream_http(
     request_id: str | None = None,
     spec_stats: bool = False,
     timeout: float = 600.0,
+    chat: bool = False,
 ) -> Iterator[Chunk]:
-    """POST /v2/models/{model}/generate_stream and yield the SSE events as chunks.
+    """POST /v2/models/{model}/generate_stream and yield the SSE events as chunks (with `chat`, the
+    prompt is one user turn through the model's chat template).
 
     Sampling parameters travel as the `sampling_parameters` JSON string (the generate endpoint
     takes only scalar request parameters, and `stop` is a list).
@@ -133,6 +139,8 @@ def stream_http(
         "return_finish_reason": True,
         "return_spec_stats": spec_stats,
     }
+    if chat:
+        body["apply_chat_template"] = True
     request = urllib.request.Request(
         f"http://{url}/v2/models/{model}/generate_stream",
         data=json.dumps(body).encode(),

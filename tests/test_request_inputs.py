@@ -76,8 +76,14 @@ def test_a_text_request_becomes_a_prompt_params_and_flags() -> None:
     )
     inputs = generate_inputs(request)
     assert (inputs.text, inputs.token_ids, inputs.stream, inputs.exclude_input) == ("Hi", None, True, False)
+    assert not inputs.chat
     assert inputs.params.max_tokens == 4 and inputs.params.greedy
     assert inputs.returns == frozenset({"return_finish_reason"})
+
+
+def test_apply_chat_template_marks_the_text_as_one_user_turn() -> None:
+    assert generate_inputs(FakeRequest(text_input="Hi", apply_chat_template=True)).chat
+    assert not generate_inputs(FakeRequest(text_input="Hi", apply_chat_template=False)).chat
 
 
 def test_request_parameters_stand_in_for_sampling_parameters() -> None:
@@ -99,6 +105,10 @@ def test_request_parameters_stand_in_for_sampling_parameters() -> None:
             "sampling_parameters.top_p: must be in (0, 1], got 2.0",
         ),
         ({"text_input": "a", "sampling_parameters": "[1]"}, "sampling_parameters: must be a JSON object"),
+        (
+            {"input_ids": [1], "apply_chat_template": True},
+            "apply_chat_template: renders text_input; input_ids are sent as they are",
+        ),
     ],
 )
 def test_a_bad_input_is_named_in_the_error(request_inputs: dict, message: str) -> None:

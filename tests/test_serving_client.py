@@ -37,6 +37,13 @@ def test_generate_over_http_streams_the_same_greedy_text(triton_server, capsys):
     assert http_text == grpc_text and stats["tokens"] == 6
 
 
+def test_generate_sends_a_user_turn_unless_raw(triton_server, capsys):
+    # The default renders the prompt through the chat template (a reply); --raw continues the text.
+    chat_text, _ = generate(capsys, "--url", triton_server.grpc_url)
+    raw_text, stats = generate(capsys, "--raw", "--url", triton_server.grpc_url)
+    assert raw_text != chat_text and stats["tokens"] == 6
+
+
 def test_generate_reports_a_server_error_naming_the_field(triton_server, capsys):
     assert main(["generate", "--prompt", PROMPT, "--top-p", "3", "--url", triton_server.grpc_url]) == 1
     assert "top_p" in capsys.readouterr().err

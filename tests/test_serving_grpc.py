@@ -74,6 +74,28 @@ def test_input_ids_are_an_alternative_to_text_input(triton_server, whole):
     assert by_ids.error is None and by_ids.ids == whole.ids
 
 
+def test_apply_chat_template_sends_the_text_as_one_user_turn(triton_server):
+    # The server renders the turn with the model's template; the same ids sent by hand give the same
+    # greedy tokens, and a non-streamed completion starts with the rendered prompt.
+    from dspark.config import DEFAULT_TARGET_DIR
+    from dspark.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(DEFAULT_TARGET_DIR)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
+    assert rendered != PROMPT and PROMPT in rendered
+    ids = np.array(tokenizer.encode(rendered, add_special_tokens=False), dtype=np.int64)
+    chat = generate(triton_server, False, sampling_parameters=GREEDY, apply_chat_template=True)
+    with GrpcStream(triton_server) as grpc:
+        by_ids = grpc.send(
+            input_ids=(ids, "INT64"), sampling_parameters=GREEDY, exclude_input_in_output=True
+        ).collect()
+    assert chat.error is None and by_ids.error is None
+    assert chat.ids == by_ids.ids and chat.text == rendered + by_ids.text
+    with GrpcStream(triton_server) as grpc:
+        refused = grpc.send(input_ids=(ids, "INT64"), apply_chat_template=True).collect()
+    assert refused.error is not None and "apply_chat_template" in refused.error
+
+
 def test_greedy_output_identical_with_num_draft_tokens_zero_and_default(triton_server, whole):
     plain = generate(
         triton_server,

@@ -186,7 +186,10 @@ def test_the_adaptive_gate_s_view_is_published_once(two_instance_server):
     timed = samples("dspark_spec_gate_step_seconds")
     assert timed and all(0 < value < 10 for _, value in timed), timed
     tokens = {labels["length"]: value for labels, value in samples("dspark_spec_gate_tokens_per_request")}
-    assert tokens["0"] == 1.0 and all(1.0 <= value for value in tokens.values()), tokens
+    # A length is published once chosen or measured: on a GPU the warm-up of 48 tokens may end before it
+    # reaches plain decoding (lengths 3 and 2 only, on an H100).
+    assert tokens and tokens.get("0", 1.0) == 1.0, tokens
+    assert all(1.0 <= value <= 1 + int(length) for length, value in tokens.items()), tokens
 
 
 def _metric_total(server, name: str) -> float:

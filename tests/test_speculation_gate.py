@@ -312,6 +312,22 @@ def test_gated_engine_is_lossless_and_speculates_on_some_steps_only(
     assert drafting <= PROBE_MOST_STEPS * (len(steady) // PROBE_INTERVAL + 1), started
 
 
+def test_the_engine_s_load_shows_the_gate_s_view_once_no_request_runs(
+    tiny_target_dir, tiny_drafter_dir, monkeypatch
+) -> None:
+    """The view `load` carries is remade at most every GATE_VIEW_INTERVAL_S while requests run, and once
+    more when none does: a load shorter than the interval (48 tokens on an H100) left its first steps'."""
+    import dspark.engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "GATE_VIEW_INTERVAL_S", 1e9)  # only the end of the load remakes it
+    base = emulated_graphs_config(tiny_target_dir, tiny_drafter_dir, kv_page_size=4, device="cpu")
+    llm = LLM(base.replace(adaptive_speculation=True))
+    assert llm.engine.load().gate == ()
+    llm.generate(params=SamplingParams(max_tokens=24, ignore_eos=True), prompt_token_ids=[[1, 2, 3]])
+    chosen = sum(row["chosen_steps"] for row in gate_rows(llm.engine.gate.view()))
+    assert chosen > 0 and llm.engine.load().gate == llm.engine.gate.view()
+
+
 def test_seeded_sampling_stays_reproducible_under_the_gate(tiny_target_dir, tiny_drafter_dir) -> None:
     # The gate follows wall time, which differs run to run; a step with a seeded sampling request follows
     # spec_mode instead, so the request's stream is the same every time, whatever the gate would say.

@@ -91,6 +91,5 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> CompletionOutput:
         """Generate a reply to one conversation through the model's chat template."""
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = self.tokenizer.chat_prompt_ids(messages)
         return self.generate(params=params, prompt_token_ids=[ids])[0]

@@ -187,6 +187,7 @@ class LLMEngine:
         self._spec_snapshot: SpecStats | None = None  # a copy of the totals for `load`, made on change
         self._gate_view: tuple[float, ...] = ()  # the gate's view for `load`, and when it was made
         self._gate_view_at = float("-inf")
+        self._gate_view_stale = False  # the gate was told of a step after the view was made
         self._seqs: dict[str, Sequence] = {}
         self._outputs: dict[str, OutputProcessor] = {}
         # History counts of the requests with penalties (on the device), by request id.
@@ -337,8 +338,13 @@ class LLMEngine:
             # of the GIL, too much for every step (the engine process reports its load with each).
             self._memory = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
             self._memory_read_at = now
-        if self.gate is not None and now - self._gate_view_at >= GATE_VIEW_INTERVAL_S:
+        # Remade at most every GATE_VIEW_INTERVAL_S while requests run, and once more when none does: a
+        # load shorter than the interval (48 tokens on a GPU) would otherwise leave its first steps' view.
+        if self._gate_view_stale and (
+            now - self._gate_view_at >= GATE_VIEW_INTERVAL_S or not self.scheduler.running
+        ):
             self._gate_view, self._gate_view_at = self.gate.view(), now
+            self._gate_view_stale = False
         return EngineLoad(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -414,6 +420,7 @@ class LLMEngine:
         if self._gate_report is not None:
             report, self._gate_report = self._gate_report, None
             self.gate.finish_burst(*report)
+            self._gate_view_stale = True
 
     def _launch(
         self, in_flight: InFlight | None = None, earlier: EarlierOutputs | None = None

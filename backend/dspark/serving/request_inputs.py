@@ -38,6 +38,7 @@ class GenerateInputs:
     """What a generation request asks of the engine, and of its responses."""
 
     text: str | None  # text_input, or None when the prompt is input_ids
+    chat: bool  # text_input is one user turn, to render with the model's chat template
     token_ids: list[int] | None
     stream: bool
     exclude_input: bool  # leave the prompt out of a non-streamed completion's text
@@ -53,13 +54,18 @@ def generate_inputs(request: Any) -> GenerateInputs:
         raise InvalidParameterError("text_input", "required (or input_ids)")
     if text is not None and token_ids is not None:
         raise InvalidParameterError("input_ids", "give text_input or input_ids, not both")
+    chat = bool(bool_input(request, "apply_chat_template"))
+    if chat and text is None:
+        raise InvalidParameterError(
+            "apply_chat_template", "renders text_input; input_ids are sent as they are"
+        )
     stream = bool(bool_input(request, "stream"))
     exclude = bool_input(request, "exclude_input_in_output")
     if stream and exclude is False:
         raise InvalidParameterError("exclude_input_in_output", STREAMED_PROMPT_REFUSED)
     params = sampling_params(request)
     returns = frozenset(name for name in RETURN_FLAGS if bool_input(request, name))
-    return GenerateInputs(text, token_ids, stream, bool(exclude), params, returns)
+    return GenerateInputs(text, chat, token_ids, stream, bool(exclude), params, returns)
 
 
 def string_input(request: Any, name: str) -> str | None:

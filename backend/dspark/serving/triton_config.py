@@ -20,13 +20,15 @@ DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_INSTANCES = 4  # backend stubs sharing the engine (the instance_group count)
 
 # Request tensors, in the model-config JSON form that `auto_complete_config` adds. The names and
-# semantics follow Triton's vLLM backend; input_ids, return_spec_stats and cancel_request_id are ours.
+# semantics follow Triton's vLLM backend; input_ids, apply_chat_template, return_spec_stats and
+# cancel_request_id are ours.
 INPUTS: list[dict] = [
     {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     {"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
     {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "apply_chat_template", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     {"name": "return_finish_reason", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     {"name": "return_num_input_tokens", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     {"name": "return_num_output_tokens", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},

@@ -57,6 +57,7 @@ from dspark.serving.request_inputs import CANCEL_ALL, describe, generate_inputs,
 from dspark.serving.send_queue import SendQueue
 from dspark.serving.shared_engine import forget, instance_count, open_engine, rendezvous
 from dspark.serving.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
+from dspark.tokenizer import ChatTemplateError
 
 POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing
 SEND_THREADS = 4  # threads sending responses (a request's always on the same one)
@@ -227,9 +228,12 @@ class TritonPythonModel:
     def _submit(self, request, sender) -> None:
         inputs = generate_inputs(request)
         text, token_ids, params = inputs.text, inputs.token_ids, inputs.params
+        shown = text  # the prompt a non-streamed completion starts with, unless excluded
+        if inputs.chat:
+            text, token_ids, shown = None, *self._chat_prompt(shown)
         prefix = ""
         if not inputs.stream and not inputs.exclude_input:
-            prefix = text if text is not None else self._engine.tokenizer.decode(token_ids)
+            prefix = shown if shown is not None else self._engine.tokenizer.decode(token_ids)
         live = _Live(
             engine_id=f"{self._id_prefix}req-{next(self._next_id)}",
             triton_id=request.request_id(),
@@ -255,6 +259,16 @@ class TritonPythonModel:
             with self._lock:
                 self._live.pop(live.engine_id, None)
             raise
+
+    def _chat_prompt(self, user_turn: str) -> tuple[list[int], str]:
+        """The token ids and text of one user turn rendered by the model's chat template (ids encoded
+        without special tokens: the template writes them)."""
+        tokenizer = self._engine.tokenizer
+        try:
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": user_turn}])
+        except ChatTemplateError as exc:
+            raise InvalidParameterError("apply_chat_template", str(exc)) from None
+        return tokenizer.encode(rendered, add_special_tokens=False), rendered
 
     def _cancel_by_id(self, target: str, sender) -> None:
         """Abort the requests in flight with this Triton request id ("*": all of them); the answer,

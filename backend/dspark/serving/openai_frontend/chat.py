@@ -19,13 +19,9 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the messages rendered by the chat template, with the assistant's turn opened.
-
-    Encoded without adding special tokens, as transformers' apply_chat_template(tokenize=True) does:
-    the template writes them itself.
-    """
+    """Token ids of the messages rendered by the chat template, with the assistant's turn opened; an
+    OpenAI error naming `messages` when the template refuses them."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.chat_prompt_ids(messages)
     except ChatTemplateError as exc:
         raise invalid("messages", str(exc)) from None
-    return tokenizer.encode(text, add_special_tokens=False)
