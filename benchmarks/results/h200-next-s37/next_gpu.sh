@@ -303,7 +303,7 @@ case "${1:-}" in
     # Session 50: `shipped` first (the drafter as it is, measured by the same stages on the same data).
     # The trained drafters stay in /tmp/wv/<variant>/drafter while the machine is warm (`keep` below).
     WORK=/tmp/w1 OUT=$OUT/data DATA_MINUTES=${DATA_MINUTES:-1.5} TRAIN_MINUTES=0 RESPONSES=3 DATA_SEED=49 \
-      SAMPLE_FRACTION=0.5 BUDGET_S=170 bash training/run_h200.sh > "$OUT/data.log" 2>&1
+      SAMPLE_FRACTION=0.5 BUDGET_S=${DATA_BUDGET_S:-170} bash training/run_h200.sh > "$OUT/data.log" 2>&1
     echo "data: exit $?"; tail -3 "$OUT/data.log"
     WORK=/tmp/wv OUT=$OUT/variants DATA_IN=/tmp/w1/data VARIANTS="${VARIANTS:-shipped warm warm-anchor}" \
       TRAIN_STEPS=${TRAIN_STEPS:-500} LR=${LR:-3e-4} BUDGET_S=${VARIANTS_S:-400} bash training/variants.sh \
