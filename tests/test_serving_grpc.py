@@ -94,6 +94,11 @@ def test_apply_chat_template_sends_the_text_as_one_user_turn(triton_server):
     with GrpcStream(triton_server) as grpc:
         refused = grpc.send(input_ids=(ids, "INT64"), apply_chat_template=True).collect()
     assert refused.error is not None and "apply_chat_template" in refused.error
+    with GrpcStream(triton_server) as grpc:  # too long once rendered: named as the text the client sent
+        too_long = grpc.send(text_input="word " * 20000, apply_chat_template=True).collect()
+    assert too_long.error is not None and too_long.error.startswith("text_input: as a chat turn, "), (
+        too_long.error
+    )
 
 
 def test_greedy_output_identical_with_num_draft_tokens_zero_and_default(triton_server, whole):

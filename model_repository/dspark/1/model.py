@@ -53,7 +53,7 @@ from dspark.process_heap import freeze_startup_heap, skip_exit_collection
 from dspark.sampling.logprobs import logprobs_json
 from dspark.serving.engine_process import EngineClosedError, EngineProcess
 from dspark.serving.metrics import Metrics, TritonMetrics, vllm_max_model_len
-from dspark.serving.request_inputs import CANCEL_ALL, describe, generate_inputs, string_input
+from dspark.serving.request_inputs import CANCEL_ALL, describe, generate_inputs, message, string_input
 from dspark.serving.send_queue import SendQueue
 from dspark.serving.shared_engine import forget, instance_count, open_engine, rendezvous
 from dspark.serving.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
@@ -255,6 +255,12 @@ class TritonPythonModel:
                 prompt_token_ids=token_ids,
                 **tag,
             )
+        except InvalidParameterError as exc:
+            with self._lock:
+                self._live.pop(live.engine_id, None)
+            if inputs.chat and exc.field == "prompt_token_ids":  # the client sent text, not ids
+                raise InvalidParameterError("text_input", f"as a chat turn, {message(exc)}") from None
+            raise
         except BaseException:
             with self._lock:
                 self._live.pop(live.engine_id, None)
