@@ -248,16 +248,19 @@ class Tokenizer:
         """The id of a vocabulary string, or None if it is not in the vocabulary."""
         return self._tok.token_to_id(token)
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the messages rendered by the chat template, the assistant's turn opened.
+    def chat_prompt(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        """The messages rendered by the chat template, the assistant's turn opened, and its token ids.
 
         Encoded without adding special tokens, as transformers' apply_chat_template(tokenize=True) does:
         the template writes them itself. ChatTemplateError when the model has no template or it
         refuses the messages.
         """
-        return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False
-        )
+        rendered = self.apply_chat_template(messages, add_generation_prompt=True)
+        return rendered, self.encode(rendered, add_special_tokens=False)
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The token ids of `chat_prompt`."""
+        return self.chat_prompt(messages)[1]
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any

@@ -230,7 +230,8 @@ class TritonPythonModel:
         text, token_ids, params = inputs.text, inputs.token_ids, inputs.params
         shown = text  # the prompt a non-streamed completion starts with, unless excluded
         if inputs.chat:
-            text, token_ids, shown = None, *self._chat_prompt(shown)
+            shown, token_ids = self._chat_prompt(text)
+            text = None
         prefix = ""
         if not inputs.stream and not inputs.exclude_input:
             prefix = shown if shown is not None else self._engine.tokenizer.decode(token_ids)
@@ -255,26 +256,22 @@ class TritonPythonModel:
                 prompt_token_ids=token_ids,
                 **tag,
             )
-        except InvalidParameterError as exc:
+        except BaseException as exc:
             with self._lock:
                 self._live.pop(live.engine_id, None)
-            if inputs.chat and exc.field == "prompt_token_ids":  # the client sent text, not ids
+            chat_ids = (
+                inputs.chat and isinstance(exc, InvalidParameterError) and exc.field == "prompt_token_ids"
+            )
+            if chat_ids:  # the client sent text, not ids
                 raise InvalidParameterError("text_input", f"as a chat turn, {message(exc)}") from None
             raise
-        except BaseException:
-            with self._lock:
-                self._live.pop(live.engine_id, None)
-            raise
 
-    def _chat_prompt(self, user_turn: str) -> tuple[list[int], str]:
-        """The token ids and text of one user turn rendered by the model's chat template (ids encoded
-        without special tokens: the template writes them)."""
-        tokenizer = self._engine.tokenizer
+    def _chat_prompt(self, user_turn: str) -> tuple[str, list[int]]:
+        """One user turn rendered by the chat template, and its token ids (`Tokenizer.chat_prompt`)."""
         try:
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": user_turn}])
+            return self._engine.tokenizer.chat_prompt([{"role": "user", "content": user_turn}])
         except ChatTemplateError as exc:
             raise InvalidParameterError("apply_chat_template", str(exc)) from None
-        return tokenizer.encode(rendered, add_special_tokens=False), rendered
 
     def _cancel_by_id(self, target: str, sender) -> None:
         """Abort the requests in flight with this Triton request id ("*": all of them); the answer,
