@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 from dspark import LLM, EngineConfig, SamplingParams
+from dspark.outputs import gate_rows
+from dspark.runner.cuda_graphs import next_pow2
 from dspark.training.data import encode_prompt, read_prompts
 
 PROMPTS = [
@@ -356,6 +358,12 @@ def main(argv: list[str] | None = None) -> None:
                 row[f"sustained_{mode}"] = statistics.median(r[0] for r in mode_runs)
                 row[f"sustained_{mode}_steady"] = statistics.median(r[1] for r in mode_runs)
                 row[f"sustained_{mode}_tau"] = mode_runs[0][2]["mean_committed_per_step"]
+        # What the gated engine measured and chose in this batch's tier (its gate lives on across the
+        # batch sizes and runs): where the default trails plain or static, whether the gate's step times
+        # or its tokens a request were off.
+        gate = engines["default"].engine.gate
+        if gate is not None:
+            row["default_gate"] = [g for g in gate_rows(gate.view()) if g["tier"] == next_pow2(batch)]
         if not args.no_peer:
             try:
                 row["transformers"] = _time_transformers(
@@ -379,6 +387,25 @@ def main(argv: list[str] | None = None) -> None:
             f"{peer or float('nan'):.1f} | {r['static'] / off:.2f} | {r['compact'] / off:.2f} | "
             f"{r['default'] / off:.2f} | {(r['static'] / peer) if peer else float('nan'):.2f} |"
         )
+    gated = [r for r in rows if r.get("default_gate")]
+    if gated:
+        print("\nThe gated engine's view in each batch's tier after its runs: per draft length, its median")
+        print("step ms, steps measured / chosen, and tokens a request it expects")
+        lengths = sorted({g["length"] for r in gated for g in r["default_gate"]})
+        print("| batch | " + " | ".join(f"length {n}" for n in lengths) + " |")
+        print("|---:|" + "---|" * len(lengths))
+        for r in gated:
+            by_length = {g["length"]: g for g in r["default_gate"]}
+            cells = [
+                (
+                    f"{1e3 * g['step_seconds']:.3f} ms, {g['measured_steps']} / {g['chosen_steps']}, "
+                    f"{g['tokens_per_request']:.2f}"
+                )
+                if (g := by_length.get(n))
+                else "-"
+                for n in lengths
+            ]
+            print(f"| {r['batch']} | " + " | ".join(cells) + " |")
     if args.sustained:
         print(
             f"\nSteady load ({args.sustained}x the batch size in requests, the batch size in flight): "

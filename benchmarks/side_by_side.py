@@ -87,7 +87,12 @@ def main(argv: list[str] | None = None) -> None:
     if len(texts) % args.batch:
         raise SystemExit(f"--batch {args.batch}: the {len(texts)} prompts do not split into whole batches")
     engines = {
-        name: LLM(bench_config(args.model, args.draft_model, args.device, args.batch, **changes))
+        # An engine's own draft_model (e.g. two drafters side by side) wins over --draft-model.
+        name: LLM(
+            bench_config(
+                args.model, changes.pop("draft_model", args.draft_model), args.device, args.batch, **changes
+            )
+        )
         for name, changes in specs
     }
     first = next(iter(engines))
