@@ -26,6 +26,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s49   carry [".carry/c4", ".carry/base49"] (~350 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh warm   carry [".carry/c4"]         (~430 s; ran in s51)
 #   V=warm-anchor OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh keep   carry [".carry/c4"] (~20 s, right after warm)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh gate128   carry [".carry/c4"]      (~330 s; session 52)
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
 #   83f678b has run on a GPU: the gate's median step times, the frozen startup heaps, session 36's
@@ -313,6 +314,20 @@ case "${1:-}" in
     echo "variants: exit $?"; cat "$OUT/variants/variants.md"
     grep -B2 -A16 "^| target top-1" "$OUT/variants/run.log" | tail -60
     ;;
+  gate128)
+    # Session 52 (a slow H100 host): at 128 requests drafting lost (static 0.87-0.93x plain: its steps
+    # 3.0-3.3 ms against plain's 1.5-1.6, no faster than their device-synchronised phases, while plain's
+    # ran 1.45x faster than theirs), and the serve default drafted most steps anyway (0.83-0.84x plain).
+    # The modes with the gate's view per batch (`e2e.py` prints each length's median step ms, steps
+    # measured / chosen and expected tokens a request), then every step at 128 (~330 s, carry c4).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    timeout 200 python3 benchmarks/e2e.py --device cuda --batch-sizes 8,64,128 --max-tokens 128 \
+      --sustained 4 --repeats 3 --no-peer --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
+    echo "e2e: exit $?"; grep -A20 "^| batch" "$OUT/e2e.log" | head -40
+    (cd benchmarks && timeout 120 python3 gate_timeline.py --device cuda --batch 128 --max-tokens 256 --syncs \
+      --out "$OUT/timeline-b128.json" > "$OUT/timeline-b128.log" 2>&1)
+    echo "timeline: exit $?"; cut -c1-400 "$OUT/timeline-b128.log" | tail -24
+    ;;
   keep)
     # A trained variant back from the warm machine (V=warm-anchor): its drafter in parts under 16 MiB
     # (train-draft writes no draft vocabulary: shipping it, copy the shipped draft_vocab.safetensors in).
@@ -336,7 +351,7 @@ case "${1:-}" in
     echo "variants: exit $?"; cat "$OUT/variants/variants.md"
     ;;
   *)
-    echo "usage: next_gpu.sh tests|tests-lite|bench|mbt1024|smt|diagnose|plain-cost|clients|window|timeline|gate-order|served-bursts|bursts-ahead|bench-burst|overlap|anchor|warm|keep|s48|s49" >&2
+    echo "usage: next_gpu.sh tests|tests-lite|gate128|bench|mbt1024|smt|diagnose|plain-cost|clients|window|timeline|gate-order|served-bursts|bursts-ahead|bench-burst|overlap|anchor|warm|keep|s48|s49" >&2
     exit 2
     ;;
 esac
