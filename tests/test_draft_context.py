@@ -137,7 +137,6 @@ def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
         max_num_batched_tokens=24,
         device=device,
         dtype="float32",
-        draft_dtype="float32",  # drafts compared exactly with the fp32 reference's
         cuda_graph_max_tokens=32 if graphs else 0,
         adaptive_speculation=False,
         block_size=block_size,

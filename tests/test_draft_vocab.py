@@ -74,11 +74,7 @@ def test_the_gpu_decode_path_gives_the_masked_full_decode(
     of a draft vocabulary equal the full drafter's Markov decode over logits masked outside it."""
     order = random.sample(range(TINY_VOCAB), TINY_VOCAB)
     draft_dir = drafter_with_vocab(tiny_drafter_dir, tmp_path, order)
-    # The drafter in fp32: its decode is compared exactly with the fp32 reference's.
-    config = tiny_engine_config(
-        tiny_target_dir, draft_dir, draft_vocab_size=5, device="cpu", draft_dtype="float32"
-    )
-    llm = LLM(config)
+    llm = LLM(tiny_engine_config(tiny_target_dir, draft_dir, draft_vocab_size=5, device="cpu"))
     proposer = llm.engine.proposer
     assert isinstance(proposer, DSparkProposer) and proposer.vocab_ids is not None
     requests, block = 6, proposer.block_size

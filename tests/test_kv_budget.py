@@ -57,8 +57,6 @@ def test_the_footprint_covers_the_loaded_weights_and_is_exact_per_page(
         config.kv_page_size,
         torch.float32,
         tp_size=1,
-        # The drafter's own dtype (`draft_dtype` auto: bf16 on a CPU with oneDNN bf16), counted apart.
-        draft_dtype=engine.proposer.drafter.fc.weight.dtype if speculative else None,
     )
     assert counted.page_bytes * pages == cached
     assert loaded <= counted.weight_bytes <= 1.25 * loaded, (loaded, counted.weight_bytes)

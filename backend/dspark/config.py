@@ -37,11 +37,6 @@ class EngineConfig:
     draft_model: str = ""
     # Weights and activations dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.
     dtype: str = "auto"
-    # The drafter's weights and activations dtype: auto (bfloat16 on a CPU whose oneDNN computes in
-    # bfloat16, else dtype), float32, bfloat16, float16. Drafts change speed, never the output: the
-    # target verifies in dtype. On this project's CPU a bfloat16 drafter reads half the bytes a block
-    # (the drafter is bound by its weights' reads there) for ~1% fewer tokens a step.
-    draft_dtype: str = "auto"
     # Where the engine runs: auto (cuda when available), cpu, cuda.
     device: str = "auto"
     # Speculation: off (plain decoding), static (verify all drafts), compact (ragged windows planned
@@ -180,7 +175,6 @@ class EngineConfig:
         _one_of("spec_mode", self.spec_mode, SPEC_MODES)
         _one_of("planner_policy", self.planner_policy, PLANNER_POLICIES)
         _one_of("dtype", self.dtype, DTYPES)
-        _one_of("draft_dtype", self.draft_dtype, DTYPES)
         _one_of("device", self.device, ("auto", "cpu", "cuda"))
         for name, minimum in (
             ("planner_lag", 1),

@@ -18,7 +18,6 @@ import torch
 
 from dspark.config import EngineConfig
 from dspark.runner.models.hf_config import ModelConfig
-from dspark.runner.models.loader import resolve_draft_dtype
 from dspark.spec.draft_config import DraftConfig
 
 logger = logging.getLogger(__name__)
@@ -36,18 +35,12 @@ class KvFootprint:
 
 
 def footprint(
-    target: ModelConfig,
-    drafter: DraftConfig | None,
-    page_size: int,
-    dtype: torch.dtype,
-    tp_size: int,
-    draft_dtype: torch.dtype | None = None,
+    target: ModelConfig, drafter: DraftConfig | None, page_size: int, dtype: torch.dtype, tp_size: int
 ) -> KvFootprint:
     """The weights and per-page KV bytes of the rank that holds the most (rank 0: it also runs the
-    drafter, in `draft_dtype`, None: `dtype`). Linear weights split over the ranks; embeddings, norms
-    and the LM head are counted whole (an over-count only leaves more memory free)."""
+    drafter). Linear weights split over the ranks; embeddings, norms and the LM head are counted whole
+    (an over-count only leaves more memory free)."""
     width = torch.empty((), dtype=dtype).element_size()
-    draft_width = torch.empty((), dtype=draft_dtype or dtype).element_size()
     hidden, head_dim = target.hidden_size, target.head_dim
     kv_heads = -(-target.num_kv_heads // tp_size)
     per_layer = hidden * head_dim * (2 * target.num_heads + 2 * target.num_kv_heads) // tp_size
@@ -55,9 +48,7 @@ def footprint(
     vocab = target.vocab_size * hidden * (1 if target.tie_word_embeddings else 2)
     weights = target.num_layers * per_layer + vocab + hidden  # + the final norm
     page = target.num_layers * 2 * kv_heads * head_dim * page_size
-    weight_bytes, page_bytes = weights * width, page * width
     if drafter is not None:
-        weights, page = 0, 0
         d_hidden, d_head = drafter.hidden_size, drafter.head_dim
         d_layer = d_hidden * d_head * (2 * drafter.num_attention_heads + 2 * drafter.num_key_value_heads)
         d_layer += 3 * d_hidden * drafter.intermediate_size + 2 * d_hidden + 2 * d_head  # + norms
@@ -70,8 +61,7 @@ def footprint(
         if drafter.anchor_feature:  # its anchor projection, and a context row per cache slot
             weights += d_hidden * d_hidden
             page += d_hidden * page_size
-        weight_bytes, page_bytes = weight_bytes + weights * draft_width, page_bytes + page * draft_width
-    return KvFootprint(weight_bytes, page_bytes)
+    return KvFootprint(weights * width, page * width)
 
 
 def pages_within(free_bytes: int, fraction: float, need: KvFootprint, most_pages: int) -> int:
@@ -99,8 +89,7 @@ def resolve_kv_pages(
         return config.replace(num_kv_pages=CPU_KV_PAGES)
     target = ModelConfig.load(config.model_path)
     drafter = DraftConfig.load(config.draft_model_path) if loads_drafter else None
-    draft_dtype = resolve_draft_dtype(config.draft_dtype, device, dtype)
-    need = footprint(target, drafter, config.kv_page_size, dtype, config.tensor_parallel_size, draft_dtype)
+    need = footprint(target, drafter, config.kv_page_size, dtype, config.tensor_parallel_size)
     longest = (config.max_model_len or target.max_position_embeddings) + (
         drafter.block_size + 1 if drafter is not None else 1
     )

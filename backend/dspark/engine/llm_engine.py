@@ -42,7 +42,7 @@ from dspark.prompts import check_prompt
 from dspark.runner.cuda_graphs import max_pages_per_request
 from dspark.runner.host_to_device import to_device
 from dspark.runner.model_runner import ModelRunner, create_runner
-from dspark.runner.models.loader import resolve_device, resolve_draft_dtype, resolve_dtype
+from dspark.runner.models.loader import resolve_device, resolve_dtype
 from dspark.sampling.logprobs import LogprobsFormatter, gather_logprobs
 from dspark.sampling.penalties import PenaltyState, PenaltyWindow, apply_penalties, window_needs_adjusting
 from dspark.sampling.sampler import NON_FINITE_TOKEN
@@ -118,8 +118,7 @@ class LLMEngine:
         if not config.speculative:
             proposer = None
         elif proposer is None:
-            draft_dtype = resolve_draft_dtype(config.draft_dtype, device, dtype)
-            drafter = load_drafter(config.draft_model_path, dtype=draft_dtype, device=device)
+            drafter = load_drafter(config.draft_model_path, dtype=dtype, device=device)
             if drafter.config.vocab_size != cfg.vocab_size:
                 raise ValueError("draft_model: vocabulary size differs from the target's")
         # The block size: the configured one, at most what the drafter drafts (0 takes all of it).

@@ -75,11 +75,9 @@ class DSparkProposer:
         # of the Markov head's W2), copied once here; drafts are indices into it until mapped back.
         self.vocab_ids = None if draft_vocab is None else draft_vocab.to(device=device, dtype=torch.long)
         w1, w2 = drafter.markov_w1, drafter.markov_w2
-        # In the drafter's dtype (a copy where it is not the target's: `draft_dtype`).
-        dtype = drafter.fc.weight.dtype
-        self.draft_head, self.draft_w1, self.draft_w2 = lm_head.to(dtype), None, None
+        self.draft_head, self.draft_w1, self.draft_w2 = lm_head, None, None
         if self.vocab_ids is not None:
-            self.draft_head = lm_head[self.vocab_ids].to(dtype).contiguous()
+            self.draft_head = lm_head[self.vocab_ids].contiguous()
             if w1 is not None and w2 is not None:
                 self.draft_w1 = w1.weight[self.vocab_ids].contiguous()
                 self.draft_w2 = w2.weight[self.vocab_ids].contiguous()

@@ -42,22 +42,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_draft_dtype(name: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The drafter's torch dtype for a config draft_dtype name; `auto` is bfloat16 on a CPU whose
-    oneDNN computes in bfloat16 (the drafter's weights are read at half the bytes), else the target's
-    `dtype`."""
-    if name == "auto":
-        if device.type == "cpu" and dtype == torch.float32 and cpu_computes_bf16():
-            return torch.bfloat16
-        return dtype
-    return DTYPES[name]
-
-
-def cpu_computes_bf16() -> bool:
-    """This CPU's oneDNN computes products in bfloat16 (AVX512-BF16 or its equivalents)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from `model.safetensors`, or every shard named by its index file, or else
     every *.safetensors file (other safetensors files beside model.safetensors, such as a drafter's
