@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from e2e import _prompt_ids, add_engine_arguments, bench_config
+from e2e import _prompt_ids, _time_sustained_once, add_engine_arguments, bench_config
 
 from dspark import LLM, SamplingParams
 from dspark.spec import gate as gate_module
@@ -226,6 +226,7 @@ def summary(records: list[StepRecord]) -> list[dict]:
         mine = [(r, g) for r, g in zip(records, gaps, strict=True) if r.length == length]
         timed = [(r, g) for r, g in mine if r.gate_ms is not None]
         decode = [(r, g) for r, g in mine if not r.prefill]
+        prefill = [(r, g) for r, g in mine if r.prefill]
         syncs = collections.Counter(where for r, _ in mine for where in r.syncs)
         rows.append(
             {
@@ -240,6 +241,13 @@ def summary(records: list[StepRecord]) -> list[dict]:
                 "decode_device_idle_ms": _median(
                     [r.device_idle_ms for r, _ in decode if r.device_idle_ms is not None]
                 ),
+                "decode_gap_sum_ms": round(sum(g for _, g in decode if g is not None), 1),
+                "prefill_steps": len(prefill),
+                "prefill_finish_gap_ms": _median([g for _, g in prefill if g is not None]),
+                "prefill_gap_sum_ms": round(sum(g for _, g in prefill if g is not None), 1),
+                "prefill_replayed_share": round(sum(r.replayed for r, _ in prefill) / len(prefill), 3)
+                if prefill
+                else None,
                 "decode_launch_ms": _median([r.launch_ms for r, _ in decode]),
                 "decode_complete_ms": _median([r.complete_ms for r, _ in decode]),
                 "replayed_share": round(sum(r.replayed for r, _ in mine) / len(mine), 3),
@@ -262,6 +270,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--before", default="", help="comma-separated batch sizes run first")
     parser.add_argument("--before-runs", type=int, default=4, help="generate() calls at each --before size")
+    parser.add_argument(
+        "--sustained",
+        type=int,
+        default=0,
+        help="instead of one batch: this many times --batch requests, --batch in flight (a finished "
+        "request's slot refilled at once, as under a server's steady load)",
+    )
+    parser.add_argument(
+        "--modes",
+        default="default,off",
+        help="engines timed, each behind the gate but off (spec_mode; default: the serve default's)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     before = [int(b) for b in args.before.split(",") if b]
@@ -276,8 +296,9 @@ def main(argv: list[str] | None = None) -> None:
 
     gate_module._RecentMedian.add = recording_add  # type: ignore[method-assign]
     report: dict[str, object] = {"batch": args.batch, "max_tokens": args.max_tokens, "before": before}
-    for name, fields in (("default", {}), ("off", {"spec_mode": "off"})):
-        draft_model = args.draft_model if name == "default" else ""
+    for name in args.modes.split(","):
+        fields = {} if name == "default" else {"spec_mode": name}
+        draft_model = args.draft_model if name != "off" else ""
         config = bench_config(args.model, draft_model, args.device, max([args.batch, *before]), **fields)
         llm = LLM(config)
         ids = _prompt_ids(llm, args.batch)
@@ -292,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
             timeline = Timeline(llm, syncs)
             current[:] = [timeline]
             key = f"{name}+syncs" if syncs else name
-            report[key] = _timed(llm, timeline, ids, params, key)
+            pool = _prompt_ids(llm, args.batch * args.sustained) if args.sustained else None
+            report[key] = _timed(llm, timeline, ids, params, key, pool)
             gate = llm.engine.gate
             if gate is not None:  # its estimated tokens/s per draft length at this batch, and where it timed
                 report[key]["gate_rates"] = {n: round(rate) for n, rate in gate.rates(args.batch).items()}
@@ -302,8 +324,16 @@ def main(argv: list[str] | None = None) -> None:
     args.out.write_text(json.dumps(report))
 
 
-def _timed(llm: LLM, timeline: Timeline, ids: list[list[int]], params: SamplingParams, name: str) -> dict:
-    """One recorded generate(): its tokens/s, the per-length summary (printed) and every step."""
+def _timed(
+    llm: LLM,
+    timeline: Timeline,
+    ids: list[list[int]],
+    params: SamplingParams,
+    name: str,
+    pool: list[list[int]] | None = None,
+) -> dict:
+    """One recorded generate() (or, given `pool`, `e2e._time_sustained_once` of the pool with len(ids) in
+    flight): its tokens/s, the per-length summary (printed) and every step."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if timeline.syncs:
@@ -314,7 +344,10 @@ def _timed(llm: LLM, timeline: Timeline, ids: list[list[int]], params: SamplingP
         timeline.recording = True
         start = time.perf_counter()
         try:
-            llm.generate(params=params, prompt_token_ids=ids)
+            if pool is None:
+                llm.generate(params=params, prompt_token_ids=ids)
+            else:
+                _time_sustained_once(llm, pool, len(ids), params.max_tokens)
         finally:
             elapsed = time.perf_counter() - start
             timeline.recording = False
@@ -322,7 +355,7 @@ def _timed(llm: LLM, timeline: Timeline, ids: list[list[int]], params: SamplingP
                 torch.cuda.set_sync_debug_mode("default")
     timeline.settle()
     rows = summary(timeline.records)
-    tokens = len(ids) * params.max_tokens
+    tokens = len(pool if pool is not None else ids) * params.max_tokens
     device = sum(r.device_ms or 0.0 for r in timeline.records)
     idle = sum(r.device_idle_ms or 0.0 for r in timeline.records)
     # Between the steps' target work (acceptance kernels and copies run in the gaps, so an upper bound).

@@ -67,6 +67,11 @@ def test_summary_takes_medians_per_length() -> None:
         "decode_device_ms": 1.0,
         "decode_finish_gap_ms": 2.0,
         "decode_device_idle_ms": None,
+        "decode_gap_sum_ms": 2.0,
+        "prefill_steps": 1,
+        "prefill_finish_gap_ms": None,
+        "prefill_gap_sum_ms": 0,
+        "prefill_replayed_share": 0.0,
         "decode_launch_ms": 0.0,
         "decode_complete_ms": 0.0,
         "replayed_share": 0.0,
@@ -95,3 +100,37 @@ def test_batches_run_before_leave_their_tiers_in_the_gate(
     # smaller tiers their ramp passes through), which the timed batch of 2 alone never reaches.
     assert 8 not in alone["default"]["gate_tiers"] and 8 in after["default"]["gate_tiers"]
     assert "0" in after["default"]["gate_rates"]  # plain's rate, among the lengths it rates (JSON keys)
+
+
+def test_sustained_load_refills_slots_and_times_each_mode(
+    tiny_target_dir, tiny_drafter_dir, tmp_path
+) -> None:
+    out = tmp_path / "timeline.json"
+    common = ["--model", str(tiny_target_dir), "--draft-model", str(tiny_drafter_dir), "--device", "cpu"]
+    gate_timeline.main(
+        [
+            *common,
+            "--batch",
+            "2",
+            "--max-tokens",
+            "8",
+            "--sustained",
+            "3",
+            "--modes",
+            "static,off",
+            "--out",
+            str(out),
+        ]
+    )
+    report = json.loads(out.read_text())
+    assert set(report) >= {"static", "off"} and "default" not in report
+    plain = report["off"]
+    # 6 requests, 2 in flight, 8 tokens each: more prompt-taking steps than one batch's single one, and
+    # every step's finish-to-finish time lands in the decode or the prefill sum of its length.
+    assert sum(1 for r in plain["steps"] if r["prefill"]) >= 2
+    row = plain["lengths"][0]
+    gaps = [
+        1e3 * (b["finish_s"] - a["finish_s"])
+        for a, b in zip(plain["steps"], plain["steps"][1:], strict=False)
+    ]
+    assert abs(row["decode_gap_sum_ms"] + row["prefill_gap_sum_ms"] - sum(gaps)) < 0.5
