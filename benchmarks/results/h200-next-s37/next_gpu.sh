@@ -328,6 +328,42 @@ case "${1:-}" in
       --out "$OUT/timeline-b128.json" > "$OUT/timeline-b128.log" 2>&1)
     echo "timeline: exit $?"; cut -c1-400 "$OUT/timeline-b128.log" | tail -24
     ;;
+  data)
+    # Session 53: the data stage alone (a new seed), the machine kept warm for `train` right after.
+    WORK=/tmp/w1 OUT=$OUT/data DATA_MINUTES=${DATA_MINUTES:-4.5} TRAIN_MINUTES=0 RESPONSES=3 DATA_SEED=${DATA_SEED:-53} \
+      SAMPLE_FRACTION=0.5 BUDGET_S=${DATA_BUDGET_S:-420} bash training/run_h200.sh > "$OUT/data.log" 2>&1
+    echo "data: exit $?"; tail -3 "$OUT/data.log"; ls -l /tmp/w1/data
+    ;;
+  train)
+    # Session 53: `shipped` and `warm` on `data`'s fresh shards and the earlier ones carried in
+    # (carry [".carry/c4", ".carry/distill"]), then the warm drafter back as `keep` does.
+    WORK=/tmp/wv OUT=$OUT/variants DATA_IN="/tmp/w1/data ${EXTRA_DATA_IN:-.carry/distill}" VARIANTS="${VARIANTS:-shipped warm}" \
+      TRAIN_STEPS=${TRAIN_STEPS:-2000} LR=${LR:-3e-4} BUDGET_S=${VARIANTS_S:-480} bash training/variants.sh \
+      > "$OUT/variants.log" 2>&1
+    echo "variants: exit $?"; cat "$OUT/variants/variants.md"
+    grep -E "^eval: all|tau through" "$OUT/variants.log" | tail -8
+    src=/tmp/wv/warm/drafter
+    mkdir -p "$OUT/drafter" && cp "$src"/config.json "$src"/train_log.jsonl "$OUT/drafter/" \
+      && split -b 15M -d -a 2 "$src/model.safetensors" "$OUT/drafter/model.safetensors.part-" && sha256sum "$src/model.safetensors"
+    ;;
+  prefill)
+    # Session 53: under steady load (slots refilled) the gate's view at 8 requests expects drafting to
+    # win by 1.24x, and static runs 1.01x plain: do the steps that take prompts in (unmeasured by the gate,
+    # eager) cost more when drafting? Each engine's steps, decode-only and prefill-carrying, per length.
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    for b in ${BATCHES:-8 128}; do
+      (cd benchmarks && timeout 150 python3 gate_timeline.py --device cuda --batch $b --max-tokens 128 --sustained 4 \
+        --modes default,static,off --out "$OUT/sustained-b$b.json" > "$OUT/sustained-b$b.log" 2>&1)
+      echo "b$b: exit $?"; grep -E "tok/s|\"length\"" "$OUT/sustained-b$b.log" | python3 -c "
+import sys, json
+for line in sys.stdin:
+    line = line.strip()
+    if not line.startswith('{'): print(line); continue
+    r = json.loads(line)
+    print('  L%d steps %d gate %s dec_gap %s dec_sum %s | prefill %d gap %s sum %s repl %s' % (r['length'], r['steps'], r['gate_ms'], r['decode_finish_gap_ms'], r['decode_gap_sum_ms'], r['prefill_steps'], r['prefill_finish_gap_ms'], r['prefill_gap_sum_ms'], r['prefill_replayed_share']))
+"
+    done
+    ;;
   keep)
     # A trained variant back from the warm machine (V=warm-anchor): its drafter in parts under 16 MiB
     # (train-draft writes no draft vocabulary: shipping it, copy the shipped draft_vocab.safetensors in).
