@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import platform
+import random
 import statistics
 import time
 from datetime import date
@@ -153,11 +154,12 @@ def _time_engines(
 
 
 def _time_sustained_once(
-    llm: LLM, ids: list[list[int]], concurrency: int, max_tokens: int
+    llm: LLM, ids: list[list[int]], concurrency: int, max_tokens: int | list[int]
 ) -> tuple[float, float, dict]:
     """Output tokens/s with `concurrency` requests in flight until every prompt of `ids` is done: a
     finished request's slot takes the next prompt at once, as a server under steady load does (a
-    batch that starts together instead runs until its slowest request is done).
+    batch that starts together instead runs until its slowest request is done). `max_tokens`: one
+    length for all, or each prompt's (`answer_lengths`).
 
     Returns the whole run's tokens/s, its steady window's (from the first finished request to the
     admission of the last prompt: no ramp-up, no drain; NaN when no prompt waits for a slot), and
@@ -165,7 +167,7 @@ def _time_sustained_once(
     from dspark.outputs import SpecStats
 
     engine = llm.engine
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(ids)
     pending = list(enumerate(ids))
     in_flight = 0
     produced = 0
@@ -177,6 +179,7 @@ def _time_sustained_once(
     while pending or engine.has_unfinished_requests():
         while pending and in_flight < concurrency:
             i, prompt = pending.pop(0)
+            params = SamplingParams(max_tokens=lengths[i], ignore_eos=True)
             engine.add_request(f"sustained-{i}-{time.perf_counter_ns()}", prompt, params)
             in_flight += 1
             if not pending and window_start is not None:
@@ -193,6 +196,19 @@ def _time_sustained_once(
     if window_start is not None and window_end is not None and window_end[0] > window_start[0]:
         steady = (window_end[1] - window_start[1]) / (window_end[0] - window_start[0])
     return whole, steady, stats.as_dict()
+
+
+def answer_lengths(count: int, max_tokens: int, spread: float, seed: int = 0) -> int | list[int]:
+    """Each of `count` requests' answer length: `max_tokens` for all when `spread` is 0, else drawn
+    uniformly from max_tokens * (1 -/+ spread) (seeded: every engine gets the same lengths). With one
+    length for all and ignore_eos, plain decoding's requests finish on the same step and their slots
+    refill in one prompt-taking step, while a drafting engine's finish steps apart and take prompts in
+    nearly every step; a server's answers have many lengths, which staggers plain's finishes too."""
+    if spread <= 0:
+        return max_tokens
+    rng = random.Random(seed)
+    low, high = max(1, round(max_tokens * (1 - spread))), max(1, round(max_tokens * (1 + spread)))
+    return [rng.randint(low, high) for _ in range(count)]
 
 
 def _ratio(tps: float, off: float) -> float:
@@ -305,6 +321,13 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="also run each batch size B as a steady load: B requests in flight, K*B in all (K = this)",
     )
+    parser.add_argument(
+        "--sustained-spread",
+        type=float,
+        default=0.0,
+        help="steady load's answer lengths drawn from --max-tokens * (1 -/+ this), the same for every "
+        "engine (0: --max-tokens for all; see answer_lengths)",
+    )
     args = parser.parse_args(argv)
     if args.sps_table == "profile":
         # The engine logs the table it measured (INFO): the planner's plans are read against it.
@@ -349,11 +372,12 @@ def main(argv: list[str] | None = None) -> None:
             row[f"{mode}_tau"] = stats["mean_committed_per_step"]
         if args.sustained:
             pool = _prompt_ids(engines["off"], batch * args.sustained, texts)
+            lengths = answer_lengths(len(pool), args.max_tokens, args.sustained_spread)
             runs: dict[str, list] = {mode: [] for mode in engines}
             names = list(engines)
             for k in range(args.repeats):  # interleaved as in _time_engines
                 for mode in names[k % len(names) :] + names[: k % len(names)]:
-                    runs[mode].append(_time_sustained_once(engines[mode], pool, batch, args.max_tokens))
+                    runs[mode].append(_time_sustained_once(engines[mode], pool, batch, lengths))
             for mode, mode_runs in runs.items():
                 row[f"sustained_{mode}"] = statistics.median(r[0] for r in mode_runs)
                 row[f"sustained_{mode}_steady"] = statistics.median(r[1] for r in mode_runs)
@@ -408,8 +432,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {r['batch']} | " + " | ".join(cells) + " |")
     if args.sustained:
         print(
-            f"\nSteady load ({args.sustained}x the batch size in requests, the batch size in flight): "
-            "tok/s (τ) and ratio to off"
+            f"\nSteady load ({args.sustained}x the batch size in requests, the batch size in flight"
+            + (
+                f", answer lengths {args.max_tokens} -/+ {args.sustained_spread:.0%}"
+                if args.sustained_spread
+                else ""
+            )
+            + "): tok/s (τ) and ratio to off"
         )
         print("\n".join(steady_load_table(rows)))
         print("\nThe same runs' steady windows (first finished request to last admitted prompt):")

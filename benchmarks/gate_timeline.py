@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from e2e import _prompt_ids, _time_sustained_once, add_engine_arguments, bench_config
+from e2e import _prompt_ids, _time_sustained_once, add_engine_arguments, answer_lengths, bench_config
 
 from dspark import LLM, SamplingParams
 from dspark.spec import gate as gate_module
@@ -278,6 +278,12 @@ def main(argv: list[str] | None = None) -> None:
         "request's slot refilled at once, as under a server's steady load)",
     )
     parser.add_argument(
+        "--sustained-spread",
+        type=float,
+        default=0.0,
+        help="--sustained's answer lengths drawn from --max-tokens * (1 -/+ this) (e2e.answer_lengths)",
+    )
+    parser.add_argument(
         "--modes",
         default="default,off",
         help="engines timed, each behind the gate but off (spec_mode; default: the serve default's)",
@@ -314,7 +320,8 @@ def main(argv: list[str] | None = None) -> None:
             current[:] = [timeline]
             key = f"{name}+syncs" if syncs else name
             pool = _prompt_ids(llm, args.batch * args.sustained) if args.sustained else None
-            report[key] = _timed(llm, timeline, ids, params, key, pool)
+            lengths = answer_lengths(len(pool or ()), args.max_tokens, args.sustained_spread)
+            report[key] = _timed(llm, timeline, ids, params, key, pool, lengths)
             gate = llm.engine.gate
             if gate is not None:  # its estimated tokens/s per draft length at this batch, and where it timed
                 report[key]["gate_rates"] = {n: round(rate) for n, rate in gate.rates(args.batch).items()}
@@ -331,6 +338,7 @@ def _timed(
     params: SamplingParams,
     name: str,
     pool: list[list[int]] | None = None,
+    lengths: int | list[int] = 0,
 ) -> dict:
     """One recorded generate() (or, given `pool`, `e2e._time_sustained_once` of the pool with len(ids) in
     flight): its tokens/s, the per-length summary (printed) and every step."""
@@ -347,7 +355,7 @@ def _timed(
             if pool is None:
                 llm.generate(params=params, prompt_token_ids=ids)
             else:
-                _time_sustained_once(llm, pool, len(ids), params.max_tokens)
+                _time_sustained_once(llm, pool, len(ids), lengths or params.max_tokens)
         finally:
             elapsed = time.perf_counter() - start
             timeline.recording = False
@@ -355,7 +363,10 @@ def _timed(
                 torch.cuda.set_sync_debug_mode("default")
     timeline.settle()
     rows = summary(timeline.records)
-    tokens = len(pool if pool is not None else ids) * params.max_tokens
+    if pool is None:
+        tokens = len(ids) * params.max_tokens
+    else:
+        tokens = sum(lengths) if isinstance(lengths, list) else len(pool) * (lengths or params.max_tokens)
     device = sum(r.device_ms or 0.0 for r in timeline.records)
     idle = sum(r.device_idle_ms or 0.0 for r in timeline.records)
     # Between the steps' target work (acceptance kernels and copies run in the gaps, so an upper bound).

@@ -134,3 +134,38 @@ def test_sustained_load_refills_slots_and_times_each_mode(
         for a, b in zip(plain["steps"], plain["steps"][1:], strict=False)
     ]
     assert abs(row["decode_gap_sum_ms"] + row["prefill_gap_sum_ms"] - sum(gaps)) < 0.5
+
+
+def test_answer_lengths_are_seeded_spread_and_one_length_without_spread() -> None:
+    import e2e
+
+    assert e2e.answer_lengths(5, 100, 0.0) == 100
+    lengths = e2e.answer_lengths(400, 100, 0.5)
+    assert lengths == e2e.answer_lengths(400, 100, 0.5)  # every engine gets the same lengths
+    assert min(lengths) >= 50 and max(lengths) <= 150 and len(set(lengths)) > 50
+
+
+def test_sustained_load_ends_each_request_at_its_own_length(tiny_target_dir) -> None:
+    import collections
+
+    import e2e
+
+    from dspark import LLM, EngineConfig
+
+    llm = LLM(EngineConfig(model=str(tiny_target_dir), device="cpu", spec_mode="off", num_kv_pages=256))
+    engine, produced = llm.engine, collections.Counter()
+    step = engine.step
+
+    def counted():  # noqa: ANN202 - the engine's signature
+        deltas = step()
+        for delta in deltas:
+            produced[delta.request_id.split("-")[1]] += len(delta.new_token_ids)
+        return deltas
+
+    engine.step = counted  # type: ignore[method-assign]
+    ids = [[(5 * i + j) % 7 + 1 for j in range(6)] for i in range(6)]
+    lengths = e2e.answer_lengths(len(ids), 8, 0.5)
+    whole, _, _ = e2e._time_sustained_once(llm, ids, 2, lengths)
+    llm.close()
+    assert whole > 0 and len(set(lengths)) > 1
+    assert [produced[str(i)] for i in range(len(ids))] == lengths
