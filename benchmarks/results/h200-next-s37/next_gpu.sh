@@ -334,6 +334,21 @@ case "${1:-}" in
       SAMPLE_FRACTION=0.5 BUDGET_S=${DATA_BUDGET_S:-420} bash training/run_h200.sh > "$OUT/data.log" 2>&1
     echo "data: exit $?"; tail -3 "$OUT/data.log"; ls -l /tmp/w1/data
     ;;
+  spread)
+    # Session 53: the modes under steady load with answers of many lengths (128 -/+ 50%, the same for
+    # every engine: `e2e.py --sustained-spread`), beside one batch; DRAFT: a drafter folder (e.g.
+    # /tmp/wv/warm/drafter while the machine that trained it is warm; default: the shipped one).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    timeout ${SPREAD_S:-330} python3 benchmarks/e2e.py --device cuda --batch-sizes ${BATCHES:-1,8,64,128} --max-tokens 128 \
+      --sustained 4 --sustained-spread 0.5 --repeats 2 --no-peer ${DRAFT:+--draft-model $DRAFT} \
+      --out "$OUT/e2e-spread.json" > "$OUT/e2e-spread.log" 2>&1
+    echo "e2e: exit $?"; grep -A30 "^| batch" "$OUT/e2e-spread.log" | grep -v "^{" | head -50
+    ;;
+  data-train)
+    # Both in one call (a machine may not stay warm between two): ~530 s with the defaults below.
+    DATA_MINUTES=${DATA_MINUTES:-3.2} DATA_BUDGET_S=${DATA_BUDGET_S:-230} bash "$0" data
+    TRAIN_STEPS=${TRAIN_STEPS:-1800} VARIANTS_S=${VARIANTS_S:-330} bash "$0" train
+    ;;
   train)
     # Session 53: `shipped` and `warm` on `data`'s fresh shards and the earlier ones carried in
     # (carry [".carry/c4", ".carry/distill"]), then the warm drafter back as `keep` does.
