@@ -154,12 +154,12 @@ def _time_engines(
 
 
 def _time_sustained_once(
-    llm: LLM, ids: list[list[int]], concurrency: int, max_tokens: int | list[int]
+    llm: LLM, ids: list[list[int]], concurrency: int, lengths: list[int]
 ) -> tuple[float, float, dict]:
     """Output tokens/s with `concurrency` requests in flight until every prompt of `ids` is done: a
     finished request's slot takes the next prompt at once, as a server under steady load does (a
-    batch that starts together instead runs until its slowest request is done). `max_tokens`: one
-    length for all, or each prompt's (`answer_lengths`).
+    batch that starts together instead runs until its slowest request is done). `lengths`: each
+    prompt's answer length (`answer_lengths`).
 
     Returns the whole run's tokens/s, its steady window's (from the first finished request to the
     admission of the last prompt: no ramp-up, no drain; NaN when no prompt waits for a slot), and
@@ -167,7 +167,6 @@ def _time_sustained_once(
     from dspark.outputs import SpecStats
 
     engine = llm.engine
-    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(ids)
     pending = list(enumerate(ids))
     in_flight = 0
     produced = 0
@@ -198,14 +197,14 @@ def _time_sustained_once(
     return whole, steady, stats.as_dict()
 
 
-def answer_lengths(count: int, max_tokens: int, spread: float, seed: int = 0) -> int | list[int]:
+def answer_lengths(count: int, max_tokens: int, spread: float, seed: int = 0) -> list[int]:
     """Each of `count` requests' answer length: `max_tokens` for all when `spread` is 0, else drawn
     uniformly from max_tokens * (1 -/+ spread) (seeded: every engine gets the same lengths). With one
     length for all and ignore_eos, plain decoding's requests finish on the same step and their slots
     refill in one prompt-taking step, while a drafting engine's finish steps apart and take prompts in
     nearly every step; a server's answers have many lengths, which staggers plain's finishes too."""
     if spread <= 0:
-        return max_tokens
+        return [max_tokens] * count
     rng = random.Random(seed)
     low, high = max(1, round(max_tokens * (1 - spread))), max(1, round(max_tokens * (1 + spread)))
     return [rng.randint(low, high) for _ in range(count)]

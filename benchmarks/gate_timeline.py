@@ -314,14 +314,16 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.before_runs):
                 llm.generate(params=params, prompt_token_ids=earlier)
         llm.generate(params=SamplingParams(max_tokens=32, ignore_eos=True), prompt_token_ids=ids)  # warm-up
+        sustained = None
+        if args.sustained:
+            pool = _prompt_ids(llm, args.batch * args.sustained)
+            sustained = (pool, answer_lengths(len(pool), args.max_tokens, args.sustained_spread))
         probes = [False, True] if args.syncs and llm.engine.limits.device.type == "cuda" else [False]
         for syncs in probes:
             timeline = Timeline(llm, syncs)
             current[:] = [timeline]
             key = f"{name}+syncs" if syncs else name
-            pool = _prompt_ids(llm, args.batch * args.sustained) if args.sustained else None
-            lengths = answer_lengths(len(pool or ()), args.max_tokens, args.sustained_spread)
-            report[key] = _timed(llm, timeline, ids, params, key, pool, lengths)
+            report[key] = _timed(llm, timeline, ids, params, key, sustained)
             gate = llm.engine.gate
             if gate is not None:  # its estimated tokens/s per draft length at this batch, and where it timed
                 report[key]["gate_rates"] = {n: round(rate) for n, rate in gate.rates(args.batch).items()}
@@ -337,11 +339,11 @@ def _timed(
     ids: list[list[int]],
     params: SamplingParams,
     name: str,
-    pool: list[list[int]] | None = None,
-    lengths: int | list[int] = 0,
+    sustained: tuple[list[list[int]], list[int]] | None = None,
 ) -> dict:
-    """One recorded generate() (or, given `pool`, `e2e._time_sustained_once` of the pool with len(ids) in
-    flight): its tokens/s, the per-length summary (printed) and every step."""
+    """One recorded generate() (or, given `sustained`'s prompts and their answer lengths,
+    `e2e._time_sustained_once` of them with len(ids) in flight): its tokens/s, the per-length summary
+    (printed) and every step."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if timeline.syncs:
@@ -352,10 +354,11 @@ def _timed(
         timeline.recording = True
         start = time.perf_counter()
         try:
-            if pool is None:
+            if sustained is None:
                 llm.generate(params=params, prompt_token_ids=ids)
             else:
-                _time_sustained_once(llm, pool, len(ids), lengths or params.max_tokens)
+                pool, lengths = sustained
+                _time_sustained_once(llm, pool, len(ids), lengths)
         finally:
             elapsed = time.perf_counter() - start
             timeline.recording = False
@@ -363,10 +366,7 @@ def _timed(
                 torch.cuda.set_sync_debug_mode("default")
     timeline.settle()
     rows = summary(timeline.records)
-    if pool is None:
-        tokens = len(ids) * params.max_tokens
-    else:
-        tokens = sum(lengths) if isinstance(lengths, list) else len(pool) * (lengths or params.max_tokens)
+    tokens = len(ids) * params.max_tokens if sustained is None else sum(sustained[1])
     device = sum(r.device_ms or 0.0 for r in timeline.records)
     idle = sum(r.device_idle_ms or 0.0 for r in timeline.records)
     # Between the steps' target work (acceptance kernels and copies run in the gaps, so an upper bound).

@@ -139,7 +139,7 @@ def test_sustained_load_refills_slots_and_times_each_mode(
 def test_answer_lengths_are_seeded_spread_and_one_length_without_spread() -> None:
     import e2e
 
-    assert e2e.answer_lengths(5, 100, 0.0) == 100
+    assert e2e.answer_lengths(5, 100, 0.0) == [100] * 5
     lengths = e2e.answer_lengths(400, 100, 0.5)
     assert lengths == e2e.answer_lengths(400, 100, 0.5)  # every engine gets the same lengths
     assert min(lengths) >= 50 and max(lengths) <= 150 and len(set(lengths)) > 50
