@@ -1,5 +1,5 @@
 """The skinny-product kernel == F.linear (the torch reference: x W^T accumulated in fp32, rounded once)
-on random inputs drawn fresh each run: 1 to 16 rows, ragged widths that no tile divides, strided rows
+on random inputs drawn fresh each run: 1 to 64 rows, ragged widths that no tile divides, strided rows
 and weights, every dtype, and the Qwen3-8B and SmolLM2 projection shapes on a GPU; the model's
 projections take it for a few rows on a GPU and only then.
 
@@ -37,7 +37,10 @@ def check(x: torch.Tensor, weight: torch.Tensor, config=None) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, n, k", [(1, 64, 64), (3, 100, 300), (8, 33, 17), (16, 5, 1000), (2, 1, 1)])
+@pytest.mark.parametrize(
+    "rows, n, k",
+    [(1, 64, 64), (3, 100, 300), (8, 33, 17), (16, 5, 1000), (2, 1, 1), (17, 40, 70), (33, 24, 129), (64, 9, 200)],
+)
 def test_gemv_matches_f_linear(rows, n, k, dtype, gen):
     x = parity.randn((rows, k), dtype, DEVICE, gen)
     weight = parity.randn((n, k), dtype, DEVICE, gen)
@@ -81,13 +84,13 @@ def test_no_rows_no_columns_and_an_empty_reduction(gen):
 
 def test_too_many_rows_or_a_wrong_width_is_refused(gen):
     with pytest.raises(ValueError, match="rows"):
-        KERNELS.gemv.gemv(torch.ones((17, 8), device=DEVICE), torch.ones((4, 8), device=DEVICE))
+        KERNELS.gemv.gemv(torch.ones((65, 8), device=DEVICE), torch.ones((4, 8), device=DEVICE))
     with pytest.raises(ValueError, match="columns"):
         KERNELS.gemv.gemv(torch.ones((2, 8), device=DEVICE), torch.ones((4, 9), device=DEVICE))
 
 
 @gpu_only
-@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("rows", [1, 4, 8, 16, 32, 64])
 @pytest.mark.parametrize(
     "n, k", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (960, 576), (576, 1536)]
 )
@@ -156,7 +159,9 @@ def check_silu_mul(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, n, k", [(1, 32, 64), (3, 50, 300), (8, 17, 33), (16, 5, 1000), (2, 1, 1)])
+@pytest.mark.parametrize(
+    "rows, n, k", [(1, 32, 64), (3, 50, 300), (8, 17, 33), (16, 5, 1000), (2, 1, 1), (24, 20, 90), (64, 6, 150)]
+)
 def test_the_activation_in_the_product_matches_the_product_then_the_activation(rows, n, k, dtype, gen):
     x = parity.randn((rows, k), dtype, DEVICE, gen)
     weight = parity.randn((2 * n, k), dtype, DEVICE, gen) / math.sqrt(k) * 3
@@ -185,7 +190,7 @@ def test_ops_leaves_the_activation_apart_on_a_cpu_and_for_gradients(gen):
 
 
 @gpu_only
-@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("rows", [1, 4, 8, 32])
 @pytest.mark.parametrize("n, k", [(12288, 4096), (1536, 576)])
 def test_the_activation_in_the_product_at_the_gate_up_shapes_is_the_two_kernels_to_the_bit(rows, n, k, gen):
     """At the Qwen3-8B and SmolLM2 gate/up shapes the epilogue rounds where gemv then silu_mul round:

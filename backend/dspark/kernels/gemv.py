@@ -1,10 +1,10 @@
-"""Skinny matrix products: y = x W^T for a few rows of x (a decode step of up to 8 requests).
+"""Skinny matrix products: y = x W^T for a few rows of x (a decode step of a few requests).
 
 At one to eight rows a projection only streams its weight; cuBLAS's kernels for the Qwen3-8B shape's
 smaller projections (o, qkv, down) reached 0.66-0.84 of the copy bandwidth on an H200 (RESULTS.md,
 session 14). Each program here owns BLOCK_N output columns, streams their rows of W over the whole
-of K in pipelined tiles, and multiplies them against every row of x at once (padded to 16 rows for
-the tensor cores), so W is read once whatever the row count.
+of K in pipelined tiles, and multiplies them against every row of x at once (padded to a power of two,
+at least 16 rows, for the tensor cores), so W is read once whatever the row count.
 
 SwiGLU's activation can run in the epilogue of the gate/up projection (`silu_mul_gemv`): each program
 multiplies the gate rows and the up rows of its columns and writes silu(gate) * up, one kernel and one
@@ -27,8 +27,9 @@ from dspark.kernels.common import (
     wait_for_previous,
 )
 
-# Rows up to which `gemv` is meant to be used; more rows are a GEMM's job.
-MAX_ROWS = 16
+# Rows `gemv` takes at most (a tile of x is padded to the next power of two of them, at least 16);
+# which row counts it is used for is `ops.takes_few_rows`'s decision, by measurement.
+MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,8 @@ def _launch(
         block_k = max(16, min(config.block_k, triton.next_power_of_2(k)))
         # The pipeline keeps num_stages - 1 tiles of x and of each weight in shared memory: fewer stages
         # where a tile tuned for bf16 does not fit (fp32 data, the epilogue's second weight tile).
-        tile_bytes = (16 + block_n * (2 if silu_mul else 1)) * block_k * x.element_size()
+        block_m = max(16, triton.next_power_of_2(rows.shape[0]))
+        tile_bytes = (block_m + block_n * (2 if silu_mul else 1)) * block_k * x.element_size()
         room = shared_memory_bytes(x.device) - (8 << 10)
         num_stages = max(1, min(config.num_stages, 1 + room // tile_bytes))
         pdl = dependent_launch(x.device)  # see common.DEPENDENT_LAUNCH
@@ -153,7 +155,7 @@ def _launch(
             rows.stride(0),
             weight.stride(0),
             y.stride(0),
-            BLOCK_M=16,
+            BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             FP32_DOT=dot_in_fp32(x.dtype),

@@ -328,6 +328,44 @@ case "${1:-}" in
       --out "$OUT/timeline-b128.json" > "$OUT/timeline-b128.log" 2>&1)
     echo "timeline: exit $?"; cut -c1-400 "$OUT/timeline-b128.log" | tail -24
     ;;
+  b8)
+    # Session 54: at 8 requests a drafting step costs ~0.39 ms more than a plain one (1.142-1.163 ms
+    # at lengths 1-3 against 0.758), at 1 and 64 ~0.16 ms: the extra does not grow with the length, so
+    # not the verify rows. Kernels and host time a step, plain against static, at 1, 8 and 64 requests,
+    # with and without bursts (~200 s, carry [".carry/c4"]).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    prof() {  # batch, burst, extra options
+      (cd benchmarks && timeout 100 python3 profile_host.py --device cuda --batch "$1" --max-tokens 96 \
+        --modes off,static --decode-burst "$2" "${@:3}" --out "$OUT/prof-b$1-burst$2${3:-}" \
+        > "$OUT/prof-b$1-burst$2${3:-}.log" 2>&1)
+      echo "profile b$1 burst $2 ${3:-}: exit $?"; grep -v "^{" "$OUT/prof-b$1-burst$2${3:-}.log" | tail -3
+      grep -h "per step" "$OUT/prof-b$1-burst$2${3:-}"/*.txt 2>/dev/null
+    }
+    batches=${BATCHES:-8,1,64}
+    for b in ${batches//,/ }; do prof "$b" 4 --kernels; done
+    prof 8 1 --kernels
+    prof 8 4
+    ;;
+  rows)
+    # Session 54: the skinny-product kernel takes 1-8 rows (ops.FEW_ROWS); a drafting step at 8
+    # requests verifies 16-32 rows, all through cuBLAS, while plain's 8 take the kernel: is that the
+    # extra ~0.2 ms a drafting step pays at 8 (see b8)? The kernel now takes up to 64 rows: its parity
+    # tests, the kernel against F.linear at 8-64 rows, then this tree against itself with FEW_ROWS=64,
+    # plain and static, alternating in one process (~300 s, carry [".carry/c4"]).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py > "$OUT/gemv-tests.log" 2>&1
+    echo "gemv tests: exit $?"; tail -2 "$OUT/gemv-tests.log"
+    timeout 150 python3 benchmarks/gemv.py --rows ${GEMV_ROWS:-8,16,32,64} --replays 10 --out "$OUT/gemv" \
+      > "$OUT/gemv.log" 2>&1
+    echo "gemv: exit $?"; cat "$OUT/gemv/results.md" 2>/dev/null | head -40
+    rm -rf /tmp/rows && mkdir -p /tmp/rows && cp -r backend /tmp/rows/backend
+    sed -i "s/^FEW_ROWS = 8$/FEW_ROWS = ${NEW_FEW_ROWS:-64}/" /tmp/rows/backend/dspark/kernels/ops.py
+    grep -n "^FEW_ROWS" /tmp/rows/backend/dspark/kernels/ops.py
+    timeout "${AB_S:-200}" python3 benchmarks/ab_trees.py --base backend --new /tmp/rows/backend --device cuda \
+      --batch-sizes ${AB_BATCHES:-8,16,64} --modes off,static --rounds "${ROUNDS:-6}" --max-tokens 128 \
+      --out "$OUT/ab-rows.json" > "$OUT/ab-rows.log" 2>&1
+    echo "ab rows: exit $?"; grep -vE "^\{" "$OUT/ab-rows.log" | tail -14
+    ;;
   data)
     # Session 53: the data stage alone (a new seed), the machine kept warm for `train` right after.
     WORK=/tmp/w1 OUT=$OUT/data DATA_MINUTES=${DATA_MINUTES:-4.5} TRAIN_MINUTES=0 RESPONSES=3 DATA_SEED=${DATA_SEED:-53} \
