@@ -39,7 +39,16 @@ def check(x: torch.Tensor, weight: torch.Tensor, config=None) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "rows, n, k",
-    [(1, 64, 64), (3, 100, 300), (8, 33, 17), (16, 5, 1000), (2, 1, 1), (17, 40, 70), (33, 24, 129), (64, 9, 200)],
+    [
+        (1, 64, 64),
+        (3, 100, 300),
+        (8, 33, 17),
+        (16, 5, 1000),
+        (2, 1, 1),
+        (17, 40, 70),
+        (33, 24, 129),
+        (64, 9, 200),
+    ],
 )
 def test_gemv_matches_f_linear(rows, n, k, dtype, gen):
     x = parity.randn((rows, k), dtype, DEVICE, gen)
@@ -160,7 +169,8 @@ def check_silu_mul(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "rows, n, k", [(1, 32, 64), (3, 50, 300), (8, 17, 33), (16, 5, 1000), (2, 1, 1), (24, 20, 90), (64, 6, 150)]
+    "rows, n, k",
+    [(1, 32, 64), (3, 50, 300), (8, 17, 33), (16, 5, 1000), (2, 1, 1), (24, 20, 90), (64, 6, 150)],
 )
 def test_the_activation_in_the_product_matches_the_product_then_the_activation(rows, n, k, dtype, gen):
     x = parity.randn((rows, k), dtype, DEVICE, gen)
