@@ -29,9 +29,10 @@ Parts:
   (eager and replay). `--device cpu --shape tiny` runs it on the CPU (tests/test_step_profile.py),
   where the profiler sees CPU ops and there are no graphs.
 
---shape picks the random checkpoint (qwen3-8b, or tiny: 2 layers, hidden 64) of step, e2e8b and
-profile. Writes results.json and results.md to --out; every part writes what it measured even if a
-later one fails, and no part (no profile piece) starts after --budget-s (0: no limit).
+--shape picks the random checkpoint (qwen3-8b; smollm2: SmolLM2-135M's sizes in the Qwen3 layout; or
+tiny: 2 layers, hidden 64) of step, e2e8b and profile. Writes results.json and results.md to --out;
+every part writes what it measured even if a later one fails, and no part (no profile piece) starts
+after --budget-s (0: no limit).
 """
 
 from __future__ import annotations
@@ -63,7 +64,11 @@ from dspark.runner.model_runner import ModelRunner  # noqa: E402
 from dspark.spec.drafts import Drafts  # noqa: E402
 
 # --shape: the random checkpoint's architecture and its name in the tables.
-SHAPES = {"qwen3-8b": (tp_gpu.QWEN3_8B, "Qwen3-8B"), "tiny": (tp_gpu.TINY, "tiny (2 layers, hidden 64)")}
+SHAPES = {
+    "qwen3-8b": (tp_gpu.QWEN3_8B, "Qwen3-8B"),
+    "smollm2": (tp_gpu.SMOLLM2, "SmolLM2-135M sizes (Qwen3 layout)"),
+    "tiny": (tp_gpu.TINY, "tiny (2 layers, hidden 64)"),
+}
 
 
 def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 2 << 30) -> float:
@@ -167,6 +172,7 @@ def part_step(args: argparse.Namespace, checkpoint: Path, report: dict) -> None:
 # the next launch once it has waited (common.LAUNCH_NEXT_EARLY).
 KERNEL_PATHS: dict[str, dict[tuple[str, str], object]] = {
     "gemv": {},  # the defaults
+    "gemv64": {("ops", "FEW_ROWS"): 64},  # the skinny-product kernel for up to 64 rows (gemv.MAX_ROWS)
     "no-early": {("common", "LAUNCH_NEXT_EARLY"): False},  # the next kernel launches as this one ends
     "gemv-apart": {("ops", "SILU_IN_GATE_UP"): False},  # the activation as a kernel of its own
     "no-pdl": {("common", "DEPENDENT_LAUNCH"): False},  # each kernel launched after the one before ended

@@ -76,6 +76,22 @@ TINY = {
     "vocab_size": 512,
     "max_position_embeddings": 1024,
 }
+# SmolLM2-135M's sizes in the Qwen3 layout (its q/k norms added): the embedded default's step shape with
+# random weights, for kernel and step timings that need no GGUF.
+SMOLLM2 = {
+    **QWEN3_8B,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
 INIT_STD = 0.02
 SHARD_BYTES = 4 << 30
 # bf16 keeps 8 bits of mantissa; TP changes the order of every row-parallel sum, over 36 layers.
