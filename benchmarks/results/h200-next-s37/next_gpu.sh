@@ -379,6 +379,11 @@ PY
       --model /tmp/rows-work/dspark-smollm2-random --batch-sizes ${AB_BATCHES:-8,16,64,1} --modes off,static \
       --rounds "${ROUNDS:-6}" --max-tokens 128 --out "$OUT/ab-rows.json" > "$OUT/ab-rows.log" 2>&1
     echo "ab rows: exit $?"; grep -vE "^\{" "$OUT/ab-rows.log" | tail -14
+    # The device kernels of plain and static at 8 requests on the same target (this tree's FEW_ROWS).
+    (cd benchmarks && timeout 90 python3 profile_host.py --device cuda --batch 8 --max-tokens 96 \
+      --model /tmp/rows-work/dspark-smollm2-random --modes off,static --kernels --decode-burst 4 --top 40 \
+      --out "$OUT/kernels-b8" > "$OUT/kernels-b8.log" 2>&1)
+    echo "kernels b8: exit $?"; head -3 "$OUT"/kernels-b8/*.txt
     ;;
   data)
     # Session 53: the data stage alone (a new seed), the machine kept warm for `train` right after.
