@@ -14,7 +14,8 @@
 # benchmarks/results/ and training/prompts_train.jsonl moved out of the tree meanwhile:
 #   run(carry=[".carry/cN"], command="mkdir -p /tmp/carry/distill && cp -r .carry/cN/* /tmp/carry/")
 # for N = 1, 2, then c3 and c5 in one call (carry [".carry/c3", ".carry/c5"]: together with the bare
-# tree under 64 MiB while c5 holds no shards, as in session 47); put drafters/ and benchmarks/results/
+# tree under 64 MiB while c5 holds no shards, as in session 47) -- or, for a call that needs the GGUF
+# but no serving wheel, g01 then g2 (session 54); put drafters/ and benchmarks/results/
 # back (they and c4 fit one call), and the working calls carry [".carry/c4"] (plus what they need).
 # Wheels are for the device's Python (3.12, manylinux x86_64; DEVICE_PYTHON overrides the version):
 # nvidia-pytriton 0.7.0 (tritonserver and the Python backend stub, which needs numpy < 2 in the Python
@@ -77,6 +78,12 @@ if compgen -G ".carry/distill/*.npz" >/dev/null; then
   mkdir -p .carry/c5/distill
   cp .carry/distill/*.npz .carry/c5/distill/
 fi
+# The GGUF alone, for calls that need no serving wheels (training, offline benchmarks): parts 00-01 in
+# .carry/g01 and part 02 in .carry/g2 (hard links), parked by two calls instead of three; c4 as before.
+rm -rf .carry/g01 .carry/g2
+mkdir -p .carry/g01 .carry/g2
+ln .carry/c1/"$GGUF_NAME".part-00 .carry/c2/"$GGUF_NAME".part-01 .carry/g01/
+ln .carry/c3/"$GGUF_NAME".part-02 .carry/g2/
 for folder in .carry/c1 .carry/c2 .carry/c3 .carry/c4 .carry/c5; do
   (($(used "$folder") <= LIMIT)) || { echo "$folder is over $LIMIT bytes" >&2; exit 1; }
   echo "$folder: $(($(used "$folder") / 1000000)) MB: $(ls "$folder" | tr '\n' ' ')"
