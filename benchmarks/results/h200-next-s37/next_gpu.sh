@@ -350,16 +350,12 @@ case "${1:-}" in
     # Session 54: the skinny-product kernel takes 1-8 rows (ops.FEW_ROWS); a drafting step at 8
     # requests verifies 16-32 rows, all through cuBLAS, while plain's 8 take the kernel: is that the
     # extra ~0.2 ms a drafting step pays at 8 (see b8)? The kernel now takes up to 64 rows. No carry, no
-    # GGUF (one call, ~300 s): its parity tests; the kernel against F.linear at 8-64 rows; the target
-    # step (SmolLM2's sizes, random weights) at 1-64 requests x windows 1-4 with the kernel for 1-8 rows,
-    # 1-64 rows, or none; then end to end with the shipped drafter on that target, this tree against
-    # itself with FEW_ROWS=64, plain and static, alternating in one process.
+    # GGUF (one call, ~350 s; most telling first): the target step (SmolLM2's sizes, random weights) at
+    # 1-64 requests x windows 1-4 with the kernel for 1-8 rows, 1-64 rows, or none; end to end with the
+    # shipped drafter on that target, this tree against itself with FEW_ROWS=64, plain and static,
+    # alternating in one process; the kernel's parity tests; the kernel against F.linear at 8-64 rows;
+    # the device kernels of plain and static at 8 requests.
     python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py > "$OUT/gemv-tests.log" 2>&1
-    echo "gemv tests: exit $?"; tail -2 "$OUT/gemv-tests.log"
-    timeout 150 python3 benchmarks/gemv.py --rows ${GEMV_ROWS:-8,16,32,64} --replays 10 --out "$OUT/gemv" \
-      > "$OUT/gemv.log" 2>&1
-    echo "gemv: exit $?"; cat "$OUT/gemv/results.md" 2>/dev/null | head -40
     timeout 150 python3 benchmarks/gpu_e2e.py --parts step --shape smollm2 --work /tmp/rows-work --out "$OUT/step" \
       --step-batches 1,8,16,64 --step-windows 1,2,4 --kernel-paths gemv,gemv64,cublas --context 256 \
       > "$OUT/step.log" 2>&1
@@ -367,19 +363,15 @@ case "${1:-}" in
     rm -rf /tmp/rows && mkdir -p /tmp/rows && cp -r backend /tmp/rows/backend
     sed -i "s/^FEW_ROWS = 8$/FEW_ROWS = ${NEW_FEW_ROWS:-64}/" /tmp/rows/backend/dspark/kernels/ops.py
     grep -n "^FEW_ROWS" /tmp/rows/backend/dspark/kernels/ops.py
-    python3 - <<'PY'
-import sys
-sys.path.insert(0, "benchmarks")
-import gpu_e2e, tp_gpu
-from pathlib import Path
-path = tp_gpu.write_checkpoint(Path("/tmp/rows-work/dspark-smollm2-random"), tp_gpu.SMOLLM2, "bfloat16")
-gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2["vocab_size"])
-PY
-    timeout "${AB_S:-200}" python3 benchmarks/ab_trees.py --base backend --new /tmp/rows/backend --device cuda \
+    timeout "${AB_S:-150}" python3 benchmarks/ab_trees.py --base backend --new /tmp/rows/backend --device cuda \
       --model /tmp/rows-work/dspark-smollm2-random --batch-sizes ${AB_BATCHES:-8,16,64,1} --modes off,static \
-      --rounds "${ROUNDS:-6}" --max-tokens 128 --out "$OUT/ab-rows.json" > "$OUT/ab-rows.log" 2>&1
+      --rounds "${ROUNDS:-5}" --max-tokens 128 --out "$OUT/ab-rows.json" > "$OUT/ab-rows.log" 2>&1
     echo "ab rows: exit $?"; grep -vE "^\{" "$OUT/ab-rows.log" | tail -14
-    # The device kernels of plain and static at 8 requests on the same target (this tree's FEW_ROWS).
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py > "$OUT/gemv-tests.log" 2>&1
+    echo "gemv tests: exit $?"; tail -2 "$OUT/gemv-tests.log"
+    timeout 120 python3 benchmarks/gemv.py --rows ${GEMV_ROWS:-8,16,32,64} --replays 10 --out "$OUT/gemv" \
+      > "$OUT/gemv.log" 2>&1
+    echo "gemv: exit $?"; cat "$OUT/gemv/results.md" 2>/dev/null | head -40
     (cd benchmarks && timeout 90 python3 profile_host.py --device cuda --batch 8 --max-tokens 96 \
       --model /tmp/rows-work/dspark-smollm2-random --modes off,static --kernels --decode-burst 4 --top 40 \
       --out "$OUT/kernels-b8" > "$OUT/kernels-b8.log" 2>&1)
