@@ -360,6 +360,9 @@ case "${1:-}" in
       --step-batches 1,8,16,64 --step-windows 1,2,4 --kernel-paths gemv,gemv64,cublas --context 256 \
       > "$OUT/step.log" 2>&1
     echo "step: exit $?"; grep -A40 "^| " "$OUT/step/results.md" 2>/dev/null | head -45
+    (cd benchmarks && python3 -c "import gpu_e2e, tp_gpu, pathlib
+path = tp_gpu.write_checkpoint(pathlib.Path('/tmp/rows-work/dspark-smollm2-random'), tp_gpu.SMOLLM2, 'bfloat16')
+gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
     rm -rf /tmp/rows && mkdir -p /tmp/rows && cp -r backend /tmp/rows/backend
     sed -i "s/^FEW_ROWS = 8$/FEW_ROWS = ${NEW_FEW_ROWS:-64}/" /tmp/rows/backend/dspark/kernels/ops.py
     grep -n "^FEW_ROWS" /tmp/rows/backend/dspark/kernels/ops.py
