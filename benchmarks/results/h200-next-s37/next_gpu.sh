@@ -27,6 +27,10 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh warm   carry [".carry/c4"]         (~430 s; ran in s51)
 #   V=warm-anchor OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh keep   carry [".carry/c4"] (~20 s, right after warm)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh gate128   carry [".carry/c4"]      (~330 s; session 52)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh rows   no carry, nothing parked   (~350 s; session 54)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh data-train   carry [".carry/c4", ".carry/distill"]
+#     (~530 s; parked: .carry/g01 then .carry/g2, the GGUF alone, with drafters/, benchmarks/results/ and
+#     training/prompts_train.jsonl moved aside meanwhile and back for this call)
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
 #   83f678b has run on a GPU: the gate's median step times, the frozen startup heaps, session 36's
