@@ -172,6 +172,7 @@ def part_step(args: argparse.Namespace, checkpoint: Path, report: dict) -> None:
 # the next launch once it has waited (common.LAUNCH_NEXT_EARLY).
 KERNEL_PATHS: dict[str, dict[tuple[str, str], object]] = {
     "gemv": {},  # the defaults
+    "gemv8": {("ops", "FEW_ROWS"): 8},  # the kernel for 1-8 rows only (the default before session 55)
     "gemv64": {("ops", "FEW_ROWS"): 64},  # the skinny-product kernel for up to 64 rows (gemv.MAX_ROWS)
     "no-early": {("common", "LAUNCH_NEXT_EARLY"): False},  # the next kernel launches as this one ends
     "gemv-apart": {("ops", "SILU_IN_GATE_UP"): False},  # the activation as a kernel of its own

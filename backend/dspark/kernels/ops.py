@@ -40,9 +40,14 @@ def rms_norm(
 
 # Rows up to which a GPU projection takes the skinny-product kernel (kernels/gemv.py), and the widest
 # weight it takes: measured faster than cuBLAS at 1-8 rows for every projection of the Qwen3-8B and
-# SmolLM2 shapes on an H200 (bf16; 24576 outputs: the 8B gate_up, at parity). The LM heads (49152 and
-# 151936 outputs) stay with cuBLAS, which reads them at the copy bandwidth already.
-FEW_ROWS = 8
+# SmolLM2 shapes on an H200 (bf16; 24576 outputs: the 8B gate_up, at parity). 9-16 rows run the very
+# program 1-8 rows run (x padded to one 16-row tile for the tensor cores: the same loads of W, the same
+# products), so they cost what 8 rows cost, while cuBLAS at 16 rows costs what it costs at 8 (the 8B step
+# at 8 requests, session 28: 5.81 ms at 2 rows a request against 5.90 at 1). That is a verify window of
+# two at 8 requests, which took cuBLAS at 8 and paid ~0.4 ms a step more than plain decoding on an H100
+# (session 53). Past 16 rows the kernel runs bigger tiles, unmeasured: cuBLAS. The LM heads (49152
+# and 151936 outputs) stay with cuBLAS, which reads them at the copy bandwidth already.
+FEW_ROWS = 16
 FEW_ROWS_MAX_OUTPUTS = 24576
 
 

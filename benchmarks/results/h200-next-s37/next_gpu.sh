@@ -27,7 +27,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh warm   carry [".carry/c4"]         (~430 s; ran in s51)
 #   V=warm-anchor OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh keep   carry [".carry/c4"] (~20 s, right after warm)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh gate128   carry [".carry/c4"]      (~330 s; session 52)
-#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh rows   no carry, nothing parked   (~350 s; session 54)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh rows   no carry, nothing parked   (~380 s; sessions 54-55)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh data-train   carry [".carry/c4", ".carry/distill"]
 #     (~530 s; parked: .carry/g01 then .carry/g2, the GGUF alone, with drafters/, benchmarks/results/ and
 #     training/prompts_train.jsonl moved aside meanwhile and back for this call)
@@ -351,30 +351,33 @@ case "${1:-}" in
     prof 8 4
     ;;
   rows)
-    # Session 54: the skinny-product kernel takes 1-8 rows (ops.FEW_ROWS); a drafting step at 8
-    # requests verifies 16-32 rows, all through cuBLAS, while plain's 8 take the kernel: is that the
-    # extra ~0.2 ms a drafting step pays at 8 (see b8)? The kernel now takes up to 64 rows. No carry, no
-    # GGUF (one call, ~350 s; most telling first): the target step (SmolLM2's sizes, random weights) at
-    # 1-64 requests x windows 1-4 with the kernel for 1-8 rows, 1-64 rows, or none; end to end with the
-    # shipped drafter on that target, this tree against itself with FEW_ROWS=64, plain and static,
-    # alternating in one process; the kernel's parity tests; the kernel against F.linear at 8-64 rows;
-    # the device kernels of plain and static at 8 requests.
+    # Session 54: the skinny-product kernel took 1-8 rows (ops.FEW_ROWS); a drafting step at 8 requests
+    # verifies 16-32 rows, then all through cuBLAS, while plain's 8 take the kernel: is that the extra
+    # ~0.4 ms a drafting step pays at 8 (see b8)? Session 55 set FEW_ROWS = 16 (9-16 rows run the 8-row
+    # program); the kernel takes up to 64. No carry, no GGUF (one call, ~380 s; most telling first): the
+    # target step (SmolLM2's sizes, random weights) at 1-64 requests x windows 1-4 with the kernel for
+    # 1-8, 1-16 (HEAD) or 1-64 rows, or none; end to end with the shipped drafter on that target, this
+    # tree against itself with FEW_ROWS=8 (did 16 pay?) and =64, plain and static, alternating in one
+    # process; the kernel's parity tests; the kernel against F.linear at 8-64 rows; the device kernels of
+    # plain and static at 8 requests.
     python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
     timeout 150 python3 benchmarks/gpu_e2e.py --parts step --shape smollm2 --work /tmp/rows-work --out "$OUT/step" \
       --step-batches ${STEP_BATCHES:-1,8,16,64} --step-windows ${STEP_WINDOWS:-1,2,4} \
-      --kernel-paths ${STEP_PATHS:-gemv,gemv64,cublas} --context 256 --repeats ${STEP_REPEATS:-15} \
+      --kernel-paths ${STEP_PATHS:-gemv8,gemv,gemv64,cublas} --context 256 --repeats ${STEP_REPEATS:-15} \
       > "$OUT/step.log" 2>&1
     echo "step: exit $?"; grep -A40 "^| " "$OUT/step/results.md" 2>/dev/null | head -45
     (cd benchmarks && python3 -c "import gpu_e2e, tp_gpu, pathlib
 path = tp_gpu.write_checkpoint(pathlib.Path('/tmp/rows-work/dspark-smollm2-random'), tp_gpu.SMOLLM2, 'bfloat16')
 gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
-    rm -rf /tmp/rows && mkdir -p /tmp/rows && cp -r backend /tmp/rows/backend
-    sed -i "s/^FEW_ROWS = 8$/FEW_ROWS = ${NEW_FEW_ROWS:-64}/" /tmp/rows/backend/dspark/kernels/ops.py
-    grep -n "^FEW_ROWS" /tmp/rows/backend/dspark/kernels/ops.py
-    timeout "${AB_S:-150}" python3 benchmarks/ab_trees.py --base backend --new /tmp/rows/backend --device cuda \
-      --model /tmp/rows-work/dspark-smollm2-random --batch-sizes ${AB_BATCHES:-8,16,64,1} --modes off,static \
-      --rounds "${ROUNDS:-5}" --max-tokens 128 --out "$OUT/ab-rows.json" > "$OUT/ab-rows.log" 2>&1
-    echo "ab rows: exit $?"; grep -vE "^\{" "$OUT/ab-rows.log" | tail -14
+    for few in ${NEW_FEW_ROWS:-8 64}; do
+      rm -rf /tmp/rows && mkdir -p /tmp/rows && cp -r backend /tmp/rows/backend
+      sed -i "s/^FEW_ROWS = [0-9]*$/FEW_ROWS = $few/" /tmp/rows/backend/dspark/kernels/ops.py
+      grep -n "^FEW_ROWS" /tmp/rows/backend/dspark/kernels/ops.py
+      timeout "${AB_S:-110}" python3 benchmarks/ab_trees.py --base backend --new /tmp/rows/backend --device cuda \
+        --model /tmp/rows-work/dspark-smollm2-random --batch-sizes ${AB_BATCHES:-8,16,64,1} --modes off,static \
+        --rounds "${ROUNDS:-4}" --max-tokens 128 --out "$OUT/ab-rows$few.json" > "$OUT/ab-rows$few.log" 2>&1
+      echo "ab rows (new: FEW_ROWS=$few, base: HEAD's): exit $?"; grep -vE "^\{" "$OUT/ab-rows$few.log" | tail -14
+    done
     [[ -n "${LITE:-}" ]] && exit 0  # LITE=1: the two above only (a call with little device time left)
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py > "$OUT/gemv-tests.log" 2>&1
     echo "gemv tests: exit $?"; tail -2 "$OUT/gemv-tests.log"
