@@ -4,11 +4,11 @@
 
 For each row count 1..CPU_FEW_ROWS and MANY_ROWS (a prefill chunk's), every path `layers.linear` may
 take (F.linear, the weight first, one row as two, oneDNN's and MKL's products over packed copies where
-torch has them) is timed over every 2-D weight of the target, in order (so the weights come from
-memory as in a decode step), rounds alternated, best of the rounds; then the choice
-`measure_cpu_linear_paths` makes when a model loads, and how long it took. What this is for: which
-path wins differs by row count and by host (its BLAS and caches); a verify window of a block of b
-drafts is b + 1 rows per request.
+torch has them, the few-row kernel where it builds here) is timed over every 2-D weight of the target,
+in order (so the weights come from memory as in a decode step), rounds alternated, best of the
+rounds; then the choice `measure_cpu_linear_paths` makes when a model loads, and how long it took.
+What this is for: which path wins differs by row count and by host (its BLAS and caches); a verify
+window of a block of b drafts is b + 1 rows per request.
 """
 
 from __future__ import annotations
@@ -50,10 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}: {len(weights)} weights, {megabytes:.0f} MB fp32; ms a pass, best of {args.rounds}")
     with torch.inference_mode():
         packed = tuple(path for path in layers.COPY_ATTRIBUTE if layers.pack_cpu_weights(weights, path))
-        paths = (layers.BY_LINEAR, layers.WEIGHT_FIRST, layers.AS_TWO_ROWS) + packed
+        # The few-row kernel, where it runs here (fp32 only): timed at the few row counts.
+        kernel = (layers.KERNEL,) if weights[0].dtype == torch.float32 and layers.kernel_here() else ()
+        paths = (layers.BY_LINEAR, layers.WEIGHT_FIRST, layers.AS_TWO_ROWS) + packed + kernel
         print(f"{'rows':>4} " + " ".join(f"{p:>13}" for p in paths) + "  fastest / F.linear")
         for rows in (*range(1, layers.CPU_FEW_ROWS + 1), layers.MANY_ROWS):
-            best = {p: math.inf for p in layers.candidates(rows, packed)}
+            few = kernel if rows <= layers.CPU_FEW_ROWS else ()
+            best = {p: math.inf for p in layers.candidates(rows, packed + few)}
             inputs = layers.pass_inputs(weights, rows)
             for _ in range(args.rounds):
                 for path in best:

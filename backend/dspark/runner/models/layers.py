@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.kernels import ops
+from dspark.kernels.cpu import linear as cpu_linear
 from dspark.parallel.distributed import SINGLE, TensorParallel
 
 Loader = Callable[[torch.Tensor, torch.Tensor, str | None], None]
@@ -52,6 +53,15 @@ COPY_SIZE = {ONEDNN: 1.1, PACKED: 2.5}
 # AMD EPYC with AVX512-BF16, ran a pass over SmolLM2's weights in 8.5-10.3 ms at 1-8 rows (fp32's:
 # 18.5-24 ms; bf16 F.linear's 12-14 ms; two runs).
 PACKED_DTYPES = {ONEDNN: (torch.float32, torch.bfloat16), PACKED: (torch.float32,)}
+# The few-row kernel (`dspark.kernels.cpu.linear`, built on this machine where it can be): fp32, no
+# gradients, no copy. Each output is one sum in one order whatever rows are beside it, and it is taken
+# for the row counts 1..m only (`_kernel_rows`), so a decode row and the verify window's rows of one
+# request get the same bits. On a 2-core AMD EPYC without AVX-512 a pass over SmolLM2's weights took
+# 16.1 / 18.7 ms at 1 / 4 rows against oneDNN's 19.3 / 26.2 (session 55).
+KERNEL = "kernel"
+# The kernel keeps a row count while its pass takes at most this share of the fastest other path's
+# (at one row it must clearly win: CLEAR_WIN).
+KERNEL_TOLERANCE = 1.05
 CANDIDATES = {1: (BY_LINEAR, AS_TWO_ROWS)}  # by row count; the rest: (BY_LINEAR, WEIGHT_FIRST)
 # The packed copies may take at most this share of the memory available when they are made.
 PACKED_MEMORY_SHARE = 0.25
@@ -130,6 +140,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if path in COPY_ATTRIBUTE and (x.requires_grad or getattr(weight, COPY_ATTRIBUTE[path], None) is None):
         # No copy to read (or gradients wanted, which the packed products do not give).
         path = paths.unpacked_path(rows)
+    elif path == KERNEL and (
+        (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+    ):
+        path = paths.unpacked_path(rows)  # the kernel has no backward, and takes fp32 only
     if path == BY_LINEAR:
         return F.linear(x, weight, bias)
     y = _product(x.reshape(rows, x.shape[-1]), weight, path)
@@ -145,6 +161,8 @@ def _product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> torch.Tenso
         return F.linear(flat, weight)
     if path == AS_TWO_ROWS:
         return torch.mm(weight, flat.repeat(2, 1).t())[:, :1].t().contiguous()
+    if path == KERNEL:
+        return cpu_linear.linear_rows(flat.contiguous(), weight.contiguous())
     if path in COPY_ATTRIBUTE:
         copy = getattr(weight, COPY_ATTRIBUTE[path], None)
         if copy is None:
@@ -233,8 +251,9 @@ def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> CpuLinearPat
     (`cpu_linear_paths`) and return it (F.linear unless another path
     clearly wins: CLEAR_WIN). Only candidates within CLEAR_LOSS of the best are timed again; a model of
     the same weight shapes measured before in this process takes that choice (its packed copies made
-    again where they fit, else the fastest unpacked path). A no-op returning the current choice off
-    the CPU."""
+    again where they fit, else the fastest unpacked path). fp32 weights also time the few-row kernel
+    where it runs here (`kernel_here`), kept for the row counts `_kernel_rows` allows. A no-op returning
+    the current choice off the CPU."""
     weights = [p for p in module.parameters() if p.dim() == 2 and p.device.type == "cpu"]
     if not weights:
         return CPU_LINEAR_PATHS
@@ -246,7 +265,8 @@ def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> CpuLinearPat
         wanted = tuple(COPY_ATTRIBUTE) if known is None else _packed_paths(known)
         packed = tuple(path for path in wanted if pack_cpu_weights(weights, path))
         if known is None:
-            known = _MEASURED[key] = _measure(weights, rounds, packed)
+            kernel = (KERNEL,) if weights[0].dtype == torch.float32 and kernel_here() else ()
+            known = _MEASURED[key] = _measure(weights, rounds, packed, kernel)
         chosen = _without(known, set(wanted) - set(packed))  # the copies that no longer fit
     for path in set(packed) - set(_packed_paths(chosen)):
         unpack_cpu_weights(weights, path)
@@ -272,13 +292,40 @@ def _without(paths: CpuLinearPaths, missing: set[str]) -> CpuLinearPaths:
     return CpuLinearPaths(few, many, paths.unpacked_by_rows, paths.unpacked_many_rows)
 
 
-def _measure(weights: list[torch.Tensor], rounds: int, packed: tuple[str, ...]) -> CpuLinearPaths:
-    """Every row count's fastest path, and fastest unpacked path, over `weights`."""
-    few = [_fastest(weights, rows, rounds, packed) for rows in range(1, CPU_FEW_ROWS + 1)]
+def kernel_here() -> bool:
+    """Whether the few-row kernel runs on this machine (built on the first ask)."""
+    return cpu_linear.available()
+
+
+def _measure(
+    weights: list[torch.Tensor], rounds: int, packed: tuple[str, ...], kernel: tuple[str, ...] = ()
+) -> CpuLinearPaths:
+    """Every row count's fastest path, and fastest unpacked path, over `weights` (`kernel`: (KERNEL,)
+    to time the few-row kernel too, kept for the row counts `_kernel_rows` allows)."""
+    few = [_fastest(weights, rows, rounds, packed + kernel) for rows in range(1, CPU_FEW_ROWS + 1)]
     many = _fastest(weights, MANY_ROWS, rounds, packed)
-    return CpuLinearPaths(
-        tuple(best for best, _ in few), many[0], tuple(unpacked for _, unpacked in few), many[1]
-    )
+    by_rows = tuple(best for best, _, _ in few)
+    if kernel:
+        kernel_rows = _kernel_rows([times for _, _, times in few])
+        by_rows = tuple(
+            KERNEL if rows <= kernel_rows else _clear_winner(times, set(candidates(rows, packed)))
+            for rows, (_, _, times) in enumerate(few, 1)
+        )
+    return CpuLinearPaths(by_rows, many[0], tuple(unpacked for _, unpacked, _ in few), many[1])
+
+
+def _kernel_rows(times_by_rows: list[dict[str, float]]) -> int:
+    """The row counts 1..m the few-row kernel takes (0: none): from one row on, while its pass is within
+    KERNEL_TOLERANCE of the fastest other path's (at one row it must clearly win, CLEAR_WIN). A prefix,
+    not every count where it wins: a request's decode row and its verify window's rows then take the
+    same kernel and sum each output the same way."""
+    taken = 0
+    for rows, times in enumerate(times_by_rows, 1):
+        others = min(t for path, t in times.items() if path != KERNEL)
+        if times[KERNEL] > (CLEAR_WIN if rows == 1 else KERNEL_TOLERANCE) * others:
+            break
+        taken = rows
+    return taken
 
 
 def pass_inputs(weights: list[torch.Tensor], rows: int) -> dict[int, torch.Tensor]:
@@ -296,9 +343,10 @@ def pass_seconds(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor], p
 
 def _fastest(
     weights: list[torch.Tensor], rows: int, rounds: int, packed: Sequence[str] = ()
-) -> tuple[str, str]:
+) -> tuple[str, str, dict[str, float]]:
     """The candidate path of `rows` rows that takes least time over `weights` (`packed`: the packed
-    paths whose copies they have), and the fastest of the unpacked ones."""
+    paths whose copies they have, and KERNEL if it is to be timed), the fastest of the unpacked ones,
+    and every candidate's best pass time."""
     inputs = pass_inputs(weights, rows)
     best = dict.fromkeys(candidates(rows, packed), math.inf)
     timing = set(best)
@@ -309,7 +357,7 @@ def _fastest(
         timing = {path for path in timing if best[path] <= CLEAR_LOSS * fastest}
         if len(timing) == 1:
             break
-    return _clear_winner(best, timing), _clear_winner(best, set(candidates(rows)))
+    return _clear_winner(best, timing), _clear_winner(best, set(candidates(rows))), best
 
 
 def _clear_winner(best: dict[str, float], among: set[str]) -> str:

@@ -1,0 +1,112 @@
+"""A few rows of x times W^T in fp32 on an x86-64 CPU with AVX2 and FMA (`linear.cpp`).
+
+Why: a CPU decode step streams every weight once, and with one to a few rows (one request, or its
+verify window) the library products fall short of the memory's bandwidth: on a 2-core AMD EPYC without
+AVX-512, oneDNN's fp32 product took 19.3 ms a pass over SmolLM2's weights at one row and 26.2 ms at
+four, this kernel 16.1 and 18.7 (session 55). Each output is summed in one fixed order whatever rows
+are beside it, so a row gives the same bits alone or in a verify window.
+
+Built the first time a process asks for it, by torch's extension builder with the machine's C++
+compiler, and kept under torch's extension root (`TORCH_EXTENSIONS_DIR`, default
+~/.cache/torch_extensions) for the next processes (`make setup` builds it once). Where there is no
+compiler, no AVX2 or the build fails, `available()` says False (once, with the reason, in the log) and
+`layers.linear` keeps the library products.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+# The build's folder name: one per torch and Python (the extension links against both).
+NAME = "dspark_cpu_linear"
+# A build lock older than this was left by a process killed mid-build: removed, or every later process
+# would wait on it for ever (torch's lock has no timeout). A build takes ~30 s on two cores.
+STALE_LOCK_S = 600.0
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+
+_module: ModuleType | None = None
+_tried = False
+
+
+def build_directory() -> Path:
+    """Where the extension is built and kept."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    tag = f"{NAME}_torch{torch.__version__.replace('+', '_')}_py{sys.version_info[0]}{sys.version_info[1]}"
+    return Path(get_default_build_root()) / tag
+
+
+def why_not() -> str | None:
+    """Why this machine cannot build the kernel (None: it can try)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"torch reports {capability}, not AVX2"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler})"
+    return None
+
+
+def load() -> ModuleType | None:
+    """The built extension, building it on the first call of the process (None where it cannot be)."""
+    global _module, _tried
+    if _tried:
+        return _module
+    _tried = True
+    reason = why_not()
+    if reason is not None:
+        logger.info("CPU linear_rows kernel not used: %s", reason)
+        return None
+    from torch.utils.cpp_extension import load as build
+
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"
+    try:
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+    except OSError:
+        pass
+    start = time.monotonic()
+    try:
+        _module = build(
+            NAME,
+            [str(SOURCE)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure leaves the library products in place
+        logger.warning("CPU linear_rows kernel not built (%s): the library products stay", exc)
+        _module = None
+        return None
+    if time.monotonic() - start > 2.0:
+        logger.info("CPU linear_rows kernel built in %.0f s (%s)", time.monotonic() - start, directory)
+    return _module
+
+
+def available() -> bool:
+    """Whether the kernel runs here (builds it on the first call)."""
+    return load() is not None
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] @ weight [n, k]^T -> [rows, n], fp32, contiguous operands (`available()` first)."""
+    module = load()
+    assert module is not None, "linear_rows: the kernel is not available on this machine"
+    return module.linear_rows(x, weight)

@@ -1,0 +1,188 @@
+"""The CPU few-row kernel (`dspark.kernels.cpu.linear`): F.linear's values on random inputs of ragged
+shapes, each output the same bits whatever rows are beside it, and `layers.linear` taking it for the row
+counts its measurement allows (a prefix), never where gradients are wanted."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark.kernels.cpu import linear as cpu_linear
+from dspark.runner.models import layers
+from dspark.runner.models.layers import (
+    BY_LINEAR,
+    CLEAR_WIN,
+    CPU_FEW_ROWS,
+    CPU_LINEAR_PATHS,
+    KERNEL,
+    KERNEL_TOLERANCE,
+    ONEDNN,
+    WEIGHT_FIRST,
+    linear,
+    measure_cpu_linear_paths,
+)
+
+# Where this machine can build it (x86-64, AVX2, a C++ compiler: this project's machines and CI) the
+# kernel must build and its tests run; elsewhere they say why they skip.
+REASON = cpu_linear.why_not()
+needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"no CPU kernel here: {REASON}")
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """Fresh random inputs each run (the seed is printed on failure by pytest's repr of the case)."""
+    return torch.Generator().manual_seed(torch.seed() % 2**31)
+
+
+@needs_kernel
+def test_the_kernel_builds_where_it_can() -> None:
+    assert cpu_linear.available(), "x86-64, AVX2 and a compiler, yet the kernel did not build (see the log)"
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [1, 7, 8, 9, 63, 577])
+@pytest.mark.parametrize("n", [1, 3, 97])
+def test_the_kernel_gives_f_linear_values(k: int, n: int, gen: torch.Generator) -> None:
+    """Rows 0..17 and 40, inputs of every width around the 8-lane steps, odd output counts."""
+    weight = torch.randn(n, k, generator=gen)
+    for rows in (*range(0, 18), 40):
+        x = torch.randn(rows, k, generator=gen)
+        got = cpu_linear.linear_rows(x, weight)
+        assert got.shape == (rows, n) and got.dtype == torch.float32 and got.is_contiguous()
+        torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-4, atol=1e-4, msg=f"{rows}x{k}x{n}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [9, 576, 1536])
+def test_each_row_is_the_same_bits_alone_or_beside_others(k: int, gen: torch.Generator) -> None:
+    """A row computed alone, in a window of 2-9 rows at any place in it, or among 17: the same bits (what
+    keeps a verify window's rows equal to decode rows)."""
+    weight = torch.randn(200, k, generator=gen)
+    x = torch.randn(17, k, generator=gen)
+    alone = torch.cat([cpu_linear.linear_rows(x[r : r + 1].contiguous(), weight) for r in range(17)])
+    assert torch.equal(cpu_linear.linear_rows(x, weight), alone)
+    for rows in range(2, 10):
+        for start in (0, 17 - rows):
+            window = cpu_linear.linear_rows(x[start : start + rows].contiguous(), weight)
+            assert torch.equal(window, alone[start : start + rows]), (rows, start)
+
+
+@needs_kernel
+def test_the_kernel_refuses_what_it_does_not_take() -> None:
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_linear.linear_rows(torch.randn(2, 8).double(), torch.randn(4, 8).double())
+    with pytest.raises(RuntimeError, match="x \\[rows, k\\]"):
+        cpu_linear.linear_rows(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_linear.linear_rows(torch.randn(8, 2).t(), torch.randn(4, 8))
+
+
+def _times(kernel: list[float], other: list[float]) -> list[dict[str, float]]:
+    return [{KERNEL: k, ONEDNN: o, BY_LINEAR: 2 * o} for k, o in zip(kernel, other, strict=True)]
+
+
+def test_the_kernel_takes_a_prefix_of_row_counts() -> None:
+    """From one row on while within KERNEL_TOLERANCE of the best other path; a later win after a loss is
+    not taken; at one row it must clearly win."""
+    other = [1.0] * CPU_FEW_ROWS
+    ahead = [0.8, 0.9, 1.0, KERNEL_TOLERANCE * 0.99, 1.2, 0.5] + [0.5] * (CPU_FEW_ROWS - 6)
+    assert layers._kernel_rows(_times(ahead, other)) == 4
+    assert layers._kernel_rows(_times([0.5] * CPU_FEW_ROWS, other)) == CPU_FEW_ROWS
+    near = [CLEAR_WIN * 1.01] + [0.5] * (CPU_FEW_ROWS - 1)  # faster at one row, not clearly
+    assert layers._kernel_rows(_times(near, other)) == 0
+
+
+def test_the_measured_choice_takes_the_kernel_for_its_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure_cpu_linear_paths over fp32 weights with pass times set by a fake clock: the kernel for rows
+    1..m, after it the best other path even where the kernel would be faster again; prefill rows never
+    take it; the kernel is not timed for bf16 weights."""
+    for name in ("by_rows", "many_rows", "unpacked_by_rows", "unpacked_many_rows"):
+        monkeypatch.setattr(CPU_LINEAR_PATHS, name, getattr(CPU_LINEAR_PATHS, name))
+    monkeypatch.setattr(layers, "_PATHS_BY_DTYPE", {torch.float32: CPU_LINEAR_PATHS})
+    monkeypatch.setattr(layers, "_MEASURED", {})
+    monkeypatch.setattr(layers, "COPY_ATTRIBUTE", {})
+    monkeypatch.setattr(layers, "kernel_here", lambda: True)
+    clock = [0.0]
+
+    def product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> None:
+        rows = flat.shape[0]
+        if path == KERNEL:
+            assert rows <= CPU_FEW_ROWS, "the kernel timed for prefill rows"
+            clock[0] += 0.5 if rows <= 3 or rows >= 6 else 2.0  # ahead at 1-3 and again from 6
+        else:
+            clock[0] += {BY_LINEAR: 1.0, WEIGHT_FIRST: 0.8}.get(path, 3.0)
+
+    monkeypatch.setattr(layers, "_product", product)
+    monkeypatch.setattr(layers.time, "perf_counter", lambda: clock[0])
+    paths = measure_cpu_linear_paths(torch.nn.Linear(8, 16))
+    assert paths.by_rows == (KERNEL,) * 3 + (WEIGHT_FIRST,) * (CPU_FEW_ROWS - 3)
+    assert paths.unpacked_by_rows == (BY_LINEAR,) + (WEIGHT_FIRST,) * (CPU_FEW_ROWS - 1)
+    assert paths.many_rows == BY_LINEAR
+    bf16 = measure_cpu_linear_paths(torch.nn.Linear(8, 16).to(torch.bfloat16))
+    assert KERNEL not in bf16.by_rows
+
+
+@needs_kernel
+def test_linear_takes_the_kernel_and_leaves_it_where_gradients_are_wanted(
+    monkeypatch: pytest.MonkeyPatch, gen: torch.Generator
+) -> None:
+    """With the kernel chosen for every few-row count: `linear` gives F.linear's values through it (3-D and
+    strided inputs too); an input or a weight that wants gradients takes the unpacked choice, and the
+    gradients flow."""
+    for name in ("by_rows", "many_rows", "unpacked_by_rows", "unpacked_many_rows"):
+        monkeypatch.setattr(CPU_LINEAR_PATHS, name, getattr(CPU_LINEAR_PATHS, name))
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", (KERNEL,) * CPU_FEW_ROWS)
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "unpacked_by_rows", (WEIGHT_FIRST,) * CPU_FEW_ROWS)
+    taken: list[str] = []
+    real = layers._product
+    monkeypatch.setattr(layers, "_product", lambda x, w, p: taken.append(p) or real(x, w, p))
+    weight = torch.randn(96, 64, generator=gen)
+    for x in (torch.randn(3, 64, generator=gen), torch.randn(1, 4, 64, generator=gen)):
+        torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(64, 5, generator=gen).t()
+    torch.testing.assert_close(linear(strided, weight), F.linear(strided, weight), rtol=1e-5, atol=1e-5)
+    assert taken == [KERNEL] * 3
+    taken.clear()
+    wanting = torch.randn(2, 64, generator=gen).requires_grad_()
+    linear(wanting, weight).sum().backward()
+    torch.testing.assert_close(wanting.grad, weight.sum(0).expand(2, -1), rtol=1e-5, atol=1e-5)
+    trained = weight.clone().requires_grad_()
+    linear(torch.ones(2, 64), trained).sum().backward()
+    assert trained.grad is not None
+    assert taken == [WEIGHT_FIRST, WEIGHT_FIRST]
+
+
+def test_a_stale_build_lock_is_removed_and_a_failed_build_leaves_the_library(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lock left by a process killed mid-build (older than STALE_LOCK_S) is removed before building, a
+    fresh one is left to its builder; a build that fails makes the kernel unavailable, once, not an
+    error."""
+    import torch.utils.cpp_extension as extension
+
+    monkeypatch.setattr(cpu_linear, "_module", None)
+    monkeypatch.setattr(cpu_linear, "_tried", False)
+    monkeypatch.setattr(cpu_linear, "why_not", lambda: None)
+    monkeypatch.setattr(cpu_linear, "build_directory", lambda: tmp_path)
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - cpu_linear.STALE_LOCK_S - 10
+    os.utime(lock, (old, old))
+    seen: list[bool] = []
+
+    def failing_build(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(lock.exists())
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(extension, "load", failing_build)
+    assert not cpu_linear.available() and not cpu_linear.available()
+    assert seen == [False], "the stale lock was there at the build, or the build was tried twice"
+
+    monkeypatch.setattr(cpu_linear, "_tried", False)
+    lock.touch()  # fresh: another process is building
+    assert not cpu_linear.available()
+    assert seen == [False, True]
