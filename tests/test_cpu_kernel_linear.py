@@ -186,3 +186,10 @@ def test_a_stale_build_lock_is_removed_and_a_failed_build_leaves_the_library(
     lock.touch()  # fresh: another process is building
     assert not cpu_linear.available()
     assert seen == [False, True]
+
+
+def test_the_build_folder_follows_torch_extensions_dir(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORCH_EXTENSIONS_DIR places the build as it places torch's own; one folder per torch and Python."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = cpu_linear.build_directory()
+    assert folder.parent == tmp_path and torch.__version__.split("+")[0] in folder.name

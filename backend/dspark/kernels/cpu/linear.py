@@ -44,8 +44,10 @@ def build_directory() -> Path:
     """Where the extension is built and kept."""
     from torch.utils.cpp_extension import get_default_build_root
 
+    # torch's own rule for its extensions' root: TORCH_EXTENSIONS_DIR, else its cache folder.
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     tag = f"{NAME}_torch{torch.__version__.replace('+', '_')}_py{sys.version_info[0]}{sys.version_info[1]}"
-    return Path(get_default_build_root()) / tag
+    return Path(root) / tag
 
 
 def why_not() -> str | None:
