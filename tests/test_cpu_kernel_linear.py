@@ -193,3 +193,15 @@ def test_the_build_folder_follows_torch_extensions_dir(tmp_path, monkeypatch: py
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     folder = cpu_linear.build_directory()
     assert folder.parent == tmp_path and torch.__version__.split("+")[0] in folder.name
+
+
+def test_no_extension_builder_leaves_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's extension builder imports setuptools, which a bare venv may lack: the import failing makes
+    the kernel unavailable (a model still loads), not an error."""
+    import sys
+
+    monkeypatch.setattr(cpu_linear, "_module", None)
+    monkeypatch.setattr(cpu_linear, "_tried", False)
+    monkeypatch.setattr(cpu_linear, "why_not", lambda: None)
+    monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", None)  # import raises ImportError
+    assert not cpu_linear.available()

@@ -73,18 +73,16 @@ def load() -> ModuleType | None:
     if reason is not None:
         logger.info("CPU linear_rows kernel not used: %s", reason)
         return None
-    from torch.utils.cpp_extension import load as build
-
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / "lock"
-    try:
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink(missing_ok=True)
-    except OSError:
-        pass
     start = time.monotonic()
     try:
+        # torch's builder imports setuptools, which a bare Python 3.12 venv lacks: a failure like any other.
+        from torch.utils.cpp_extension import load as build
+
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = directory / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
         _module = build(
             NAME,
             [str(SOURCE)],
@@ -98,7 +96,7 @@ def load() -> ModuleType | None:
         _module = None
         return None
     if time.monotonic() - start > 2.0:
-        logger.info("CPU linear_rows kernel built in %.0f s (%s)", time.monotonic() - start, directory)
+        logger.info("CPU linear_rows kernel built in %.0f s", time.monotonic() - start)
     return _module
 
 
