@@ -27,7 +27,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh warm   carry [".carry/c4"]         (~430 s; ran in s51)
 #   V=warm-anchor OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh keep   carry [".carry/c4"] (~20 s, right after warm)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh gate128   carry [".carry/c4"]      (~330 s; session 52)
-#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh rows   no carry, nothing parked   (~380 s; sessions 54-55)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh rows   no carry, nothing parked   (~500 s; sessions 54-55)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh data-train   carry [".carry/c4", ".carry/distill"]
 #     (~530 s; parked: .carry/g01 then .carry/g2, the GGUF alone, with drafters/, benchmarks/results/ and
 #     training/prompts_train.jsonl moved aside meanwhile and back for this call)
@@ -354,7 +354,7 @@ case "${1:-}" in
     # Session 54: the skinny-product kernel took 1-8 rows (ops.FEW_ROWS); a drafting step at 8 requests
     # verifies 16-32 rows, then all through cuBLAS, while plain's 8 take the kernel: is that the extra
     # ~0.4 ms a drafting step pays at 8 (see b8)? Session 55 set FEW_ROWS = 16 (9-16 rows run the 8-row
-    # program); the kernel takes up to 64. No carry, no GGUF (one call, ~380 s; most telling first): the
+    # program); the kernel takes up to 64. No carry, no GGUF (one call, ~500 s; most telling first): the
     # target step (SmolLM2's sizes, random weights) at 1-64 requests x windows 1-4 with the kernel for
     # 1-8, 1-16 (HEAD) or 1-64 rows, or none; end to end with the shipped drafter on that target, this
     # tree against itself with FEW_ROWS=8 (did 16 pay?) and =64, plain and static, alternating in one
@@ -381,6 +381,9 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
     [[ -n "${LITE:-}" ]] && exit 0  # LITE=1: the two above only (a call with little device time left)
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py > "$OUT/gemv-tests.log" 2>&1
     echo "gemv tests: exit $?"; tail -2 "$OUT/gemv-tests.log"
+    # The step (150 s), two A/Bs (2 x 110 s) and the tests (100 s) fill a call (~500 s with the start);
+    # FULL=1 adds the kernel against F.linear and the device kernels at 8 requests (with AB_S=80).
+    [[ -z "${FULL:-}" ]] && exit 0
     timeout 120 python3 benchmarks/gemv.py --rows ${GEMV_ROWS:-8,16,32,64} --replays 10 --out "$OUT/gemv" \
       > "$OUT/gemv.log" 2>&1
     echo "gemv: exit $?"; cat "$OUT/gemv/results.md" 2>/dev/null | head -40
