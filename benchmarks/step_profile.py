@@ -78,7 +78,8 @@ _RUNTIME_CALL = re.compile(r"^cu(da)?[A-Z]")
 _DEVICE_WAIT = re.compile(r"^(Event|Stream|Context|Device) (Sync|Wait)")
 _GEMM_MARKS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "wgmma", "dot_kernel", "matmul")
 _SAMPLING_MARKS = ("argmax", "argmin", "softmax", "topk", "sampl", "accept", "_race_", "multinomial")
-# CPU ops: ATen's products, and MKL's packed GEMM (`layers.PACKED`, a linear's path on an x86 CPU).
+# CPU ops: ATen's products, MKL's packed GEMM and oneDNN's (`layers.PACKED`, `layers.ONEDNN`: a linear's
+# paths on an x86 CPU), and the few-row kernel's scope (`layers.KERNEL`, named while a profiler runs).
 _CPU_GEMM_OPS = (
     "aten::mm",
     "aten::addmm",
@@ -87,6 +88,8 @@ _CPU_GEMM_OPS = (
     "aten::linear",
     "aten::baddbmm",
     "mkl::_mkl_linear",
+    "mkldnn::_linear_pointwise",
+    "cpu_kernel::linear_rows",
 )
 _CPU_COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::fill_", "aten::zero_")
 

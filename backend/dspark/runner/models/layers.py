@@ -162,6 +162,11 @@ def _product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> torch.Tenso
     if path == AS_TWO_ROWS:
         return torch.mm(weight, flat.repeat(2, 1).t())[:, :1].t().contiguous()
     if path == KERNEL:
+        # Named in a profile (an extension's call is no ATen op); the process-wide flag, since a step
+        # may run on another thread than the one that started the profiler.
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function("cpu_kernel::linear_rows"):
+                return cpu_linear.linear_rows(flat.contiguous(), weight.contiguous())
         return cpu_linear.linear_rows(flat.contiguous(), weight.contiguous())
     if path in COPY_ATTRIBUTE:
         copy = getattr(weight, COPY_ATTRIBUTE[path], None)
