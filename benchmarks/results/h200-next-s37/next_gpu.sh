@@ -416,7 +416,13 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
   train)
     # Session 53: `shipped` and `warm` on `data`'s fresh shards and the earlier ones carried in
     # (carry [".carry/c4", ".carry/distill"]), then the warm drafter back as `keep` does.
-    WORK=/tmp/wv OUT=$OUT/variants DATA_IN="/tmp/w1/data ${EXTRA_DATA_IN:-.carry/distill}" VARIANTS="${VARIANTS:-shipped warm}" \
+    # The earlier shards, where the carry still has them (a new checkout's .carry/ has none: the fresh
+    # data alone then).
+    extra=${EXTRA_DATA_IN-.carry/distill}
+    if [[ -n $extra ]] && ! compgen -G "$extra/*.npz" > /dev/null; then
+      echo "no shard in $extra: training on the fresh data alone"; extra=""
+    fi
+    WORK=/tmp/wv OUT=$OUT/variants DATA_IN="/tmp/w1/data $extra" VARIANTS="${VARIANTS:-shipped warm}" \
       TRAIN_STEPS=${TRAIN_STEPS:-2000} LR=${LR:-3e-4} BUDGET_S=${VARIANTS_S:-480} bash training/variants.sh \
       > "$OUT/variants.log" 2>&1
     echo "variants: exit $?"; cat "$OUT/variants/variants.md"
