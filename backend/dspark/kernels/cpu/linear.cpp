@@ -6,7 +6,8 @@
 // verify window, which keeps speculative greedy decoding token-identical to plain decoding.
 //
 // A decode step's projections stream their weights: each weight row is read once from memory and
-// multiplied against up to four rows of x held in registers (one accumulator each).
+// multiplied against the rows of x, eight (then four, then the rest) at a time, one accumulator register
+// each (8 rows: a pass over SmolLM2's weights 27.9 ms against 32.0 four at a time; session 55).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -56,6 +57,7 @@ torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& w) {
     for (int64_t j = j0; j < j1; ++j) {
       const float* w_row = wp + j * k;
       int64_t r = 0;
+      for (; r + 8 <= rows; r += 8) rows_dot<8>(xp + r * k, w_row, k, yp + r * n + j, n);
       for (; r + 4 <= rows; r += 4) rows_dot<4>(xp + r * k, w_row, k, yp + r * n + j, n);
       switch (rows - r) {
         case 3: rows_dot<3>(xp + r * k, w_row, k, yp + r * n + j, n); break;
