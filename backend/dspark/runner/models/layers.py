@@ -141,11 +141,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # No copy to read (or gradients wanted, which the packed products do not give).
         path = paths.unpacked_path(rows)
     elif path == KERNEL and (
-        (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        or x.dtype != torch.float32
-        or weight.dtype != torch.float32
+        (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) or x.dtype != torch.float32
     ):
-        path = paths.unpacked_path(rows)  # the kernel has no backward, and takes fp32 only
+        # The kernel has no backward, and takes fp32 only (only fp32 weights' choices hold it).
+        path = paths.unpacked_path(rows)
     if path == BY_LINEAR:
         return F.linear(x, weight, bias)
     y = _product(x.reshape(rows, x.shape[-1]), weight, path)
