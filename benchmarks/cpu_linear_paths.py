@@ -4,7 +4,7 @@
 
 For each row count 1..CPU_FEW_ROWS and MANY_ROWS (a prefill chunk's), every path `layers.linear` may
 take (F.linear, the weight first, one row as two, oneDNN's and MKL's products over packed copies where
-torch has them, the few-row kernel where it builds here) is timed over every 2-D weight of the target,
+torch has them, the CPU kernel where it builds here) is timed over every 2-D weight of the target,
 in order (so the weights come from memory as in a decode step), rounds alternated, best of the
 rounds; then the choice `measure_cpu_linear_paths` makes when a model loads, and how long it took.
 What this is for: which path wins differs by row count and by host (its BLAS and caches); a verify
@@ -50,13 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}: {len(weights)} weights, {megabytes:.0f} MB fp32; ms a pass, best of {args.rounds}")
     with torch.inference_mode():
         packed = tuple(path for path in layers.COPY_ATTRIBUTE if layers.pack_cpu_weights(weights, path))
-        # The few-row kernel, where it runs here (fp32 only): timed at the few row counts.
+        # The CPU kernel, where it runs here (fp32 only): timed at every row count.
         kernel = (layers.KERNEL,) if weights[0].dtype == torch.float32 and layers.kernel_here() else ()
         paths = (layers.BY_LINEAR, layers.WEIGHT_FIRST, layers.AS_TWO_ROWS) + packed + kernel
         print(f"{'rows':>4} " + " ".join(f"{p:>13}" for p in paths) + "  fastest / F.linear")
         for rows in (*range(1, layers.CPU_FEW_ROWS + 1), layers.MANY_ROWS):
-            few = kernel if rows <= layers.CPU_FEW_ROWS else ()
-            best = {p: math.inf for p in layers.candidates(rows, packed + few)}
+            best = {p: math.inf for p in layers.candidates(rows, packed + kernel)}
             inputs = layers.pass_inputs(weights, rows)
             for _ in range(args.rounds):
                 for path in best:

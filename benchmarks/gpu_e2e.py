@@ -167,19 +167,23 @@ def part_step(args: argparse.Namespace, checkpoint: Path, report: dict) -> None:
 
 
 # --kernel-paths: switches set away from their defaults, by (module, name): the rows up to which a
-# projection takes the skinny-product kernel (ops.FEW_ROWS), SwiGLU's activation in the gate/up kernel's
-# epilogue (ops.SILU_IN_GATE_UP), dependent launches (common.DEPENDENT_LAUNCH) and each kernel letting
-# the next launch once it has waited (common.LAUNCH_NEXT_EARLY).
+# projection takes the skinny-product kernel (ops.FEW_ROWS, ops.SMALL_WEIGHT_ROWS), SwiGLU's activation
+# in the gate/up kernel's epilogue (ops.SILU_IN_GATE_UP), dependent launches (common.DEPENDENT_LAUNCH)
+# and each kernel letting the next launch once it has waited (common.LAUNCH_NEXT_EARLY).
 KERNEL_PATHS: dict[str, dict[tuple[str, str], object]] = {
     "gemv": {},  # the defaults
-    "gemv8": {("ops", "FEW_ROWS"): 8},  # the kernel for 1-8 rows only (the default before session 55)
-    "gemv64": {("ops", "FEW_ROWS"): 64},  # the skinny-product kernel for up to 64 rows (gemv.MAX_ROWS)
+    # the kernel for 1-8 rows only (the default before session 55)
+    "gemv8": {("ops", "FEW_ROWS"): 8, ("ops", "SMALL_WEIGHT_ROWS"): 8},
+    # 1-16 rows for every weight (session 55's default)
+    "gemv16": {("ops", "FEW_ROWS"): 16, ("ops", "SMALL_WEIGHT_ROWS"): 16},
+    "gemv64": {("ops", "FEW_ROWS"): 64},  # up to 64 rows for every weight (gemv.MAX_ROWS)
     "no-early": {("common", "LAUNCH_NEXT_EARLY"): False},  # the next kernel launches as this one ends
     "gemv-apart": {("ops", "SILU_IN_GATE_UP"): False},  # the activation as a kernel of its own
     "no-pdl": {("common", "DEPENDENT_LAUNCH"): False},  # each kernel launched after the one before ended
     # F.linear for every projection, no dependent launches
     "cublas": {
         ("ops", "FEW_ROWS"): 0,
+        ("ops", "SMALL_WEIGHT_ROWS"): 0,
         ("ops", "SILU_IN_GATE_UP"): False,
         ("common", "DEPENDENT_LAUNCH"): False,
     },

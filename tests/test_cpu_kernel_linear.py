@@ -1,6 +1,6 @@
-"""The CPU few-row kernel (`dspark.kernels.cpu.linear`): F.linear's values on random inputs of ragged
-shapes, each output the same bits whatever rows are beside it, and `layers.linear` taking it for the row
-counts its measurement allows (a prefix), never where gradients are wanted."""
+"""The CPU kernel (`dspark.kernels.cpu.linear`): F.linear's values on random inputs of ragged shapes and
+row counts (both tilings: few rows and blocks of many), each output the same bits whatever rows are beside
+it, and `layers.linear` taking it for every row count or none, never where gradients are wanted."""
 
 from __future__ import annotations
 
@@ -47,9 +47,10 @@ def test_the_kernel_builds_where_it_can() -> None:
 @pytest.mark.parametrize("k", [1, 7, 8, 9, 63, 577])
 @pytest.mark.parametrize("n", [1, 3, 97])
 def test_the_kernel_gives_f_linear_values(k: int, n: int, gen: torch.Generator) -> None:
-    """Rows 0..17 and 40, inputs of every width around the 8-lane steps, odd output counts."""
+    """Rows 0..17 (the few-row tiling and the first blocked counts), 40 and 131 (blocks of 4 rows and
+    their remainders), inputs of every width around the 8-lane steps, odd output counts."""
     weight = torch.randn(n, k, generator=gen)
-    for rows in (*range(0, 18), 40):
+    for rows in (*range(0, 18), 40, 131):
         x = torch.randn(rows, k, generator=gen)
         got = cpu_linear.linear_rows(x, weight)
         assert got.shape == (rows, n) and got.dtype == torch.float32 and got.is_contiguous()
@@ -59,14 +60,17 @@ def test_the_kernel_gives_f_linear_values(k: int, n: int, gen: torch.Generator) 
 @needs_kernel
 @pytest.mark.parametrize("k", [9, 576, 1536])
 def test_each_row_is_the_same_bits_alone_or_beside_others(k: int, gen: torch.Generator) -> None:
-    """A row computed alone, in a window of 2-9 rows at any place in it, or among 17: the same bits (what
-    keeps a verify window's rows equal to decode rows)."""
+    """A row computed alone, in a window of 2-17 rows at any place in it, or among 64 or 203 (a prefill
+    chunk's blocked tiling, 4 rows x 3 weight rows, over ragged weight-row counts): the same bits (what
+    keeps a verify window's rows, and a decode row beside a prefill chunk, equal to plain decode rows)."""
     weight = torch.randn(200, k, generator=gen)
-    x = torch.randn(17, k, generator=gen)
-    alone = torch.cat([cpu_linear.linear_rows(x[r : r + 1].contiguous(), weight) for r in range(17)])
+    x = torch.randn(203, k, generator=gen)
+    alone = torch.cat([cpu_linear.linear_rows(x[r : r + 1].contiguous(), weight) for r in range(203)])
     assert torch.equal(cpu_linear.linear_rows(x, weight), alone)
-    for rows in range(2, 10):
-        for start in (0, 17 - rows):
+    assert torch.equal(cpu_linear.linear_rows(x[:64].contiguous(), weight), alone[:64])
+    assert torch.equal(cpu_linear.linear_rows(x[:, :].contiguous(), weight[:97].contiguous()), alone[:, :97])
+    for rows in range(2, 18):
+        for start in (0, 17 - rows, 150):
             window = cpu_linear.linear_rows(x[start : start + rows].contiguous(), weight)
             assert torch.equal(window, alone[start : start + rows]), (rows, start)
 
@@ -85,21 +89,24 @@ def _times(kernel: list[float], other: list[float]) -> list[dict[str, float]]:
     return [{KERNEL: k, ONEDNN: o, BY_LINEAR: 2 * o} for k, o in zip(kernel, other, strict=True)]
 
 
-def test_the_kernel_takes_a_prefix_of_row_counts() -> None:
-    """From one row on while within KERNEL_TOLERANCE of the best other path; a later win after a loss is
-    not taken; at one row it must clearly win."""
-    other = [1.0] * CPU_FEW_ROWS
-    ahead = [0.8, 0.9, 1.0, KERNEL_TOLERANCE * 0.99, 1.2, 0.5] + [0.5] * (CPU_FEW_ROWS - 6)
-    assert layers._kernel_rows(_times(ahead, other)) == 4
-    assert layers._kernel_rows(_times([0.5] * CPU_FEW_ROWS, other)) == CPU_FEW_ROWS
-    near = [CLEAR_WIN * 1.01] + [0.5] * (CPU_FEW_ROWS - 1)  # faster at one row, not clearly
-    assert layers._kernel_rows(_times(near, other)) == 0
+def test_the_kernel_takes_every_row_count_or_none() -> None:
+    """All or nothing: it must clearly win at one row and stay within KERNEL_TOLERANCE at every other
+    count (the last, a prefill chunk's, included); one count past that and no count takes it."""
+    other = [1.0] * (CPU_FEW_ROWS + 1)
+    assert layers._kernel_takes_all(_times([0.5] * (CPU_FEW_ROWS + 1), other))
+    within = [0.8] + [KERNEL_TOLERANCE * 0.99] * CPU_FEW_ROWS
+    assert layers._kernel_takes_all(_times(within, other))
+    for count in range(1, CPU_FEW_ROWS + 1):
+        slow = [0.5] * (CPU_FEW_ROWS + 1)
+        slow[count] = KERNEL_TOLERANCE * 1.01
+        assert not layers._kernel_takes_all(_times(slow, other)), count
+    near = [CLEAR_WIN * 1.01] + [0.5] * CPU_FEW_ROWS  # faster at one row, not clearly
+    assert not layers._kernel_takes_all(_times(near, other))
 
 
-def test_the_measured_choice_takes_the_kernel_for_its_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
-    """measure_cpu_linear_paths over fp32 weights with pass times set by a fake clock: the kernel for rows
-    1..m, after it the best other path even where the kernel would be faster again; prefill rows never
-    take it; the kernel is not timed for bf16 weights."""
+def _fake_measure(monkeypatch: pytest.MonkeyPatch, kernel_seconds) -> None:
+    """measure_cpu_linear_paths with pass times set by a fake clock: `kernel_seconds(rows)` per kernel
+    product, F.linear 1.0, the weight first 0.8, anything else 3.0."""
     for name in ("by_rows", "many_rows", "unpacked_by_rows", "unpacked_many_rows"):
         monkeypatch.setattr(CPU_LINEAR_PATHS, name, getattr(CPU_LINEAR_PATHS, name))
     monkeypatch.setattr(layers, "_PATHS_BY_DTYPE", {torch.float32: CPU_LINEAR_PATHS})
@@ -111,31 +118,47 @@ def test_the_measured_choice_takes_the_kernel_for_its_prefix(monkeypatch: pytest
     def product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> None:
         rows = flat.shape[0]
         if path == KERNEL:
-            assert rows <= CPU_FEW_ROWS, "the kernel timed for prefill rows"
-            clock[0] += 0.5 if rows <= 3 or rows >= 6 else 2.0  # ahead at 1-3 and again from 6
+            clock[0] += kernel_seconds(rows)
         else:
             clock[0] += {BY_LINEAR: 1.0, WEIGHT_FIRST: 0.8}.get(path, 3.0)
 
     monkeypatch.setattr(layers, "_product", product)
     monkeypatch.setattr(layers.time, "perf_counter", lambda: clock[0])
+
+
+def test_the_measured_choice_takes_the_kernel_for_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure_cpu_linear_paths over fp32 weights: a kernel ahead at every count takes every count, prefill
+    rows included; the unpacked choice (for gradients) stays the library's; bf16 weights never time it."""
+    _fake_measure(monkeypatch, lambda rows: 0.5)
     paths = measure_cpu_linear_paths(torch.nn.Linear(8, 16))
-    assert paths.by_rows == (KERNEL,) * 3 + (WEIGHT_FIRST,) * (CPU_FEW_ROWS - 3)
+    assert paths.by_rows == (KERNEL,) * CPU_FEW_ROWS and paths.many_rows == KERNEL
     assert paths.unpacked_by_rows == (BY_LINEAR,) + (WEIGHT_FIRST,) * (CPU_FEW_ROWS - 1)
-    assert paths.many_rows == BY_LINEAR
+    assert paths.unpacked_many_rows == BY_LINEAR
     bf16 = measure_cpu_linear_paths(torch.nn.Linear(8, 16).to(torch.bfloat16))
-    assert KERNEL not in bf16.by_rows
+    assert KERNEL not in (*bf16.by_rows, bf16.many_rows)
+
+
+def test_a_kernel_slow_at_prefill_takes_no_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ahead at every few-row count but slow for a prefill chunk: not taken anywhere (never for a range of
+    counts), the library's best per count instead."""
+    _fake_measure(monkeypatch, lambda rows: 0.5 if rows <= CPU_FEW_ROWS else 2.0)
+    paths = measure_cpu_linear_paths(torch.nn.Linear(8, 16))
+    assert KERNEL not in (*paths.by_rows, paths.many_rows)
+    assert paths.by_rows == (BY_LINEAR,) + (WEIGHT_FIRST,) * (CPU_FEW_ROWS - 1)
+    assert paths.many_rows == BY_LINEAR
 
 
 @needs_kernel
 def test_linear_takes_the_kernel_and_leaves_it_where_gradients_are_wanted(
     monkeypatch: pytest.MonkeyPatch, gen: torch.Generator
 ) -> None:
-    """With the kernel chosen for every few-row count: `linear` gives F.linear's values through it (3-D and
-    strided inputs too); an input or a weight that wants gradients takes the unpacked choice, and the
-    gradients flow."""
+    """With the kernel chosen for every row count: `linear` gives F.linear's values through it (3-D and
+    strided inputs, and prefill rows, too); an input or a weight that wants gradients takes the unpacked
+    choice, and the gradients flow."""
     for name in ("by_rows", "many_rows", "unpacked_by_rows", "unpacked_many_rows"):
         monkeypatch.setattr(CPU_LINEAR_PATHS, name, getattr(CPU_LINEAR_PATHS, name))
     monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", (KERNEL,) * CPU_FEW_ROWS)
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "many_rows", KERNEL)
     monkeypatch.setattr(CPU_LINEAR_PATHS, "unpacked_by_rows", (WEIGHT_FIRST,) * CPU_FEW_ROWS)
     taken: list[str] = []
     real = layers._product
@@ -145,7 +168,9 @@ def test_linear_takes_the_kernel_and_leaves_it_where_gradients_are_wanted(
         torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
     strided = torch.randn(64, 5, generator=gen).t()
     torch.testing.assert_close(linear(strided, weight), F.linear(strided, weight), rtol=1e-5, atol=1e-5)
-    assert taken == [KERNEL] * 3
+    prefill = torch.randn(CPU_FEW_ROWS + 21, 64, generator=gen)
+    torch.testing.assert_close(linear(prefill, weight), F.linear(prefill, weight), rtol=1e-5, atol=1e-5)
+    assert taken == [KERNEL] * 4
     taken.clear()
     wanting = torch.randn(2, 64, generator=gen).requires_grad_()
     linear(wanting, weight).sum().backward()

@@ -24,11 +24,11 @@ def test_the_paths_table_covers_every_row_count(tiny_target_dir, capsys, monkeyp
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in lines if line.split() and line.split()[0].isdigit()]
     assert [int(row[0]) for row in rows] == [*range(1, CPU_FEW_ROWS + 1), MANY_ROWS]
-    # The candidates of each row count (the packed paths too where torch has them), and the ratio.
+    # The candidates of each row count (the packed paths too where torch has them, the CPU kernel at
+    # every count where it runs), and the ratio.
     packed = tuple(path for path in layers.COPY_ATTRIBUTE if layers.packs_on_this_cpu(path))
     kernel = (layers.KERNEL,) if layers.kernel_here() else ()
     for row in rows:
-        few = kernel if int(row[0]) <= CPU_FEW_ROWS else ()
-        assert len(row) == len(layers.candidates(int(row[0]), packed + few)) + 2, row
+        assert len(row) == len(layers.candidates(int(row[0]), packed + kernel)) + 2, row
     (measured,) = [line for line in lines if line.startswith("measured at load")]
     assert measured.split(": ", 1)[1] == CPU_LINEAR_PATHS.describe()

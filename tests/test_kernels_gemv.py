@@ -125,15 +125,23 @@ def test_ops_sends_cpu_tensors_and_gradients_to_the_reference(gen):
 @gpu_only
 def test_a_gpu_projection_takes_the_kernel_for_a_few_rows_only(gen):
     """layers.linear on a GPU: the kernel's result for 1..FEW_ROWS rows of half precision within the
-    widest measured weight, cuBLAS's (F.linear) otherwise: more rows, a bias, fp32, an LM head."""
+    widest measured weight (up to SMALL_WEIGHT_ROWS rows of a small weight), cuBLAS's (F.linear)
+    otherwise: more rows, a bias, fp32, an LM head."""
     from dspark.runner.models.layers import linear
 
     weight = parity.randn((96, 64), torch.bfloat16, DEVICE, gen)
-    for rows in (1, ops.FEW_ROWS):
+    for rows in (1, ops.FEW_ROWS, ops.FEW_ROWS + 1, ops.SMALL_WEIGHT_ROWS):
         x = parity.randn((rows, 64), torch.bfloat16, DEVICE, gen)
-        assert torch.equal(linear(x, weight), KERNELS.gemv.gemv(x, weight))
-    more = parity.randn((ops.FEW_ROWS + 1, 64), torch.bfloat16, DEVICE, gen)
+        assert torch.equal(linear(x, weight), KERNELS.gemv.gemv(x, weight)), rows
+    more = parity.randn((ops.SMALL_WEIGHT_ROWS + 1, 64), torch.bfloat16, DEVICE, gen)
     assert torch.equal(linear(more, weight), F.linear(more, weight))
+    # One element past a small weight: the kernel for FEW_ROWS rows, cuBLAS past them.
+    inputs = ops.SMALL_WEIGHT_MAX_ELEMENTS // 1024 + 1
+    large = parity.randn((1024, inputs), torch.bfloat16, DEVICE, gen)
+    x = parity.randn((ops.FEW_ROWS, inputs), torch.bfloat16, DEVICE, gen)
+    assert torch.equal(linear(x, large), KERNELS.gemv.gemv(x, large))
+    x = parity.randn((ops.FEW_ROWS + 1, inputs), torch.bfloat16, DEVICE, gen)
+    assert torch.equal(linear(x, large), F.linear(x, large))
     x = parity.randn((2, 64), torch.bfloat16, DEVICE, gen)
     bias = parity.randn((96,), torch.bfloat16, DEVICE, gen)
     assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
@@ -219,8 +227,8 @@ def test_a_gpu_gate_up_projection_takes_the_epilogue_for_a_few_rows_only(gen):
         DEVICE, torch.bfloat16
     )
     proj.weight.data = parity.randn((96, 64), torch.bfloat16, DEVICE, gen) / 4
-    for rows in (1, ops.FEW_ROWS):
+    for rows in (1, ops.FEW_ROWS, ops.SMALL_WEIGHT_ROWS):
         x = parity.randn((rows, 64), torch.bfloat16, DEVICE, gen)
         assert torch.equal(proj.forward_silu_mul(x), KERNELS.gemv.silu_mul_gemv(x, proj.weight))
-    more = parity.randn((ops.FEW_ROWS + 1, 64), torch.bfloat16, DEVICE, gen)
+    more = parity.randn((ops.SMALL_WEIGHT_ROWS + 1, 64), torch.bfloat16, DEVICE, gen)
     assert torch.equal(proj.forward_silu_mul(more), ops.silu_mul(F.linear(more, proj.weight)))

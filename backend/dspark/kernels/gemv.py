@@ -143,7 +143,9 @@ def _launch(
         block_m = max(16, triton.next_power_of_2(rows.shape[0]))
         tile_bytes = (block_m + block_n * (2 if silu_mul else 1)) * block_k * x.element_size()
         room = shared_memory_bytes(x.device) - (8 << 10)
-        num_stages = max(1, min(config.num_stages, 1 + room // tile_bytes))
+        # Past one 16-row tile the epilogue's layout buffers grow with the accumulator (on an H100 at 64
+        # rows: 48 KiB beside three stages, over the limit with one tile of room): one stage's room kept.
+        num_stages = max(1, min(config.num_stages, (0 if block_m > 16 else 1) + room // tile_bytes))
         pdl = dependent_launch(x.device)  # see common.DEPENDENT_LAUNCH
         _gemv_kernel[(triton.cdiv(n, block_n),)](
             rows,

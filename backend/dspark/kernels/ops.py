@@ -43,23 +43,32 @@ def rms_norm(
 # SmolLM2 shapes on an H200 (bf16; 24576 outputs: the 8B gate_up, at parity). 9-16 rows run the very
 # program 1-8 rows run (x padded to one 16-row tile for the tensor cores: the same loads of W, the same
 # products), so they cost what 8 rows cost, while cuBLAS at 16 rows costs what it costs at 8 (the 8B step
-# at 8 requests, session 28: 5.81 ms at 2 rows a request against 5.90 at 1). That is a verify window of
-# two at 8 requests, which took cuBLAS at 8 and paid ~0.4 ms a step more than plain decoding on an H100
-# (session 53). Past 16 rows the kernel runs bigger tiles, unmeasured: cuBLAS. The LM heads (49152
-# and 151936 outputs) stay with cuBLAS, which reads them at the copy bandwidth already.
+# at 8 requests, session 28: 5.81 ms at 2 rows a request against 5.90 at 1). On an H100 (session 56,
+# SmolLM2, the shipped drafter, side by side with FEW_ROWS 8) plain decoding at 16 requests ran 1.28x.
+# The LM heads (49152 and 151936 outputs) stay with cuBLAS, which reads them at the copy bandwidth
+# already.
 FEW_ROWS = 16
 FEW_ROWS_MAX_OUTPUTS = 24576
+# A small weight takes the kernel up to SMALL_WEIGHT_ROWS rows (its 32- and 64-row tiles): there cuBLAS
+# pays its fixed cost on a product that reads little. On an H100 (session 56, SmolLM2: every target
+# projection at most 1.8M elements, side by side against FEW_ROWS for all) plain decoding at 64 requests
+# ran 1.19x, `static` at 8 and 16 requests 1.20x and 1.17x (verify windows of 32 and 64 rows), greedy
+# output identical. A Qwen3-8B projection (4.2M-50M elements) keeps cuBLAS past FEW_ROWS: unmeasured.
+SMALL_WEIGHT_ROWS = 64
+SMALL_WEIGHT_MAX_ELEMENTS = 1 << 21
 
 
 def takes_few_rows(rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the skinny-product kernel takes `rows` rows of x times weight: half-precision CUDA
-    tensors of one dtype, at most FEW_ROWS rows and FEW_ROWS_MAX_OUTPUTS weight rows, no gradient
-    wanted (fp32 stays with cuBLAS: the kernel was not measured there)."""
+    tensors of one dtype, at most FEW_ROWS rows (SMALL_WEIGHT_ROWS for a weight of at most
+    SMALL_WEIGHT_MAX_ELEMENTS) and FEW_ROWS_MAX_OUTPUTS weight rows, no gradient wanted (fp32 stays with
+    cuBLAS: the kernel was not measured there)."""
+    if rows > FEW_ROWS and (rows > SMALL_WEIGHT_ROWS or weight.numel() > SMALL_WEIGHT_MAX_ELEMENTS):
+        return False
     return (
         _on_gpu(x, weight)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
-        and rows <= FEW_ROWS
         and weight.shape[0] <= FEW_ROWS_MAX_OUTPUTS
     )
 

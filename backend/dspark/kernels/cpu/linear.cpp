@@ -1,20 +1,30 @@
-// y = x W^T for a few rows of x in fp32 on an x86-64 CPU with AVX2 and FMA (see linear.py).
+// y = x W^T in fp32 on an x86-64 CPU with AVX2 and FMA, for any number of rows of x (see linear.py).
 //
 // Each output y[r, j] is one sum in one order, whatever rows or columns are computed beside it: eight
 // lanes accumulate x[r, k] * W[j, k] over k in steps of 8 (fused multiply-adds), the lanes are added in a
-// fixed tree, then the last k % 8 products in order. So a row's result is the same bits alone or in a
-// verify window, which keeps speculative greedy decoding token-identical to plain decoding.
+// fixed tree, then the last k % 8 products in order. Every tiling below keeps that order, so a row's
+// result is the same bits alone, in a verify window or in a prefill chunk of hundreds of rows, which keeps
+// speculative greedy decoding token-identical to plain decoding whatever the step's shape.
 //
-// A decode step's projections stream their weights: each weight row is read once from memory and
-// multiplied against the rows of x, eight (then four, then the rest) at a time, one accumulator register
-// each (8 rows: a pass over SmolLM2's weights 27.9 ms against 32.0 four at a time; session 55).
+// Two tilings, chosen by the row count only (never changing a sum):
+// - up to FEW_ROWS rows (a decode step, a verify window): the weights stream from memory, each weight row
+//   read once and multiplied against the rows of x eight (then four, then the rest) at a time (8 rows: a
+//   pass over SmolLM2's weights 27.9 ms against 32.0 four at a time; session 55);
+// - more rows (prefill, big batches): compute decides, so tiles of 4 rows x 3 weight rows (12
+//   accumulators: 7 loads per 12 multiply-adds) over blocks of BLOCK_COLS weight rows that stay in cache
+//   while every row of x passes them (a pass over SmolLM2 at 64 / 256 rows: 119 / 462 ms, oneDNN's 128 /
+//   455, the unblocked tiling's 212 / 1114; session 56).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace {
+
+constexpr int64_t FEW_ROWS = 12;
+constexpr int64_t BLOCK_COLS = 48;
 
 inline float lane_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -23,20 +33,66 @@ inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// G rows of x (row stride k) against one weight row w: y[r * ldy] for r < G.
-template <int G>
-inline void rows_dot(const float* x, const float* w, int64_t k, float* y, int64_t ldy) {
-  __m256 acc[G];
-  for (int r = 0; r < G; ++r) acc[r] = _mm256_setzero_ps();
+// RM rows of x (row stride k) against RN weight rows (row stride k): y[r * ldy + c] for r < RM, c < RN.
+template <int RM, int RN>
+inline void tile(const float* x, const float* w, int64_t k, float* y, int64_t ldy) {
+  __m256 acc[RM][RN];
+  for (int r = 0; r < RM; ++r)
+    for (int c = 0; c < RN; ++c) acc[r][c] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= k; i += 8) {
-    const __m256 wv = _mm256_loadu_ps(w + i);
-    for (int r = 0; r < G; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + i), wv, acc[r]);
+    __m256 wv[RN];
+    for (int c = 0; c < RN; ++c) wv[c] = _mm256_loadu_ps(w + c * k + i);
+    for (int r = 0; r < RM; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * k + i);
+      for (int c = 0; c < RN; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
   }
-  for (int r = 0; r < G; ++r) {
-    float s = lane_sum(acc[r]);
-    for (int64_t t = i; t < k; ++t) s = std::fma(x[r * k + t], w[t], s);
-    y[r * ldy] = s;
+  for (int r = 0; r < RM; ++r)
+    for (int c = 0; c < RN; ++c) {
+      float s = lane_sum(acc[r][c]);
+      for (int64_t t = i; t < k; ++t) s = std::fma(x[r * k + t], w[c * k + t], s);
+      y[r * ldy + c] = s;
+    }
+}
+
+// RM rows of x against weight rows [0, cols): RN at a time, then one at a time.
+template <int RM, int RN>
+inline void rows_by_cols(const float* x, const float* w, int64_t k, float* y, int64_t ldy, int64_t cols) {
+  int64_t c = 0;
+  for (; c + RN <= cols; c += RN) tile<RM, RN>(x, w + c * k, k, y + c, ldy);
+  for (; c < cols; ++c) tile<RM, 1>(x, w + c * k, k, y + c, ldy);
+}
+
+// Every row of x against weight rows [0, cols) (a block that stays in cache): RM rows at a time, then the
+// rest.
+template <int RM, int RN>
+inline void all_rows(const float* x, int64_t rows, const float* w, int64_t k, float* y, int64_t ldy,
+                     int64_t cols) {
+  int64_t r = 0;
+  for (; r + RM <= rows; r += RM) rows_by_cols<RM, RN>(x + r * k, w, k, y + r * ldy, ldy, cols);
+  switch (rows - r) {
+    case 3: rows_by_cols<3, RN>(x + r * k, w, k, y + r * ldy, ldy, cols); break;
+    case 2: rows_by_cols<2, RN>(x + r * k, w, k, y + r * ldy, ldy, cols); break;
+    case 1: rows_by_cols<1, RN>(x + r * k, w, k, y + r * ldy, ldy, cols); break;
+    default: break;
+  }
+}
+
+// Few rows: each weight row read once, against every row of x (eight, then four, then the rest at a time).
+inline void few_rows(const float* x, int64_t rows, const float* w, int64_t k, float* y, int64_t ldy,
+                     int64_t cols) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const float* w_row = w + c * k;
+    int64_t r = 0;
+    for (; r + 8 <= rows; r += 8) tile<8, 1>(x + r * k, w_row, k, y + r * ldy + c, ldy);
+    for (; r + 4 <= rows; r += 4) tile<4, 1>(x + r * k, w_row, k, y + r * ldy + c, ldy);
+    switch (rows - r) {
+      case 3: tile<3, 1>(x + r * k, w_row, k, y + r * ldy + c, ldy); break;
+      case 2: tile<2, 1>(x + r * k, w_row, k, y + r * ldy + c, ldy); break;
+      case 1: tile<1, 1>(x + r * k, w_row, k, y + r * ldy + c, ldy); break;
+      default: break;
+    }
   }
 }
 
@@ -54,17 +110,12 @@ torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& w) {
   float* yp = y.data_ptr<float>();
   // Torch's own thread pool splits the weight rows (the same threads as every other op of the step).
   at::parallel_for(0, n, 64, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      const float* w_row = wp + j * k;
-      int64_t r = 0;
-      for (; r + 8 <= rows; r += 8) rows_dot<8>(xp + r * k, w_row, k, yp + r * n + j, n);
-      for (; r + 4 <= rows; r += 4) rows_dot<4>(xp + r * k, w_row, k, yp + r * n + j, n);
-      switch (rows - r) {
-        case 3: rows_dot<3>(xp + r * k, w_row, k, yp + r * n + j, n); break;
-        case 2: rows_dot<2>(xp + r * k, w_row, k, yp + r * n + j, n); break;
-        case 1: rows_dot<1>(xp + r * k, w_row, k, yp + r * n + j, n); break;
-        default: break;
-      }
+    if (rows <= FEW_ROWS) {
+      few_rows(xp, rows, wp + j0 * k, k, yp + j0, n, j1 - j0);
+      return;
+    }
+    for (int64_t jb = j0; jb < j1; jb += BLOCK_COLS) {
+      all_rows<4, 3>(xp, rows, wp + jb * k, k, yp + jb, n, std::min(BLOCK_COLS, j1 - jb));
     }
   });
   return y;

@@ -53,15 +53,17 @@ COPY_SIZE = {ONEDNN: 1.1, PACKED: 2.5}
 # AMD EPYC with AVX512-BF16, ran a pass over SmolLM2's weights in 8.5-10.3 ms at 1-8 rows (fp32's:
 # 18.5-24 ms; bf16 F.linear's 12-14 ms; two runs).
 PACKED_DTYPES = {ONEDNN: (torch.float32, torch.bfloat16), PACKED: (torch.float32,)}
-# The few-row kernel (`dspark.kernels.cpu.linear`, built on this machine where it can be): fp32, no
-# gradients, no copy. Each output is one sum in one order whatever rows are beside it, and it is taken
-# for the row counts 1..m only (`_kernel_rows`), so a decode row and the verify window's rows of one
-# request get the same bits. On a 2-core AMD EPYC without AVX-512 a pass over SmolLM2's weights took
-# 16.1 / 18.7 ms at 1 / 4 rows against oneDNN's 19.3 / 26.2 (session 55).
+# The CPU kernel (`dspark.kernels.cpu.linear`, built on this machine where it can be): fp32, no gradients,
+# no copy. Each output is one sum in one order whatever rows are beside it, and it takes every row count
+# or none (`_kernel_takes_all`): a row's bits then never depend on the step it runs in (one request alone,
+# a verify window, a batch, a prefill chunk beside it), so speculative greedy output equals plain decoding's
+# by construction, not only where no near-tie meets a different sum. On a 2-core AMD EPYC without AVX-512
+# a pass over SmolLM2's weights took 17.6 / 19.9 / 119 ms at 1 / 4 / 64 rows against oneDNN's 21.6 /
+# 30.0 / 128 (session 56).
 KERNEL = "kernel"
-# The kernel keeps a row count while its pass takes at most this share of the fastest other path's
-# (at one row it must clearly win: CLEAR_WIN).
-KERNEL_TOLERANCE = 1.05
+# The kernel is taken if it clearly wins at one row (CLEAR_WIN) and at no row count measured takes more
+# than this share of the fastest other path's time (a prefill chunk's included).
+KERNEL_TOLERANCE = 1.15
 CANDIDATES = {1: (BY_LINEAR, AS_TWO_ROWS)}  # by row count; the rest: (BY_LINEAR, WEIGHT_FIRST)
 # The packed copies may take at most this share of the memory available when they are made.
 PACKED_MEMORY_SHARE = 0.25
@@ -255,9 +257,9 @@ def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> CpuLinearPat
     (`cpu_linear_paths`) and return it (F.linear unless another path
     clearly wins: CLEAR_WIN). Only candidates within CLEAR_LOSS of the best are timed again; a model of
     the same weight shapes measured before in this process takes that choice (its packed copies made
-    again where they fit, else the fastest unpacked path). fp32 weights also time the few-row kernel
-    where it runs here (`kernel_here`), kept for the row counts `_kernel_rows` allows. A no-op returning
-    the current choice off the CPU."""
+    again where they fit, else the fastest unpacked path). fp32 weights also time the CPU kernel where
+    it runs here (`kernel_here`), taken for every row count or none (`_kernel_takes_all`; the packed
+    copies are then dropped). A no-op returning the current choice off the CPU."""
     weights = [p for p in module.parameters() if p.dim() == 2 and p.device.type == "cpu"]
     if not weights:
         return CPU_LINEAR_PATHS
@@ -297,7 +299,7 @@ def _without(paths: CpuLinearPaths, missing: set[str]) -> CpuLinearPaths:
 
 
 def kernel_here() -> bool:
-    """Whether the few-row kernel runs on this machine (built on the first ask)."""
+    """Whether the CPU kernel runs on this machine (built on the first ask)."""
     return cpu_linear.available()
 
 
@@ -305,31 +307,27 @@ def _measure(
     weights: list[torch.Tensor], rounds: int, packed: tuple[str, ...], kernel: tuple[str, ...] = ()
 ) -> CpuLinearPaths:
     """Every row count's fastest path, and fastest unpacked path, over `weights` (`kernel`: (KERNEL,)
-    to time the few-row kernel too, kept for the row counts `_kernel_rows` allows)."""
+    to time the kernel too, then taken for every row count or none: `_kernel_takes_all`)."""
     few = [_fastest(weights, rows, rounds, packed + kernel) for rows in range(1, CPU_FEW_ROWS + 1)]
-    many = _fastest(weights, MANY_ROWS, rounds, packed)
-    by_rows = tuple(best for best, _, _ in few)
-    if kernel:
-        kernel_rows = _kernel_rows([times for _, _, times in few])
-        by_rows = tuple(
-            KERNEL if rows <= kernel_rows else _clear_winner(times, set(candidates(rows, packed)))
-            for rows, (_, _, times) in enumerate(few, 1)
-        )
-    return CpuLinearPaths(by_rows, many[0], tuple(unpacked for _, unpacked, _ in few), many[1])
+    many = _fastest(weights, MANY_ROWS, rounds, packed + kernel)
+    unpacked_by_rows = tuple(unpacked for _, unpacked, _ in few)
+    if kernel and _kernel_takes_all([times for _, _, times in (*few, many)]):
+        return CpuLinearPaths((KERNEL,) * CPU_FEW_ROWS, KERNEL, unpacked_by_rows, many[1])
+    without = [_clear_winner(times, set(times) - {KERNEL}) for _, _, times in (*few, many)]
+    return CpuLinearPaths(tuple(without[:-1]), without[-1], unpacked_by_rows, many[1])
 
 
-def _kernel_rows(times_by_rows: list[dict[str, float]]) -> int:
-    """The row counts 1..m the few-row kernel takes (0: none): from one row on, while its pass is within
-    KERNEL_TOLERANCE of the fastest other path's (at one row it must clearly win, CLEAR_WIN). A prefix,
-    not every count where it wins: a request's decode row and its verify window's rows then take the
-    same kernel and sum each output the same way."""
-    taken = 0
-    for rows, times in enumerate(times_by_rows, 1):
+def _kernel_takes_all(times_by_count: list[dict[str, float]]) -> bool:
+    """Whether the kernel takes every row count: it clearly wins at one row (CLEAR_WIN; the first entry)
+    and at every count measured (a prefill chunk's too) stays within KERNEL_TOLERANCE of the fastest
+    other path. All or nothing, never a range of counts: with the kernel for some counts and a library
+    product for others, a row's bits would depend on how many rows its step has, and a verify window
+    could then differ from plain decoding on a near-tie."""
+    for index, times in enumerate(times_by_count):
         others = min(t for path, t in times.items() if path != KERNEL)
-        if times[KERNEL] > (CLEAR_WIN if rows == 1 else KERNEL_TOLERANCE) * others:
-            break
-        taken = rows
-    return taken
+        if times[KERNEL] > (CLEAR_WIN if index == 0 else KERNEL_TOLERANCE) * others:
+            return False
+    return bool(times_by_count)
 
 
 def pass_inputs(weights: list[torch.Tensor], rows: int) -> dict[int, torch.Tensor]:
