@@ -79,7 +79,7 @@ _DEVICE_WAIT = re.compile(r"^(Event|Stream|Context|Device) (Sync|Wait)")
 _GEMM_MARKS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "wgmma", "dot_kernel", "matmul")
 _SAMPLING_MARKS = ("argmax", "argmin", "softmax", "topk", "sampl", "accept", "_race_", "multinomial")
 # CPU ops: ATen's products, MKL's packed GEMM and oneDNN's (`layers.PACKED`, `layers.ONEDNN`: a linear's
-# paths on an x86 CPU), and the few-row kernel's scope (`layers.KERNEL`, named while a profiler runs).
+# paths on an x86 CPU), and the CPU kernel's scope (`layers.KERNEL`, named while a profiler runs).
 _CPU_GEMM_OPS = (
     "aten::mm",
     "aten::addmm",

@@ -28,9 +28,11 @@
 #   V=warm-anchor OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh keep   carry [".carry/c4"] (~20 s, right after warm)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh gate128   carry [".carry/c4"]      (~330 s; session 52)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh rows   no carry, nothing parked   (~500 s; sessions 54-55)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s57   carry [".carry/c4"] after parking g01, g2 (~400 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh data-train   carry [".carry/c4", ".carry/distill"]
 #     (~530 s; parked: .carry/g01 then .carry/g2, the GGUF alone, with drafters/, benchmarks/results/ and
-#     training/prompts_train.jsonl moved aside meanwhile and back for this call)
+#     training/prompts_train.jsonl moved aside meanwhile; drafters/ and the prompts back for this call,
+#     benchmarks/results/ only as this script (since session 56 the tree with it and c4 is over 64 MiB))
 #
 # tests: the GPU tests, big-memory tests and the serving tests through tritonserver at HEAD (nothing after
 #   83f678b has run on a GPU: the gate's median step times, the frozen startup heaps, session 36's
@@ -407,6 +409,23 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
       --sustained 4 --sustained-spread 0.5 --repeats 2 --no-peer ${DRAFT:+--draft-model $DRAFT} \
       --out "$OUT/e2e-spread.json" > "$OUT/e2e-spread.log" 2>&1
     echo "e2e: exit $?"; grep -A30 "^| batch" "$OUT/e2e-spread.log" | grep -v "^{" | head -50
+    ;;
+  s57)
+    # Session 56 left two questions (no carry for part 2; part 1 needs the GGUF: carry [".carry/c4"] after
+    # parking .carry/g01 and .carry/g2, ~400 s in all):
+    # 1. At 64 requests the serve default ran 0.91x plain on an H100: its gate timed its own plain steps at
+    #    1.04 ms against the plain engine's 0.87. The device kernels of a plain step in each engine
+    #    (`gated-plain`: the serve default's engine held at plain steps), side by side.
+    # 2. Does a Qwen3-8B projection gain from the skinny-product kernel at 17-64 rows, as SmolLM2's did
+    #    (ops.SMALL_WEIGHT_ROWS keeps 8B weights with cuBLAS past 16 rows, unmeasured)?
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    (cd benchmarks && timeout 150 python3 profile_host.py --device cuda --batch 64 --max-tokens 128 \
+      --modes off,gated-plain --kernels --decode-burst 4 --top 40 --out "$OUT/kernels-b64" > "$OUT/kernels-b64.log" 2>&1)
+    echo "kernels b64: exit $?"; head -4 "$OUT"/kernels-b64/*.txt
+    timeout 200 python3 benchmarks/gpu_e2e.py --parts step --shape qwen3-8b --work /tmp/s57 --out "$OUT/step8b" \
+      --step-batches 8,16 --step-windows 2,4 --kernel-paths gemv,gemv64,cublas --context 1024 --repeats 10 \
+      > "$OUT/step8b.log" 2>&1
+    echo "step 8b: exit $?"; grep -A16 "^| batch" "$OUT/step8b/results.md" 2>/dev/null | head -18
     ;;
   data-train)
     # Both in one call (a machine may not stay warm between two): ~530 s with the defaults below.
