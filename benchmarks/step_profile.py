@@ -79,7 +79,7 @@ _DEVICE_WAIT = re.compile(r"^(Event|Stream|Context|Device) (Sync|Wait)")
 _GEMM_MARKS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "wgmma", "dot_kernel", "matmul")
 _SAMPLING_MARKS = ("argmax", "argmin", "softmax", "topk", "sampl", "accept", "_race_", "multinomial")
 # CPU ops: ATen's products, MKL's packed GEMM and oneDNN's (`layers.PACKED`, `layers.ONEDNN`: a linear's
-# paths on an x86 CPU), and the CPU kernel's scope (`layers.KERNEL`, named while a profiler runs).
+# paths on an x86 CPU), and the CPU kernel's scopes (`layers.KERNEL`, named while a profiler runs).
 _CPU_GEMM_OPS = (
     "aten::mm",
     "aten::addmm",
@@ -90,6 +90,7 @@ _CPU_GEMM_OPS = (
     "mkl::_mkl_linear",
     "mkldnn::_linear_pointwise",
     "cpu_kernel::linear_rows",
+    "cpu_kernel::silu_mul_rows",  # the gate/up product with SwiGLU in its epilogue
 )
 _CPU_COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::fill_", "aten::zero_")
 

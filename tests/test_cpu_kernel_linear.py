@@ -230,3 +230,101 @@ def test_no_extension_builder_leaves_the_library(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(cpu_linear, "why_not", lambda: None)
     monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", None)  # import raises ImportError
     assert not cpu_linear.available()
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [1, 9, 577])
+@pytest.mark.parametrize("n", [1, 13, 200])
+def test_silu_mul_rows_is_the_product_then_swiglu(k: int, n: int, gen: torch.Generator) -> None:
+    """The gate/up product with SwiGLU in its epilogue: silu(x Wg^T) * (x Wu^T) of `linear_rows`' own
+    products within fp32 rounding, at every tiling's row counts, odd widths (the epilogue's tail)."""
+    weight = torch.randn(2 * n, k, generator=gen) / k**0.5
+    for rows in (0, 1, 3, 8, 12, 13, 17, 131):
+        x = torch.randn(rows, k, generator=gen) * 3
+        got = cpu_linear.silu_mul_rows(x, weight)
+        gate, up = cpu_linear.linear_rows(x, weight).chunk(2, dim=-1)
+        assert got.shape == (rows, n) and got.is_contiguous()
+        torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-6, msg=f"{rows}x{k}x{n}")
+
+
+@needs_kernel
+def test_silu_mul_rows_of_a_row_are_the_same_bits_alone_or_beside_others(gen: torch.Generator) -> None:
+    weight = torch.randn(2 * 1536, 576, generator=gen) / 24
+    x = torch.randn(70, 576, generator=gen)
+    alone = torch.cat([cpu_linear.silu_mul_rows(x[r : r + 1].contiguous(), weight) for r in range(70)])
+    for rows in (2, 4, 13, 70):
+        assert torch.equal(cpu_linear.silu_mul_rows(x[:rows].contiguous(), weight), alone[:rows]), rows
+    # Far outside the exponential's range: saturates like silu (x for large x, -0 for very negative x).
+    extreme = torch.tensor([[-200.0, -90.0, -1.0, 0.0, 1.0, 90.0, 200.0, 3.0, 5.0]])
+    eye = torch.cat([torch.eye(9), torch.eye(9)])
+    torch.testing.assert_close(cpu_linear.silu_mul_rows(extreme, eye), F.silu(extreme) * extreme)
+    with pytest.raises(RuntimeError, match="gate rows then as many up rows"):
+        cpu_linear.silu_mul_rows(torch.randn(2, 8), torch.randn(5, 8))
+
+
+@needs_kernel
+@pytest.mark.parametrize("h", [1, 7, 8, 9, 576, 577])
+def test_rms_norm_rows_is_torchs_rms_norm(h: int, gen: torch.Generator) -> None:
+    """With and without the residual: F.rms_norm's values (of x + residual, which comes back exactly), for
+    one row, a few and more than one thread's share (64)."""
+    weight = torch.randn(h, generator=gen)
+    for rows in (0, 1, 4, 17, 130):
+        x, residual = torch.randn(rows, h, generator=gen), torch.randn(rows, h, generator=gen)
+        normed, summed = cpu_linear.rms_norm_rows(x, weight, 1e-5, residual)
+        assert torch.equal(summed, x + residual)
+        expected = F.rms_norm(x + residual, (h,), weight, 1e-5)
+        torch.testing.assert_close(normed, expected, rtol=1e-5, atol=1e-5)
+        normed, none = cpu_linear.rms_norm_rows(x, weight, 1e-5)
+        assert none is None
+        torch.testing.assert_close(normed, F.rms_norm(x, (h,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_rms_norm_rows_of_a_row_are_the_same_bits_alone_or_beside_others(gen: torch.Generator) -> None:
+    weight = torch.randn(576, generator=gen)
+    x, residual = torch.randn(130, 576, generator=gen), torch.randn(130, 576, generator=gen)
+    every = cpu_linear.rms_norm_rows(x, weight, 1e-6, residual)[0]
+    for r in (0, 5, 64, 129):
+        alone = cpu_linear.rms_norm_rows(
+            x[r : r + 1].contiguous(), weight, 1e-6, residual[r : r + 1].contiguous()
+        )
+        assert torch.equal(alone[0], every[r : r + 1]), r
+
+
+@needs_kernel
+def test_cpu_norms_and_gate_up_projections_take_the_extension(
+    monkeypatch: pytest.MonkeyPatch, gen: torch.Generator
+) -> None:
+    """ops.rms_norm takes the C++ norm for fp32 CPU tensors (3-D too) and the reference where gradients
+    are wanted or the dtype is not fp32; a gate/up projection takes the fused epilogue where `linear` takes
+    the kernel for its rows, the product then silu_mul where it does not."""
+    from dspark.kernels import ops
+
+    calls: list[str] = []
+    real_norm, real_silu = cpu_linear.rms_norm_rows, cpu_linear.silu_mul_rows
+    monkeypatch.setattr(cpu_linear, "rms_norm_rows", lambda *a: calls.append("norm") or real_norm(*a))
+    monkeypatch.setattr(cpu_linear, "silu_mul_rows", lambda *a: calls.append("silu_mul") or real_silu(*a))
+    x, residual, weight = (
+        torch.randn(2, 3, 64, generator=gen),
+        torch.randn(2, 3, 64, generator=gen),
+        torch.randn(64),
+    )
+    normed, summed = ops.rms_norm(x, weight, 1e-6, residual)
+    assert calls == ["norm"] and summed.shape == x.shape and torch.equal(summed, x + residual)
+    torch.testing.assert_close(normed, F.rms_norm(x + residual, (64,), weight, 1e-6), rtol=1e-5, atol=1e-5)
+    calls.clear()
+    ops.rms_norm(x.clone().requires_grad_(), weight, 1e-6)
+    ops.rms_norm(x.double(), weight.double(), 1e-6)
+    assert calls == []
+
+    for name in ("by_rows", "many_rows", "unpacked_by_rows", "unpacked_many_rows"):
+        monkeypatch.setattr(CPU_LINEAR_PATHS, name, getattr(CPU_LINEAR_PATHS, name))
+    gate_up = torch.randn(2 * 48, 64, generator=gen) / 8
+    expected = F.silu(F.linear(x, gate_up[:48])) * F.linear(x, gate_up[48:])
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", (KERNEL,) * CPU_FEW_ROWS)
+    torch.testing.assert_close(layers.silu_mul_linear(x, gate_up), expected, rtol=1e-5, atol=1e-5)
+    assert calls == ["silu_mul"]
+    calls.clear()
+    monkeypatch.setattr(CPU_LINEAR_PATHS, "by_rows", (BY_LINEAR,) * CPU_FEW_ROWS)
+    torch.testing.assert_close(layers.silu_mul_linear(x, gate_up), expected, rtol=1e-5, atol=1e-5)
+    assert calls == []

@@ -1,7 +1,8 @@
 """The ops the engine calls. Each name is the one seam where a Triton kernel takes over from its torch
 reference: per call, on the data's device, a CUDA tensor goes to the kernel and anything else to the
-reference (reference.py documents each op's contract; the kernel modules match it). Callers never
-choose, and nothing is frozen at construction.
+reference (reference.py documents each op's contract; the kernel modules match it), but for `rms_norm`,
+whose fp32 CPU calls take the CPU extension's C++ where it is built (`kernels/cpu/`; the products' CPU
+paths are `layers.linear`'s). Callers never choose, and nothing is frozen at construction.
 
 The kernels are inference-only (no backward): a call that autograd must differentiate through (grad
 mode on and an input that requires grad, as in drafter training) takes the reference on any device, so
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from dspark.kernels import reference
+from dspark.kernels.cpu import linear as cpu_kernels
 from dspark.kernels.runtime import load_kernels
 
 
@@ -32,10 +34,27 @@ def _on_gpu(t: torch.Tensor, *differentiable: torch.Tensor | None) -> bool:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """See reference.rms_norm."""
+    """See reference.rms_norm; on a CPU the C++ one where it runs (`_on_cpu_kernel`)."""
     if _on_gpu(x, weight, residual):
         return load_kernels().norm.rms_norm(x, weight, eps, residual)
+    if _on_cpu_kernel(x, weight, residual):
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        rest = None if residual is None else residual.reshape(flat.shape).contiguous()
+        normed, summed = cpu_kernels.rms_norm_rows(flat, weight.contiguous(), eps, rest)
+        return normed.view(x.shape), None if summed is None else summed.view(x.shape)
     return reference.rms_norm(x, weight, eps, residual)
+
+
+def _on_cpu_kernel(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether a CPU norm runs in C++ (`kernels/cpu/norm.cpp`, one call for torch's six, each row normed
+    alone): fp32 CPU tensors, no gradient wanted, the CPU extension built here."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return False
+    if residual is not None and (residual.dtype != torch.float32 or residual.shape != x.shape):
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual)):
+        return False
+    return x.numel() > 0 and cpu_kernels.available()
 
 
 # Rows up to which a GPU projection takes the skinny-product kernel (kernels/gemv.py), and the widest

@@ -1,1 +1,1 @@
-"""CPU kernels: C++ built once per machine by torch's extension builder (`linear`: few-row products)."""
+"""CPU kernels: C++ built once per machine by torch's extension builder (`linear`: fp32 products)."""

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -96,12 +97,67 @@ inline void few_rows(const float* x, int64_t rows, const float* w, int64_t k, fl
   }
 }
 
+// Rows of x against weight rows [0, cols) into y (row stride ldy), by the row count's tiling.
+inline void products(const float* x, int64_t rows, const float* w, int64_t k, float* y, int64_t ldy,
+                     int64_t cols) {
+  if (rows <= FEW_ROWS) {
+    few_rows(x, rows, w, k, y, ldy, cols);
+    return;
+  }
+  for (int64_t jb = 0; jb < cols; jb += BLOCK_COLS) {
+    all_rows<4, 3>(x, rows, w + jb * k, k, y + jb, ldy, std::min(BLOCK_COLS, cols - jb));
+  }
+}
+
+// e^v for eight lanes: v = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial (relative error
+// ~1e-7), times 2^n through the exponent bits; v clamped to fp32's range.
+inline __m256 exp8(__m256 v) {
+  v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// silu(g) * u = g / (1 + e^-g) * u for eight lanes.
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+// y[c] = silu(g[c]) * u[c] for c < cols; the last cols % 8 through the same eight-lane code (padded), so
+// every column gets the same bits wherever a chunk of columns begins.
+inline void silu_mul_row(const float* g, const float* u, float* y, int64_t cols) {
+  int64_t c = 0;
+  for (; c + 8 <= cols; c += 8) _mm256_storeu_ps(y + c, silu_mul8(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c)));
+  if (c < cols) {
+    alignas(32) float gt[8] = {0}, ut[8] = {0}, yt[8];
+    std::copy(g + c, g + cols, gt);
+    std::copy(u + c, u + cols, ut);
+    _mm256_store_ps(yt, silu_mul8(_mm256_load_ps(gt), _mm256_load_ps(ut)));
+    std::copy(yt, yt + (cols - c), y + c);
+  }
+}
+
+void check_operands(const torch::Tensor& x, const torch::Tensor& w, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), name, ": x [rows, k], w [n, k]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, name, ": float32 only");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), name, ": contiguous operands only");
+}
+
 }  // namespace
 
 torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_rows: x [rows, k], w [n, k]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "linear_rows: float32 only");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "linear_rows: contiguous operands only");
+  check_operands(x, w, "linear_rows");
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
@@ -109,18 +165,36 @@ torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& w) {
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // Torch's own thread pool splits the weight rows (the same threads as every other op of the step).
+  at::parallel_for(0, n, 64, [&](int64_t j0, int64_t j1) { products(xp, rows, wp + j0 * k, k, yp + j0, n, j1 - j0); });
+  return y;
+}
+
+// SwiGLU's gate/up projection with its activation in the epilogue: w [2n, k] holds the gate rows then the
+// up rows; y [rows, n] = silu(x Wg^T) * (x Wu^T), both products summed exactly as linear_rows sums them.
+torch::Tensor silu_mul_rows(const torch::Tensor& x, const torch::Tensor& w) {
+  check_operands(x, w, "silu_mul_rows");
+  TORCH_CHECK(w.size(0) % 2 == 0, "silu_mul_rows: w holds gate rows then as many up rows");
+  const int64_t rows = x.size(0), k = x.size(1), n = w.size(0) / 2;
+  auto y = torch::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t j0, int64_t j1) {
-    if (rows <= FEW_ROWS) {
-      few_rows(xp, rows, wp + j0 * k, k, yp + j0, n, j1 - j0);
-      return;
-    }
-    for (int64_t jb = j0; jb < j1; jb += BLOCK_COLS) {
-      all_rows<4, 3>(xp, rows, wp + jb * k, k, yp + jb, n, std::min(BLOCK_COLS, j1 - jb));
-    }
+    const int64_t cols = j1 - j0;
+    std::vector<float> gate(rows * cols), up(rows * cols);
+    products(xp, rows, wp + j0 * k, k, gate.data(), cols, cols);
+    products(xp, rows, wp + (n + j0) * k, k, up.data(), cols, cols);
+    for (int64_t r = 0; r < rows; ++r) silu_mul_row(gate.data() + r * cols, up.data() + r * cols, yp + r * n + j0, cols);
   });
   return y;
 }
 
+std::vector<torch::Tensor> rms_norm_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
+                                         const torch::Tensor& weight, double eps);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_rows", &linear_rows, "x [rows, k] @ w [n, k]^T in fp32, each output summed in one order");
+  m.def("silu_mul_rows", &silu_mul_rows, "silu(x Wg^T) * (x Wu^T) for w = [Wg; Wu], the products as linear_rows");
+  m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of each row (after adding the residual, if given), fp32");
 }

@@ -1,10 +1,12 @@
-"""A few rows of x times W^T in fp32 on an x86-64 CPU with AVX2 and FMA (`linear.cpp`).
+"""x times W^T in fp32 on an x86-64 CPU with AVX2 and FMA, for any number of rows (`linear.cpp`).
 
 Why: a CPU decode step streams every weight once, and with one to a few rows (one request, or its
 verify window) the library products fall short of the memory's bandwidth: on a 2-core AMD EPYC without
-AVX-512, oneDNN's fp32 product took 19.3 ms a pass over SmolLM2's weights at one row and 26.2 ms at
-four, this kernel 16.1 and 18.7 (session 55). Each output is summed in one fixed order whatever rows
-are beside it, so a row gives the same bits alone or in a verify window.
+AVX-512, oneDNN's fp32 product took 20.4 ms a pass over SmolLM2's weights at one row and 26.6 ms at
+four, this kernel 16.9 and 19.0; past 12 rows it runs cache-blocked tiles (64 rows: 120.9 ms against
+oneDNN's 131.3; session 56). Each output is summed in one fixed order whatever rows are beside it, so
+a row gives the same bits alone, in a verify window or beside a prefill chunk, and `layers.linear`
+takes it for every row count or none.
 
 Built the first time a process asks for it, by torch's extension builder with the machine's C++
 compiler, and kept under torch's extension root (`TORCH_EXTENSIONS_DIR`, default
@@ -29,6 +31,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
+# The norm that feeds the products, built into the same extension (one build, one load).
+SOURCES = (SOURCE, SOURCE.with_name("norm.cpp"))
 # The build's folder name: one per torch and Python (the extension links against both).
 NAME = "dspark_cpu_linear"
 # A build lock older than this was left by a process killed mid-build: removed, or every later process
@@ -85,7 +89,7 @@ def load() -> ModuleType | None:
             lock.unlink(missing_ok=True)
         _module = build(
             NAME,
-            [str(SOURCE)],
+            [str(source) for source in SOURCES],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
@@ -110,3 +114,22 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     module = load()
     assert module is not None, "linear_rows: the kernel is not available on this machine"
     return module.linear_rows(x, weight)
+
+
+def silu_mul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x Wg^T) * (x Wu^T) for weight [2n, k] = [Wg; Wu] -> [rows, n], fp32, contiguous operands, the
+    products summed as `linear_rows` sums them (`available()` first)."""
+    module = load()
+    assert module is not None, "silu_mul_rows: the kernel is not available on this machine"
+    return module.silu_mul_rows(x, weight)
+
+
+def rms_norm_rows(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """reference.rms_norm for fp32 contiguous x [rows, h] (and residual): (normed, x + residual or None),
+    each row normed alone (`available()` first)."""
+    module = load()
+    assert module is not None, "rms_norm_rows: the kernel is not available on this machine"
+    got = module.rms_norm_rows(x, residual, weight, eps)
+    return got[0], (got[1] if residual is not None else None)
