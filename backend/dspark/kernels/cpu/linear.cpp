@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "lanes.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -27,12 +29,7 @@ namespace {
 constexpr int64_t FEW_ROWS = 12;
 constexpr int64_t BLOCK_COLS = 48;
 
-inline float lane_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using dspark_cpu::lane_sum;
 
 // RM rows of x (row stride k) against RN weight rows (row stride k): y[r * ldy + c] for r < RM, c < RN.
 template <int RM, int RN>

@@ -31,7 +31,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-# The norm that feeds the products, built into the same extension (one build, one load).
+# The norm that feeds the products, built into the same extension (one build, one load); both include
+# lanes.h, whose changes ninja's header tracking rebuilds.
 SOURCES = (SOURCE, SOURCE.with_name("norm.cpp"))
 # The build's folder name: one per torch and Python (the extension links against both).
 NAME = "dspark_cpu_linear"

@@ -134,7 +134,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, computed on a CPU by the path measured fastest for its row count and the weight's
     dtype (`cpu_linear_paths`) and by the skinny-product kernel for a few rows on a GPU
     (`ops.few_rows_linear`). Other shapes: F.linear."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = _num_rows(x)
     if x.device.type != "cpu":
         # ops decides which products the kernel takes (rows, dtype, width); the rest go to F.linear.
         return F.linear(x, weight, bias) if bias is not None else ops.few_rows_linear(x, weight)
@@ -171,16 +171,27 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     skinny-product kernel's where `ops.silu_mul_linear` can; else the product, then `ops.silu_mul`."""
     if x.device.type != "cpu":
         return ops.silu_mul_linear(x, weight)
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = _num_rows(x)
     if rows and _cpu_path(x, weight, rows) == KERNEL:
-        flat = x.reshape(rows, x.shape[-1]).contiguous()
-        if torch.autograd.profiler._is_profiler_enabled:
-            with torch.profiler.record_function("cpu_kernel::silu_mul_rows"):
-                y = cpu_linear.silu_mul_rows(flat, weight.contiguous())
-        else:
-            y = cpu_linear.silu_mul_rows(flat, weight.contiguous())
+        y = _kernel_call("silu_mul_rows", x.reshape(rows, x.shape[-1]), weight)
         return y.reshape(*x.shape[:-1], weight.shape[0] // 2)
     return ops.silu_mul(linear(x, weight))
+
+
+def _num_rows(x: torch.Tensor) -> int:
+    """The rows of x [..., in] a product multiplies (0 for an empty input)."""
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def _kernel_call(name: str, flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The CPU kernel's `name` (`linear_rows`, `silu_mul_rows`) of flat [rows, in] and weight, contiguous;
+    named `cpu_kernel::<name>` in a profile (an extension's call is no ATen op; the process-wide flag,
+    since a step may run on another thread than the one that started the profiler)."""
+    kernel = getattr(cpu_linear, name)
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function(f"cpu_kernel::{name}"):
+            return kernel(flat.contiguous(), weight.contiguous())
+    return kernel(flat.contiguous(), weight.contiguous())
 
 
 def _product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> torch.Tensor:
@@ -191,12 +202,7 @@ def _product(flat: torch.Tensor, weight: torch.Tensor, path: str) -> torch.Tenso
     if path == AS_TWO_ROWS:
         return torch.mm(weight, flat.repeat(2, 1).t())[:, :1].t().contiguous()
     if path == KERNEL:
-        # Named in a profile (an extension's call is no ATen op); the process-wide flag, since a step
-        # may run on another thread than the one that started the profiler.
-        if torch.autograd.profiler._is_profiler_enabled:
-            with torch.profiler.record_function("cpu_kernel::linear_rows"):
-                return cpu_linear.linear_rows(flat.contiguous(), weight.contiguous())
-        return cpu_linear.linear_rows(flat.contiguous(), weight.contiguous())
+        return _kernel_call("linear_rows", flat, weight)
     if path in COPY_ATTRIBUTE:
         copy = getattr(weight, COPY_ATTRIBUTE[path], None)
         if copy is None:
