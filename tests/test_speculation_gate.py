@@ -12,6 +12,7 @@ from tiny_models import emulated_graphs_config, use_emulated_graphs
 from dspark import LLM, EngineConfig, SamplingParams
 from dspark.outputs import gate_rows
 from dspark.spec.gate import (
+    DRAFT_MARGIN,
     FIRST_PRIOR,
     LATER_TIER_WARM_UP_STEPS,
     PROBE_INTERVAL,
@@ -154,6 +155,26 @@ def test_gate_turns_speculation_off_where_it_loses_and_keeps_tiers_apart() -> No
     wins = _run_steps(gate, clock, 1, 200, lambda n: 0.0012 if n else 0.001, lambda step: [1])
     assert sum(loses[2 * WARM_UP_STEPS :]) <= len(loses) // PROBE_INTERVAL + 1
     assert sum(wins[2 * WARM_UP_STEPS :]) >= len(wins) - 2 * WARM_UP_STEPS - len(wins) // PROBE_INTERVAL - 1
+
+
+@pytest.mark.parametrize("ahead", [0.5 * DRAFT_MARGIN, 2.0 * DRAFT_MARGIN])
+def test_drafting_must_beat_plain_decoding_by_the_margin(ahead: float) -> None:
+    """Near a tie plain decoding stays (a batch that does not refill waits for its slowest request,
+    which drafting makes slower than the mean); a clear gain drafts."""
+    clock = _Clock()
+    gate = SpeculationGate(1, clock)
+    # 8 requests, half of them accepting the draft: 12 tokens a drafting step against 8 a plain one.
+    drafting_s = 0.001 * 12 / (8 * (1.0 + ahead))
+    decisions = _run_steps(
+        gate, clock, 8, 300, lambda n: drafting_s if n else 0.001, lambda step: [1] * 4 + [0] * 4
+    )
+    assert gate.rates(8)[1] / gate.rates(8)[0] == pytest.approx(1.0 + ahead, rel=0.01)
+    settled = decisions[2 * WARM_UP_STEPS :]
+    drafted = sum(settled)
+    if ahead < DRAFT_MARGIN:
+        assert drafted <= len(settled) // PROBE_INTERVAL + 1  # probes only
+    else:
+        assert drafted >= len(settled) - len(settled) // PROBE_INTERVAL - 1
 
 
 def test_a_warm_up_choice_on_a_prefill_step_is_made_again() -> None:

@@ -64,15 +64,18 @@ def _on_cpu_kernel(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
 # products), so they cost what 8 rows cost, while cuBLAS at 16 rows costs what it costs at 8 (the 8B step
 # at 8 requests, session 28: 5.81 ms at 2 rows a request against 5.90 at 1). On an H100 (session 56,
 # SmolLM2, the shipped drafter, side by side with FEW_ROWS 8) plain decoding at 16 requests ran 1.28x.
+# 17-32 rows run the 32-row tiles: the Qwen3-8B step at 32 rows (H100, session 57, random weights,
+# 1024 cached tokens a request) took 6.78 ms against cuBLAS's 7.14 at 8 requests x windows of 4, 7.18
+# against 7.49 at 16 x 2; at 64 rows the kernel lost (8.41 against 7.77), so a large weight stops at 32.
 # The LM heads (49152 and 151936 outputs) stay with cuBLAS, which reads them at the copy bandwidth
 # already.
-FEW_ROWS = 16
+FEW_ROWS = 32
 FEW_ROWS_MAX_OUTPUTS = 24576
 # A small weight takes the kernel up to SMALL_WEIGHT_ROWS rows (its 32- and 64-row tiles): there cuBLAS
 # pays its fixed cost on a product that reads little. On an H100 (session 56, SmolLM2: every target
 # projection at most 1.8M elements, side by side against FEW_ROWS for all) plain decoding at 64 requests
 # ran 1.19x, `static` at 8 and 16 requests 1.20x and 1.17x (verify windows of 32 and 64 rows), greedy
-# output identical. A Qwen3-8B projection (4.2M-50M elements) keeps cuBLAS past FEW_ROWS: unmeasured.
+# output identical. A Qwen3-8B projection (4.2M-50M elements) keeps cuBLAS past FEW_ROWS (measured).
 SMALL_WEIGHT_ROWS = 64
 SMALL_WEIGHT_MAX_ELEMENTS = 1 << 21
 

@@ -29,6 +29,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh gate128   carry [".carry/c4"]      (~330 s; session 52)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh rows   no carry, nothing parked   (~500 s; sessions 54-55)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s57   carry [".carry/c4"] after parking g01, g2 (~400 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s57b   carry [".carry/c4", ".carry/base57"] after parking g01, g2 (~480 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh data-train   carry [".carry/c4", ".carry/distill"]
 #     (~530 s; parked: .carry/g01 then .carry/g2, the GGUF alone, with drafters/, benchmarks/results/ and
 #     training/prompts_train.jsonl moved aside meanwhile; drafters/ and the prompts back for this call,
@@ -426,6 +427,28 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
       --step-batches 8,16 --step-windows 2,4 --kernel-paths gemv,gemv64,cublas --context 1024 --repeats 10 \
       > "$OUT/step8b.log" 2>&1
     echo "step 8b: exit $?"; grep -A16 "^| batch" "$OUT/step8b/results.md" 2>/dev/null | head -18
+    ;;
+  s57b)
+    # Session 57 (carry [".carry/c4", ".carry/base57"] after parking g01, g2; base57: `git archive bb81a94
+    # backend`; ~480 s): the gate's DRAFT_MARGIN and FEW_ROWS 32, each against bb81a94.
+    # 1. The serve default against plain, batch run to its end (128 tokens) and with spread lengths.
+    # 2. The Qwen3-8B step at 1-32 requests x windows 1-4, HEAD's kernel rows against 16 and cuBLAS.
+    # 3. The skinny-product kernel's tests.
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    timeout ${AB_S:-170} python3 benchmarks/ab_trees.py --base .carry/base57/backend --device cuda \
+      --batch-sizes ${AB_BATCHES:-64,8,128,1} --modes off,default --rounds ${ROUNDS:-3} --max-tokens 128 \
+      --out "$OUT/ab-margin.json" > "$OUT/ab-margin.log" 2>&1
+    echo "ab margin: exit $?"; grep -vE "^\{" "$OUT/ab-margin.log" | tail -12
+    timeout ${AB2_S:-110} python3 benchmarks/ab_trees.py --base .carry/base57/backend --device cuda \
+      --batch-sizes 64,16 --modes off,default --rounds 3 --max-tokens 128 --max-tokens-spread 0.5 \
+      --out "$OUT/ab-margin-spread.json" > "$OUT/ab-margin-spread.log" 2>&1
+    echo "ab margin spread: exit $?"; grep -vE "^\{" "$OUT/ab-margin-spread.log" | tail -8
+    timeout ${STEP_S:-150} python3 benchmarks/gpu_e2e.py --parts step --shape qwen3-8b --work /tmp/s57 --out "$OUT/step8b" \
+      --step-batches 1,8,16,32 --step-windows 1,2,4 --kernel-paths gemv,gemv16,cublas --context 1024 --repeats 10 \
+      > "$OUT/step8b.log" 2>&1
+    echo "step 8b: exit $?"; grep -A40 "^| batch" "$OUT/step8b/results.md" 2>/dev/null | head -42
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py > "$OUT/gemv-tests.log" 2>&1
+    echo "gemv tests: exit $?"; tail -2 "$OUT/gemv-tests.log"
     ;;
   data-train)
     # Both in one call (a machine may not stay warm between two): ~530 s with the defaults below.
