@@ -30,6 +30,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh rows   no carry, nothing parked   (~500 s; sessions 54-55)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s57   carry [".carry/c4"] after parking g01, g2 (~400 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s57b   carry [".carry/c4", ".carry/base57"] after parking g01, g2 (~480 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s58   no carry, nothing parked (~260 s with the start)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh data-train   carry [".carry/c4", ".carry/distill"]
 #     (~530 s; parked: .carry/g01 then .carry/g2, the GGUF alone, with drafters/, benchmarks/results/ and
 #     training/prompts_train.jsonl moved aside meanwhile; drafters/ and the prompts back for this call,
@@ -432,7 +433,7 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
     # Session 57 (carry [".carry/c4", ".carry/base57"] after parking g01, g2; base57: `git archive bb81a94
     # backend`; ~480 s): the gate's DRAFT_MARGIN and FEW_ROWS 32, each against bb81a94.
     # 1. The serve default against plain, batch run to its end (128 tokens) and with spread lengths.
-    # 2. The Qwen3-8B step at 1-32 requests x windows 1-4, HEAD's kernel rows against 16 and cuBLAS.
+    # 2. The Qwen3-8B step at 1-16 requests x windows 1-4, HEAD's kernel rows against 16 and cuBLAS.
     # 3. The skinny-product kernel's tests.
     OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
     timeout ${AB_S:-170} python3 benchmarks/ab_trees.py --base .carry/base57/backend --device cuda \
@@ -448,6 +449,18 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
       > "$OUT/step8b.log" 2>&1
     echo "step 8b: exit $?"; grep -A40 "^| batch" "$OUT/step8b/results.md" 2>/dev/null | head -42
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py > "$OUT/gemv-tests.log" 2>&1
+    echo "gemv tests: exit $?"; tail -2 "$OUT/gemv-tests.log"
+    ;;
+  s58)
+    # Session 58 (no carry, nothing parked; ~260 s with the start): FEW_ROWS 32 (9a3ede2) on a GPU: the
+    # Qwen3-8B step (random bf16 weights) at 1-16 requests x windows 1-4, HEAD's kernel rows (1-32)
+    # against 1-16 and cuBLAS; then the skinny-product kernel's parity tests at HEAD.
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
+    timeout ${STEP_S:-130} python3 benchmarks/gpu_e2e.py --parts step --shape qwen3-8b --work /tmp/s58 --out "$OUT/step8b" \
+      --step-batches ${STEP_BATCHES:-1,8,16} --step-windows ${STEP_WINDOWS:-1,2,4} --kernel-paths gemv,gemv16,cublas \
+      --context 1024 --repeats ${STEP_REPEATS:-8} > "$OUT/step8b.log" 2>&1
+    echo "step 8b: exit $?"; grep -A40 "^| batch" "$OUT/step8b/results.md" 2>/dev/null | head -42
+    timeout ${TESTS_S:-80} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py > "$OUT/gemv-tests.log" 2>&1
     echo "gemv tests: exit $?"; tail -2 "$OUT/gemv-tests.log"
     ;;
   data-train)
