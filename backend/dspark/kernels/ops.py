@@ -1,8 +1,9 @@
 """The ops the engine calls. Each name is the one seam where a Triton kernel takes over from its torch
 reference: per call, on the data's device, a CUDA tensor goes to the kernel and anything else to the
-reference (reference.py documents each op's contract; the kernel modules match it), but for `rms_norm`,
-whose fp32 CPU calls take the CPU extension's C++ where it is built (`kernels/cpu/`; the products' CPU
-paths are `layers.linear`'s). Callers never choose, and nothing is frozen at construction.
+reference (reference.py documents each op's contract; the kernel modules match it), but for `rms_norm`
+and `rotary_store_kv`, whose fp32 CPU calls take the CPU extension's C++ where it is built
+(`kernels/cpu/`; the products' CPU paths are `layers.linear`'s). Callers never choose, and nothing is
+frozen at construction.
 
 The kernels are inference-only (no backward): a call that autograd must differentiate through (grad
 mode on and an input that requires grad, as in drafter training) takes the reference on any device, so
@@ -160,14 +161,50 @@ def rotary_store_kv(
     rotation: reference.HostRotation | None = None,
 ) -> torch.Tensor:
     """See reference.rotary_store_kv. rotation: the step's rotary multipliers made once on the host
-    (`reference.host_rotation`), which a CPU reads (a GPU computes its own)."""
+    (`reference.host_rotation`), which a CPU reads (a GPU computes its own); with them, fp32 CPU tensors
+    take the C++ one (`kernels/cpu/rotary.cpp`, one call for ~12 torch ops; q/k norms, where the model
+    has them, first in torch)."""
     if _on_gpu(q):
         return load_kernels().rotary_store.rotary_store_kv(
             q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_norm_weight, k_norm_weight, eps
         )
+    cpu_prologue = rotation is not None and _rotary_on_cpu_kernel(
+        q, k, v, k_cache, v_cache, positions, cos_sin, rotation
+    )
+    if cpu_prologue:
+        n, d = q.shape[0], q.shape[-1]
+        if q_norm_weight is not None:
+            q = reference.rms_norm(q.reshape(-1, d), q_norm_weight, eps)[0].view(n, -1, d)
+        if k_norm_weight is not None:
+            k = reference.rms_norm(k.reshape(-1, d), k_norm_weight, eps)[0].view(n, -1, d)
+        return cpu_kernels.rotary_store_rows(q, k, v, rotation.cos, rotation.sin, k_cache, v_cache, slots)
     return reference.rotary_store_kv(
         q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_norm_weight, k_norm_weight, eps, rotation
     )
+
+
+def _rotary_on_cpu_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    rotation: reference.HostRotation,
+) -> bool:
+    """Whether a CPU attention prologue runs in C++: fp32 CPU tensors with contiguous head values, no
+    gradient wanted, multipliers made from these positions and table, the CPU extension built here."""
+    if rotation.positions is not positions or rotation.table is not cos_sin:
+        return False  # made for another step's positions: `reference.rotary` makes its own
+    tensors = (q, k, v, k_cache, v_cache)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1 for t in tensors):
+        return False
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return False
+    return q.shape[0] > 0 and cpu_kernels.available()
 
 
 def inject_kv(

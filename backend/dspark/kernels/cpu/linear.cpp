@@ -1,19 +1,24 @@
-// y = x W^T in fp32 on an x86-64 CPU with AVX2 and FMA, for any number of rows of x (see linear.py).
+// y = x W^T in fp32 on an x86-64 CPU with AVX2 and FMA (AVX-512 where the build has it), for any number
+// of rows of x (see linear.py).
 //
-// Each output y[r, j] is one sum in one order, whatever rows or columns are computed beside it: eight
-// lanes accumulate x[r, k] * W[j, k] over k in steps of 8 (fused multiply-adds), the lanes are added in a
-// fixed tree, then the last k % 8 products in order. Every tiling below keeps that order, so a row's
-// result is the same bits alone, in a verify window or in a prefill chunk of hundreds of rows, which keeps
-// speculative greedy decoding token-identical to plain decoding whatever the step's shape.
+// Each output y[r, j] is one sum in one order, whatever rows or columns are computed beside it: LANES
+// lanes (8 with AVX2, 16 with AVX-512: one build per machine, so one order per machine) accumulate
+// x[r, k] * W[j, k] over k in steps of LANES (fused multiply-adds), the lanes are added in a fixed tree,
+// then the last k % LANES products in order. Every tiling below keeps that order, so a row's result is the
+// same bits alone, in a verify window or in a prefill chunk of hundreds of rows, which keeps speculative
+// greedy decoding token-identical to plain decoding whatever the step's shape.
 //
 // Two tilings, chosen by the row count only (never changing a sum):
-// - up to FEW_ROWS rows (a decode step, a verify window): the weights stream from memory, each weight row
-//   read once and multiplied against the rows of x eight (then four, then the rest) at a time (8 rows: a
-//   pass over SmolLM2's weights 27.9 ms against 32.0 four at a time; session 55);
-// - more rows (prefill, big batches): compute decides, so tiles of 4 rows x 3 weight rows (12
-//   accumulators: 7 loads per 12 multiply-adds) over blocks of BLOCK_COLS weight rows that stay in cache
-//   while every row of x passes them (a pass over SmolLM2 at 64 / 256 rows: 119 / 462 ms, oneDNN's 128 /
-//   455, the unblocked tiling's 212 / 1114; session 56).
+// - up to FEW_ROWS rows (decode steps, verify windows): the weights stream from memory in blocks of
+//   FEW_COLS weight rows, each block read from memory once (prefetched PREFETCH_BLOCKS blocks ahead, so
+//   the memory stays busy while the rows are multiplied) and then from L1 against every row of x,
+//   FEW_TILE_ROWS at a time. A pass over SmolLM2's weights on a 2-core Xeon with AVX-512 (session 58):
+//   21 / 23 / 21 / 25 / 30 ms at 1 / 2 / 4 / 8 / 12 rows, against 31 / 34 / 32 / 40 / 47 for one weight
+//   row at a time against 8 rows of x (the tiling before) and MKL's 23 / 26 / 38 / 50 / 61;
+// - more rows (prefill, big batches): compute decides, so tiles of MANY_TILE_ROWS rows x MANY_COLS weight
+//   rows over blocks of BLOCK_COLS weight rows that stay in cache while every row of x passes them (the
+//   Xeon at 64 / 256 rows with AVX-512's 4 x 6 tiles: 97 / 320 ms, MKL's 97 / 277; the 2-core AMD EPYC
+//   with AVX2's 4 x 3: 119 / 462 ms, oneDNN's 128 / 455; sessions 56, 58).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -26,70 +31,106 @@
 
 namespace {
 
-constexpr int64_t FEW_ROWS = 12;
-constexpr int64_t BLOCK_COLS = 48;
-
 using dspark_cpu::lane_sum;
 
+#ifdef __AVX512F__
+using vec = __m512;
+constexpr int64_t LANES = 16;
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+// The upper eight lanes onto the lower, then the eight-lane tree.
+inline float vsum(vec v) { return lane_sum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))); }
+// 32 vector registers: tiles of up to 24 accumulators.
+constexpr int FEW_TILE_ROWS = 4, FEW_COLS = 4, MANY_COLS = 6;
+constexpr int64_t BLOCK_COLS = 96;
+constexpr int64_t PREFETCH_BLOCKS = 1;
+#else
+using vec = __m256;
+constexpr int64_t LANES = 8;
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec v) { return lane_sum(v); }
+// 16 vector registers: 12 accumulators, the weight vectors and one of x.
+constexpr int FEW_TILE_ROWS = 4, FEW_COLS = 3, MANY_COLS = 3;
+constexpr int64_t BLOCK_COLS = 48;
+constexpr int64_t PREFETCH_BLOCKS = 2;
+#endif
+constexpr int MANY_TILE_ROWS = 4;
+constexpr int64_t FEW_ROWS = 32;
+
 // RM rows of x (row stride k) against RN weight rows (row stride k): y[r * ldy + c] for r < RM, c < RN.
-template <int RM, int RN>
+// PREFETCH: also ask for the same columns of the weight rows PREFETCH_BLOCKS blocks of RN ahead (the
+// first pass over a block; reading past the weights' end is harmless, a prefetch never faults).
+template <int RM, int RN, bool PREFETCH = false>
 inline void tile(const float* x, const float* w, int64_t k, float* y, int64_t ldy) {
-  __m256 acc[RM][RN];
+  vec acc[RM][RN];
   for (int r = 0; r < RM; ++r)
-    for (int c = 0; c < RN; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int c = 0; c < RN; ++c) acc[r][c] = vzero();
   int64_t i = 0;
-  for (; i + 8 <= k; i += 8) {
-    __m256 wv[RN];
-    for (int c = 0; c < RN; ++c) wv[c] = _mm256_loadu_ps(w + c * k + i);
+  for (; i + LANES <= k; i += LANES) {
+    vec wv[RN];
+    for (int c = 0; c < RN; ++c) wv[c] = vload(w + c * k + i);
+    if (PREFETCH)
+      for (int c = 0; c < RN; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (c + PREFETCH_BLOCKS * RN) * k + i), _MM_HINT_T0);
     for (int r = 0; r < RM; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * k + i);
-      for (int c = 0; c < RN; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+      const vec xv = vload(x + r * k + i);
+      for (int c = 0; c < RN; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < RM; ++r)
     for (int c = 0; c < RN; ++c) {
-      float s = lane_sum(acc[r][c]);
+      float s = vsum(acc[r][c]);
       for (int64_t t = i; t < k; ++t) s = std::fma(x[r * k + t], w[c * k + t], s);
       y[r * ldy + c] = s;
     }
 }
 
-// RM rows of x against weight rows [0, cols): RN at a time, then one at a time.
-template <int RM, int RN>
-inline void rows_by_cols(const float* x, const float* w, int64_t k, float* y, int64_t ldy, int64_t cols) {
-  int64_t c = 0;
-  for (; c + RN <= cols; c += RN) tile<RM, RN>(x, w + c * k, k, y + c, ldy);
-  for (; c < cols; ++c) tile<RM, 1>(x, w + c * k, k, y + c, ldy);
-}
-
-// Every row of x against weight rows [0, cols) (a block that stays in cache): RM rows at a time, then the
-// rest.
-template <int RM, int RN>
-inline void all_rows(const float* x, int64_t rows, const float* w, int64_t k, float* y, int64_t ldy,
-                     int64_t cols) {
+// Rows of x against RN weight rows, RM rows at a time, then the rest (three, two or one); the first tile
+// with PREFETCH.
+template <int RM, int RN, bool PREFETCH>
+inline void rows_against(const float* x, int64_t rows, const float* w, int64_t k, float* y, int64_t ldy) {
+  static_assert(RM == 4, "the remainders below are those of four rows");
   int64_t r = 0;
-  for (; r + RM <= rows; r += RM) rows_by_cols<RM, RN>(x + r * k, w, k, y + r * ldy, ldy, cols);
+  if (rows >= RM) {
+    tile<RM, RN, PREFETCH>(x, w, k, y, ldy);
+    r = RM;
+  }
+  for (; r + RM <= rows; r += RM) tile<RM, RN>(x + r * k, w, k, y + r * ldy, ldy);
   switch (rows - r) {
-    case 3: rows_by_cols<3, RN>(x + r * k, w, k, y + r * ldy, ldy, cols); break;
-    case 2: rows_by_cols<2, RN>(x + r * k, w, k, y + r * ldy, ldy, cols); break;
-    case 1: rows_by_cols<1, RN>(x + r * k, w, k, y + r * ldy, ldy, cols); break;
+    case 3: tile<3, RN, PREFETCH>(x + r * k, w, k, y + r * ldy, ldy); break;
+    case 2: tile<2, RN, PREFETCH>(x + r * k, w, k, y + r * ldy, ldy); break;
+    case 1: tile<1, RN, PREFETCH>(x + r * k, w, k, y + r * ldy, ldy); break;
     default: break;
   }
 }
 
-// Few rows: each weight row read once, against every row of x (eight, then four, then the rest at a time).
+// Few rows: blocks of FEW_COLS weight rows, each against every row of x, then the last weight rows one
+// at a time.
 inline void few_rows(const float* x, int64_t rows, const float* w, int64_t k, float* y, int64_t ldy,
                      int64_t cols) {
-  for (int64_t c = 0; c < cols; ++c) {
-    const float* w_row = w + c * k;
-    int64_t r = 0;
-    for (; r + 8 <= rows; r += 8) tile<8, 1>(x + r * k, w_row, k, y + r * ldy + c, ldy);
-    for (; r + 4 <= rows; r += 4) tile<4, 1>(x + r * k, w_row, k, y + r * ldy + c, ldy);
-    switch (rows - r) {
-      case 3: tile<3, 1>(x + r * k, w_row, k, y + r * ldy + c, ldy); break;
-      case 2: tile<2, 1>(x + r * k, w_row, k, y + r * ldy + c, ldy); break;
-      case 1: tile<1, 1>(x + r * k, w_row, k, y + r * ldy + c, ldy); break;
-      default: break;
+  int64_t c = 0;
+  for (; c + FEW_COLS <= cols; c += FEW_COLS)
+    rows_against<FEW_TILE_ROWS, FEW_COLS, true>(x, rows, w + c * k, k, y + c, ldy);
+  for (; c < cols; ++c) rows_against<FEW_TILE_ROWS, 1, false>(x, rows, w + c * k, k, y + c, ldy);
+}
+
+// Many rows: blocks of BLOCK_COLS weight rows (kept in cache), every row of x against each block in
+// tiles of MANY_TILE_ROWS x MANY_COLS, then the block's last weight rows one at a time.
+inline void many_rows(const float* x, int64_t rows, const float* w, int64_t k, float* y, int64_t ldy,
+                      int64_t cols) {
+  for (int64_t jb = 0; jb < cols; jb += BLOCK_COLS) {
+    const int64_t block = std::min(BLOCK_COLS, cols - jb);
+    const float* wb = w + jb * k;
+    for (int64_t r = 0; r < rows; r += MANY_TILE_ROWS) {
+      const int64_t tile_rows = std::min<int64_t>(MANY_TILE_ROWS, rows - r);
+      int64_t c = 0;
+      for (; c + MANY_COLS <= block; c += MANY_COLS)
+        rows_against<MANY_TILE_ROWS, MANY_COLS, false>(x + r * k, tile_rows, wb + c * k, k, y + r * ldy + jb + c, ldy);
+      for (; c < block; ++c)
+        rows_against<MANY_TILE_ROWS, 1, false>(x + r * k, tile_rows, wb + c * k, k, y + r * ldy + jb + c, ldy);
     }
   }
 }
@@ -101,9 +142,7 @@ inline void products(const float* x, int64_t rows, const float* w, int64_t k, fl
     few_rows(x, rows, w, k, y, ldy, cols);
     return;
   }
-  for (int64_t jb = 0; jb < cols; jb += BLOCK_COLS) {
-    all_rows<4, 3>(x, rows, w + jb * k, k, y + jb, ldy, std::min(BLOCK_COLS, cols - jb));
-  }
+  many_rows(x, rows, w, k, y, ldy, cols);
 }
 
 // e^v for eight lanes: v = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial (relative error
@@ -189,9 +228,13 @@ torch::Tensor silu_mul_rows(const torch::Tensor& x, const torch::Tensor& w) {
 
 std::vector<torch::Tensor> rms_norm_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
                                          const torch::Tensor& weight, double eps);
+torch::Tensor rotary_store_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
+                                torch::Tensor& v_cache, const torch::Tensor& slots);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_rows", &linear_rows, "x [rows, k] @ w [n, k]^T in fp32, each output summed in one order");
   m.def("silu_mul_rows", &silu_mul_rows, "silu(x Wg^T) * (x Wu^T) for w = [Wg; Wu], the products as linear_rows");
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of each row (after adding the residual, if given), fp32");
+  m.def("rotary_store_rows", &rotary_store_rows, "rotary on q and k, k and v stored at their slots; rotated q");
 }

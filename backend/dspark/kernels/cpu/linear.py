@@ -1,16 +1,20 @@
-"""x times W^T in fp32 on an x86-64 CPU with AVX2 and FMA, for any number of rows (`linear.cpp`).
+"""x times W^T in fp32 on an x86-64 CPU with AVX2 and FMA (AVX-512 where the CPU has it), for any
+number of rows (`linear.cpp`).
 
 Why: a CPU decode step streams every weight once, and with one to a few rows (one request, or its
 verify window) the library products fall short of the memory's bandwidth: on a 2-core AMD EPYC without
 AVX-512, oneDNN's fp32 product took 20.4 ms a pass over SmolLM2's weights at one row and 26.6 ms at
-four, this kernel 16.9 and 19.0; past 12 rows it runs cache-blocked tiles (64 rows: 120.9 ms against
-oneDNN's 131.3; session 56). Each output is summed in one fixed order whatever rows are beside it, so
-a row gives the same bits alone, in a verify window or beside a prefill chunk, and `layers.linear`
-takes it for every row count or none.
+four, this kernel 16.9 and 19.0 (session 56); on a 2-core Xeon with AVX-512, MKL's 23 and 38 ms, this
+kernel 21 and 21 (session 58). Past 32 rows it runs cache-blocked tiles (64 rows: 120.9 ms against
+oneDNN's 131.3 on the EPYC, 97 against MKL's 97 on the Xeon). Each output is summed in one fixed
+order whatever rows are beside it, so a row gives the same bits alone, in a verify window or beside a
+prefill chunk, and `layers.linear` takes it for every row count or none.
 
 Built the first time a process asks for it, by torch's extension builder with the machine's C++
-compiler, and kept under torch's extension root (`TORCH_EXTENSIONS_DIR`, default
-~/.cache/torch_extensions) for the next processes (`make setup` builds it once). Where there is no
+compiler, for the CPU's widest vectors (`isa`: AVX-512 or AVX2; each output's sum order follows the
+lane count, so one machine has one order), and kept under torch's extension root
+(`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) for the next processes (`make setup` builds
+it once). Where there is no
 compiler, no AVX2 or the build fails, `available()` says False (once, with the reason, in the log) and
 `layers.linear` keeps the library products.
 """
@@ -31,15 +35,20 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-# The norm that feeds the products, built into the same extension (one build, one load); both include
-# lanes.h, whose changes ninja's header tracking rebuilds.
-SOURCES = (SOURCE, SOURCE.with_name("norm.cpp"))
+# The norm that feeds the products and the attention prologue's rotary + KV store, built into the same
+# extension (one build, one load); the products and the norm include lanes.h, whose changes ninja's header
+# tracking rebuilds.
+SOURCES = (SOURCE, SOURCE.with_name("norm.cpp"), SOURCE.with_name("rotary.cpp"))
 # The build's folder name: one per torch and Python (the extension links against both).
 NAME = "dspark_cpu_linear"
 # A build lock older than this was left by a process killed mid-build: removed, or every later process
 # would wait on it for ever (torch's lock has no timeout). A build takes ~30 s on two cores.
 STALE_LOCK_S = 600.0
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# No multiply-add fused by the compiler: the products fuse theirs by hand, in their one order, and the
+# rotary rounds x * cos and x' * sin apart as the reference does.
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
+# Added where torch finds AVX-512 (its test: these four subsets), for 16-lane sums and 32 registers.
+AVX512_FLAGS = ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw"]
 
 _module: ModuleType | None = None
 _tried = False
@@ -51,8 +60,14 @@ def build_directory() -> Path:
 
     # torch's own rule for its extensions' root: TORCH_EXTENSIONS_DIR, else its cache folder.
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    tag = f"{NAME}_torch{torch.__version__.replace('+', '_')}_py{sys.version_info[0]}{sys.version_info[1]}"
-    return Path(root) / tag
+    # The vector width too: a build for AVX-512 must never load on a CPU without it (a shared root).
+    version = torch.__version__.replace("+", "_")
+    return Path(root) / f"{NAME}_torch{version}_py{sys.version_info[0]}{sys.version_info[1]}_{isa()}"
+
+
+def isa() -> str:
+    """The vectors the kernel is built for here: "avx512" where torch finds AVX-512, else "avx2"."""
+    return "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2"
 
 
 def why_not() -> str | None:
@@ -91,7 +106,7 @@ def load() -> ModuleType | None:
         _module = build(
             NAME,
             [str(source) for source in SOURCES],
-            extra_cflags=FLAGS,
+            extra_cflags=FLAGS + (AVX512_FLAGS if isa() == "avx512" else []),
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             verbose=False,
@@ -134,3 +149,21 @@ def rms_norm_rows(
     assert module is not None, "rms_norm_rows: the kernel is not available on this machine"
     got = module.rms_norm_rows(x, residual, weight, eps)
     return got[0], (got[1] if residual is not None else None)
+
+
+def rotary_store_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """reference.rotary_store_kv without q/k norms, fp32, from the step's multipliers (`cos`, `sin` of a
+    `reference.HostRotation`): k rotated and v stored at `slots` (negative: skipped), rotated q returned,
+    the reference's bits (`available()` first)."""
+    module = load()
+    assert module is not None, "rotary_store_rows: the kernel is not available on this machine"
+    return module.rotary_store_rows(q, k, v, cos, sin, k_cache, v_cache, slots)
