@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from dspark.config import EngineConfig
+from dspark.kernels.cpu import linear as cpu_linear
 from dspark.runner.models import layers
 from dspark.runner.models.loader import load_target_model
 
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     model = load_target_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
     weights = [p for p in model.parameters() if p.dim() == 2]
     megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    kernel = f"kernel built for {cpu_linear.isa()}" if cpu_linear.available() else "no kernel"
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {kernel}")
     print(f"{args.model}: {len(weights)} weights, {megabytes:.0f} MB fp32; ms a pass, best of {args.rounds}")
     with torch.inference_mode():
         packed = tuple(path for path in layers.COPY_ATTRIBUTE if layers.pack_cpu_weights(weights, path))
