@@ -48,14 +48,21 @@ def rms_norm(
 
 def _on_cpu_kernel(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
     """Whether a CPU norm runs in C++ (`kernels/cpu/norm.cpp`, one call for torch's six, each row normed
-    alone): fp32 CPU tensors, no gradient wanted, the CPU extension built here."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+    alone): `_cpu_extension_takes` them, a residual of x's shape."""
+    if residual is not None and residual.shape != x.shape:
         return False
-    if residual is not None and (residual.dtype != torch.float32 or residual.shape != x.shape):
+    return _cpu_extension_takes(x, weight, *(() if residual is None else (residual,)))
+
+
+def _cpu_extension_takes(first: torch.Tensor, *rest: torch.Tensor) -> bool:
+    """Whether the CPU extension may take these operands: fp32 CPU tensors, the first not empty, no
+    gradient wanted through any, the extension built here."""
+    tensors = (first, *rest)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return False
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual)):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    return x.numel() > 0 and cpu_kernels.available()
+    return first.numel() > 0 and cpu_kernels.available()
 
 
 # Rows up to which a GPU projection takes the skinny-product kernel (kernels/gemv.py), and the widest
@@ -172,11 +179,7 @@ def rotary_store_kv(
         q, k, v, k_cache, v_cache, positions, cos_sin, rotation
     )
     if cpu_prologue:
-        n, d = q.shape[0], q.shape[-1]
-        if q_norm_weight is not None:
-            q = reference.rms_norm(q.reshape(-1, d), q_norm_weight, eps)[0].view(n, -1, d)
-        if k_norm_weight is not None:
-            k = reference.rms_norm(k.reshape(-1, d), k_norm_weight, eps)[0].view(n, -1, d)
+        q, k = reference.head_norm(q, q_norm_weight, eps), reference.head_norm(k, k_norm_weight, eps)
         return cpu_kernels.rotary_store_rows(q, k, v, rotation.cos, rotation.sin, k_cache, v_cache, slots)
     return reference.rotary_store_kv(
         q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_norm_weight, k_norm_weight, eps, rotation
@@ -193,18 +196,13 @@ def _rotary_on_cpu_kernel(
     cos_sin: torch.Tensor,
     rotation: reference.HostRotation,
 ) -> bool:
-    """Whether a CPU attention prologue runs in C++: fp32 CPU tensors with contiguous head values, no
-    gradient wanted, multipliers made from these positions and table, the CPU extension built here."""
+    """Whether a CPU attention prologue runs in C++: `_cpu_extension_takes` its operands, head values
+    contiguous, caches contiguous, multipliers made from these positions and table."""
     if rotation.positions is not positions or rotation.table is not cos_sin:
         return False  # made for another step's positions: `reference.rotary` makes its own
-    tensors = (q, k, v, k_cache, v_cache)
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1 for t in tensors):
+    if any(t.stride(-1) != 1 for t in (q, k, v)) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return False
-    return q.shape[0] > 0 and cpu_kernels.available()
+    return _cpu_extension_takes(q, k, v, k_cache, v_cache)
 
 
 def inject_kv(

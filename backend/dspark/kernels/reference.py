@@ -29,6 +29,13 @@ def rms_norm(
     return (normed.to(x.dtype) * weight), residual
 
 
+def head_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm of x [T, H, D] by weight [D] (None: x as it is)."""
+    if weight is None:
+        return x
+    return rms_norm(x.reshape(-1, x.shape[-1]), weight, eps)[0].view(x.shape)
+
+
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., k] @ weight [n, k]^T -> [..., n] for a few rows of x (a decode step's projection):
     accumulated in fp32, rounded once to x's dtype (F.linear without a bias)."""
@@ -129,12 +136,7 @@ def rotary_store_kv(
     and v stored at slots. q: [T, Hq, D]; k, v: [T, Hkv, D]; positions, slots: [T]. Returns rotated q.
     rotation: see `rotary`.
     """
-    n, num_q_heads, d = q.shape
-    num_kv_heads = k.shape[1]
-    if q_norm_weight is not None:
-        q = rms_norm(q.reshape(-1, d), q_norm_weight, eps)[0].view(n, num_q_heads, d)
-    if k_norm_weight is not None:
-        k = rms_norm(k.reshape(-1, d), k_norm_weight, eps)[0].view(n, num_kv_heads, d)
+    q, k = head_norm(q, q_norm_weight, eps), head_norm(k, k_norm_weight, eps)
     q, k = rotary(q, k, positions, cos_sin, rotation)
     store_kv(k, v, k_cache, v_cache, slots)
     return q
@@ -153,9 +155,7 @@ def inject_kv(
 ) -> None:
     """The drafter's KV injection store: k-norm, rotary and store of the context keys, store of the
     values. k, v: [T, Hkv, D]; positions, slots: [T] (negative slots skipped)."""
-    n, num_kv_heads, d = k.shape
-    if k_norm_weight is not None:
-        k = rms_norm(k.reshape(-1, d), k_norm_weight, eps)[0].view(n, num_kv_heads, d)
+    k = head_norm(k, k_norm_weight, eps)
     k, _ = rotary(k, k, positions, cos_sin)
     store_kv(k, v, k_cache, v_cache, slots)
 

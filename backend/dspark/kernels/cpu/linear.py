@@ -14,9 +14,8 @@ Built the first time a process asks for it, by torch's extension builder with th
 compiler, for the CPU's widest vectors (`isa`: AVX-512 or AVX2; each output's sum order follows the
 lane count, so one machine has one order), and kept under torch's extension root
 (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) for the next processes (`make setup` builds
-it once). Where there is no
-compiler, no AVX2 or the build fails, `available()` says False (once, with the reason, in the log) and
-`layers.linear` keeps the library products.
+it once). Where there is no compiler, no AVX2 or the build fails, `available()` says False (once, with
+the reason, in the log) and `layers.linear` keeps the library products.
 """
 
 from __future__ import annotations
@@ -39,7 +38,8 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 # extension (one build, one load); the products and the norm include lanes.h, whose changes ninja's header
 # tracking rebuilds.
 SOURCES = (SOURCE, SOURCE.with_name("norm.cpp"), SOURCE.with_name("rotary.cpp"))
-# The build's folder name: one per torch and Python (the extension links against both).
+# The build's folder name (`build_directory` adds the torch, the Python, which the extension links
+# against, and the vector width it is built for).
 NAME = "dspark_cpu_linear"
 # A build lock older than this was left by a process killed mid-build: removed, or every later process
 # would wait on it for ever (torch's lock has no timeout). A build takes ~30 s on two cores.
