@@ -6,8 +6,8 @@ than the extra tokens bring; on a CPU whose BLAS runs a window of 4 rows at 1.6x
 window of 2 can pay where 4 loses. The gate estimates, per power-of-two count of decoding requests (a tier)
 and per draft length (0 = plain, then powers of two below the block size, then the block size), the
 committed tokens per second of a decode-only step with that length, and picks the fastest (plain
-decoding unless a drafting length beats it by DRAFT_MARGIN). The two halves of that rate are measured
-apart:
+decoding unless a drafting length beats it by `draft_margin`: 10% at one request, 20% from 8). The two
+halves of that rate are measured apart:
 
 - seconds, per tier: the median wall time of the latest steps run with that length (a median, not a
   mean: the host's pauses, a garbage collection or a descheduled thread of tens of milliseconds, land
@@ -71,6 +71,7 @@ which steps speculated, and so its exact stream, then depends on timing.)
 from __future__ import annotations
 
 import collections
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -91,13 +92,24 @@ SMOOTHING = 0.05  # weight of the newest step in each moving average, once it ha
 RECENT_STEPS = 9  # step times a length's median is taken over, per tier
 PRIOR_REQUESTS = 2.0  # requests' worth of prior added to each position's acceptance counts
 FIRST_PRIOR = 0.5  # the prior chance of the first draft
-# A drafting length is chosen over plain decoding only where its estimated rate beats plain's by this
-# share. The rate is the batch's mean tokens a step; drafting also spreads the steps requests need
-# (each request's acceptance is its own: on 64 of the bench prompts, 128 tokens, 51-87 steps), and a
-# batch that does not refill waits for its slowest request. Measured (H100, SmolLM2, 128 tokens, a batch
-# run to its end): the gate's rates put drafting 3% / 15% / 29% ahead of plain at 64 / 16 / 8 requests,
-# and drafting ran 0.87x / 1.00x / 1.07x plain: near a tie, plain decoding is the safe side.
-DRAFT_MARGIN = 0.10
+# A drafting length is chosen over plain decoding only where its estimated rate beats plain's by a
+# margin (`draft_margin`). The rate is the batch's mean tokens a step; drafting also spreads the steps
+# requests need (each request's acceptance is its own: on 64 of the bench prompts, 128 tokens, 51-87
+# steps), and a batch that does not refill waits for its slowest request, the more of them the further
+# below the mean. Measured (H100, SmolLM2, 128 tokens, a batch run to its end), the gate's rates against
+# what drafting ran: 8 requests +29% / +26% -> 1.07x / 1.08x plain, 16: +15% / +30% -> 1.00x / 1.09x,
+# 64: +3% / +11% / +12% -> 0.87x / 0.90x / 0.96x, 128: +20% -> 1.02x (sessions 57 and 59), so from 8
+# requests up the batch's end cost 15-23% of the estimate; at one request none (+34% -> 1.37x).
+DRAFT_MARGIN = 0.10  # at one request: the estimates' noise, near a tie plain decoding is the safe side
+BATCH_DRAFT_MARGIN = 0.20  # from BATCH_MARGIN_REQUESTS requests up; between, by log2 of the count
+BATCH_MARGIN_REQUESTS = 8
+
+
+def draft_margin(num_requests: int) -> float:
+    """The share by which drafting's estimated rate must beat plain decoding's for this many decoding
+    requests: DRAFT_MARGIN at one, BATCH_DRAFT_MARGIN from BATCH_MARGIN_REQUESTS up, by log2 between."""
+    reach = math.log2(max(num_requests, 1)) / math.log2(BATCH_MARGIN_REQUESTS)
+    return DRAFT_MARGIN + (BATCH_DRAFT_MARGIN - DRAFT_MARGIN) * min(1.0, reach)
 
 
 def draft_lengths(block_size: int) -> tuple[int, ...]:
@@ -296,10 +308,10 @@ class SpeculationGate:
 
     def _fastest(self, stats: _TierStats, num_requests: int) -> int:
         """The length of the highest estimated rate in this tier, plain decoding unless a drafting
-        length beats it by DRAFT_MARGIN."""
+        length beats it by `draft_margin`."""
         rates = {n: stats.rate(n, num_requests, self._acceptance) for n in self.lengths}
         best = max(self.lengths, key=rates.__getitem__)
-        if best != 0 and stats.measured(0) and rates[best] < (1.0 + DRAFT_MARGIN) * rates[0]:
+        if best != 0 and stats.measured(0) and rates[best] < (1.0 + draft_margin(num_requests)) * rates[0]:
             return 0
         return best
 

@@ -31,6 +31,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s57   carry [".carry/c4"] after parking g01, g2 (~400 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s57b   carry [".carry/c4", ".carry/base57"] after parking g01, g2 (~480 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s58   no carry, nothing parked (~260 s with the start)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s59   carry [".carry/c4", ".carry/base59"] after parking g01, g2 (~200 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh data-train   carry [".carry/c4", ".carry/distill"]
 #     (~530 s; parked: .carry/g01 then .carry/g2, the GGUF alone, with drafters/, benchmarks/results/ and
 #     training/prompts_train.jsonl moved aside meanwhile; drafters/ and the prompts back for this call,
@@ -462,6 +463,20 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
     echo "step 8b: exit $?"; grep -A40 "^| batch" "$OUT/step8b/results.md" 2>/dev/null | head -42
     timeout ${TESTS_S:-80} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py > "$OUT/gemv-tests.log" 2>&1
     echo "gemv tests: exit $?"; tail -2 "$OUT/gemv-tests.log"
+    ;;
+  s59)
+    # Session 59 (carry [".carry/c4", ".carry/base59"] after parking g01, g2; base59: `git archive
+    # f2d4349 backend`; ~200 s): the gate's margin by request count (10% at one request, 20% from 8)
+    # against the flat 10%, a batch run to its end (128 tokens) and with spread lengths.
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    timeout ${AB_S:-200} python3 benchmarks/ab_trees.py --base .carry/base59/backend --device cuda \
+      --batch-sizes ${AB_BATCHES:-64,8,128,1} --modes off,default --rounds ${ROUNDS:-3} --max-tokens 128 \
+      --out "$OUT/ab-margin.json" > "$OUT/ab-margin.log" 2>&1
+    echo "ab margin: exit $?"; grep -vE "^\{" "$OUT/ab-margin.log" | tail -12
+    timeout ${AB2_S:-120} python3 benchmarks/ab_trees.py --base .carry/base59/backend --device cuda \
+      --batch-sizes 64,16 --modes off,default --rounds 3 --max-tokens 128 --max-tokens-spread 0.5 \
+      --out "$OUT/ab-margin-spread.json" > "$OUT/ab-margin-spread.log" 2>&1
+    echo "ab margin spread: exit $?"; grep -vE "^\{" "$OUT/ab-margin-spread.log" | tail -8
     ;;
   data-train)
     # Both in one call (a machine may not stay warm between two): ~530 s with the defaults below.
