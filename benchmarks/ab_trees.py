@@ -206,12 +206,18 @@ def main(argv: list[str] | None = None) -> None:
                 timed_run(tree, engines[(tree.name, mode)], ids, min(32, args.max_tokens))
             seconds: dict[str, list[float]] = {"base": [], "new": []}
             tokens: dict[str, list[list[int]]] = {}
+            # The gate's choices in each timed run (its warm-ups and probes land in some runs only).
+            chosen_by_run: dict[str, list[dict[int, int]]] = {"base": [], "new": []}
             for r in range(args.rounds):
                 order = trees if r % 2 == 0 else trees[::-1]
                 for tree in order:
-                    took, out = timed_run(tree, engines[(tree.name, mode)], ids, lengths)
+                    engine = engines[(tree.name, mode)]
+                    before = _gate_chosen(engine)
+                    took, out = timed_run(tree, engine, ids, lengths)
                     seconds[tree.name].append(took)
                     tokens.setdefault(tree.name, out)
+                    after = _gate_chosen(engine)
+                    chosen_by_run[tree.name].append({n: after[n] - before.get(n, 0) for n in after})
             ratios = sorted(b / n for b, n in zip(seconds["base"], seconds["new"], strict=True))
             produced = sum(len(t) for t in tokens["new"])
             same = sum(a == b for a, b in zip(tokens["base"], tokens["new"], strict=True)) / batch
@@ -229,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
             if mode == "default":  # what each tree's gate believes, per draft length, at this batch
                 row["gate_rates"] = {t.name: _gate_rates(engines[(t.name, mode)], batch) for t in trees}
                 row["gate_chosen"] = {t.name: _gate_chosen(engines[(t.name, mode)]) for t in trees}
+                row["gate_chosen_by_run"] = chosen_by_run
+                row["seconds_by_run"] = seconds
                 row["gate_timed"] = {t.name: _gate_timed(engines[(t.name, mode)], batch) for t in trees}
             row["attention_tiles"] = {t.name: _attention_tiles(t) for t in trees}
             rows.append(row)

@@ -17,6 +17,8 @@ from dspark.spec.gate import (
     DRAFT_MARGIN,
     FIRST_PRIOR,
     LATER_TIER_WARM_UP_STEPS,
+    PROBE_BACKOFF,
+    PROBE_CLEAR_LOSS,
     PROBE_INTERVAL,
     PROBE_MOST_STEPS,
     RUN_EDGES,
@@ -181,6 +183,23 @@ def test_drafting_must_beat_plain_decoding_by_the_margin(num_requests: int, shar
         assert drafted <= probes * PROBE_MOST_STEPS, decisions  # probes only (each until measured)
     else:
         assert drafted >= len(settled) - probes * PROBE_MOST_STEPS, decisions
+
+
+@pytest.mark.parametrize("drafting_s", [0.0017, 0.0014])
+def test_a_length_a_probe_finds_clearly_behind_is_probed_less_often(drafting_s: float) -> None:
+    """64 requests, plain 1 ms a step, drafting 1.3 tokens a request: at 1.7 ms (0.76x plain's rate,
+    under PROBE_CLEAR_LOSS) probes come PROBE_BACKOFF times as seldom (in a batch run to its end each
+    one spreads the requests' progress); at 1.4 ms (0.93x) as often as before."""
+    clock = _Clock()
+    gate = SpeculationGate(1, clock)
+    accepted = _cycle({0: 70, 1: 30}, requests=64)
+    decisions = _run_steps(gate, clock, 64, 3000, lambda n: drafting_s if n else 0.001, accepted)
+    settled = decisions[4 * WARM_UP_STEPS :]
+    probes = sum(settled)
+    if 1.3 / drafting_s < PROBE_CLEAR_LOSS / 0.001:  # clearly behind
+        assert 1 <= probes <= len(settled) // (PROBE_INTERVAL * PROBE_BACKOFF) + 2, probes
+    else:
+        assert probes >= len(settled) // (PROBE_INTERVAL + 1) - 2, probes
 
 
 def test_the_margin_grows_with_the_requests_a_batch_waits_for() -> None:

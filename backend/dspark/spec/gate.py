@@ -54,7 +54,8 @@ served, the request count moves between tiers as requests come and go, and a ful
 most of a short run). A probe re-measures a losing length now and then, in turn, for as many steps in
 a row as it takes to measure it once (counting again after a step with a prefill chunk, up to a
 bound), and the next comes PROBE_INTERVAL steps later for each step it needs (probes of 3 steps under
-overlap, as often as those of 1 step, would run 3x the losing steps).
+overlap, as often as those of 1 step, would run 3x the losing steps), PROBE_BACKOFF times later where the
+probe found its length clearly behind (PROBE_CLEAR_LOSS).
 A warm-up or probe run keeps its length whatever the tier of the steps it runs (a tier's own steps
 interleaved with another's would never be neighbours), and a choice counts once its step starts (a
 launch given up and tried again asks twice).
@@ -84,6 +85,14 @@ LATER_TIER_WARM_UP_STEPS = 2  # the same in every later tier (the acceptance is 
 RUN_EDGES = 2  # unmeasured steps of a run of one length under overlap: its first and its last
 WARM_UP_TRIES = 3  # most warm-up choices of a length per tier, measured or not, in measured steps' worth
 PROBE_INTERVAL = 32  # a tier probes a losing length after this many steps per step of its last probe
+# A probe that finds its length clearly behind the tier's choice (its rate under PROBE_CLEAR_LOSS of the
+# chosen length's) puts the next probe off PROBE_BACKOFF times as long. A probe costs more than its own
+# steps where a batch runs to its end: its drafting steps spread the requests' progress, and the batch
+# then waits for the last one (H100, 64 requests of 128 tokens, where a drafting step cost 1.6x a plain
+# one: the serve default ran 0.77x plain decoding though its gate rated plain 10% ahead; at 32 steps a
+# probe step, a run of 128 tokens in bursts of 4 met a probe of 12 steps).
+PROBE_CLEAR_LOSS = 0.8
+PROBE_BACKOFF = 4
 PROBE_MOST_STEPS = 1 + RUN_EDGES  # a probe runs until its length is measured once, at most this long
 # (in steps in a row without a prefill chunk, which cannot be measured nor let their neighbours be: a
 # probe begun as requests arrive would end unmeasured; at most PROBE_PREFILL_BOUND times as many in all)
@@ -133,6 +142,11 @@ class _RecentMedian:
         self.count = 0
         self.recent: collections.deque[tuple[float, bool]] = collections.deque(maxlen=RECENT_STEPS)
         self.value = 0.0
+
+    @property
+    def settled(self) -> bool:
+        """Whether none of the latest values is a warm-up's, still provisional."""
+        return not any(p for _, p in self.recent)
 
     def add(self, value: float, provisional: bool = False) -> None:
         """One more value; `provisional`: measured in a warm-up. A provisional value is dropped once two
@@ -289,7 +303,10 @@ class SpeculationGate:
             if run.probe:
                 # Spaced by the steps a probe needs, not by those chunks added (a probe slowed by them
                 # would put off the next by up to PROBE_PREFILL_BOUND times as long).
-                run.tier.next_probe = run.tier.steps + PROBE_INTERVAL * min(max(run.started, 1), run.most)
+                interval = PROBE_INTERVAL * min(max(run.started, 1), run.most)
+                if self._clearly_behind(run.tier, run.length, num_requests):
+                    interval *= PROBE_BACKOFF
+                run.tier.next_probe = run.tier.steps + interval
             run = self._run = None
         if run is None:
             run = self._run = self._warm_up(stats)
@@ -314,6 +331,17 @@ class SpeculationGate:
         if best != 0 and stats.measured(0) and rates[best] < (1.0 + draft_margin(num_requests)) * rates[0]:
             return 0
         return best
+
+    def _clearly_behind(self, stats: _TierStats, length: int, num_requests: int) -> bool:
+        """Whether `length`'s estimated rate in this tier is under PROBE_CLEAR_LOSS of the rate of the
+        length the tier would choose now, on times of its own that no warm-up's provisional one is among
+        (False until both are measured: a slow warm-up is displaced only by the probes' times)."""
+        if length not in stats.seconds or not stats.seconds[length].settled:
+            return False
+        chosen = self._fastest(stats, num_requests)
+        probed = stats.rate(length, num_requests, self._acceptance)
+        best = stats.rate(chosen, num_requests, self._acceptance)
+        return chosen != length and 0.0 < probed < PROBE_CLEAR_LOSS * best
 
     def withdraw(self) -> None:
         """Forget the last choice: the step about to start verifies no drafts whatever was chosen (no
