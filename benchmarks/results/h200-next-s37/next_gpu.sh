@@ -32,6 +32,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s57b   carry [".carry/c4", ".carry/base57"] after parking g01, g2 (~480 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s58   no carry, nothing parked (~260 s with the start)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s59   carry [".carry/c4", ".carry/base59"] after parking g01, g2 (~200 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh timeline64   carry [".carry/c4"] after parking g01, g2 (~100 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh data-train   carry [".carry/c4", ".carry/distill"]
 #     (~530 s; parked: .carry/g01 then .carry/g2, the GGUF alone, with drafters/, benchmarks/results/ and
 #     training/prompts_train.jsonl moved aside meanwhile; drafters/ and the prompts back for this call,
@@ -477,6 +478,15 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
       --batch-sizes 64,16 --modes off,default --rounds 3 --max-tokens 128 --max-tokens-spread 0.5 \
       --out "$OUT/ab-margin-spread.json" > "$OUT/ab-margin-spread.log" 2>&1
     echo "ab margin spread: exit $?"; grep -vE "^\{" "$OUT/ab-margin-spread.log" | tail -8
+    ;;
+  timeline64)
+    # Session 59 (carry [".carry/c4"] after parking g01, g2; ~100 s): where the serve default's gate
+    # goes wrong at 64 requests (it rated drafting 17-20% ahead of plain; runs of it were 16% behind):
+    # each step of a 128-token batch of 64 after three warm runs, its length, requests, tokens and time.
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    (cd benchmarks && timeout ${TL_S:-150} python3 gate_timeline.py --device cuda --batch 64 --max-tokens 128 \
+      --before 64 --before-runs 3 --out "$OUT/timeline64" > "$OUT/timeline64.log" 2>&1)
+    echo "timeline 64: exit $?"; tail -30 "$OUT/timeline64.log"
     ;;
   data-train)
     # Both in one call (a machine may not stay warm between two): ~530 s with the defaults below.
