@@ -232,6 +232,27 @@ def test_a_warm_up_choice_on_a_prefill_step_is_made_again() -> None:
     assert after.count(0) >= len(after) - 1, decisions[: 6 * WARM_UP_STEPS]
 
 
+def test_no_drafting_while_plain_decoding_is_unmeasured_in_the_tier() -> None:
+    """Plain decoding's warm-up can end unmeasured (every plain step carried a prefill chunk, or sat at
+    a run's edge): drafting then was chosen on no comparison with plain (H100, 64 requests, after three
+    runs). Here plain's steps carry a chunk for the first 60 steps, drafting loses (1.3 tokens for
+    1.5 ms against 1 for 1 ms): plain is probed until measured, not left for drafting, and then wins."""
+    clock = _Clock()
+    gate = SpeculationGate(1, clock)
+    decisions = []
+    for step in range(200):
+        length = gate.draft_length(8)
+        gate.start_step(length, prefill=length == 0 and step < 60)
+        clock.now += 0.0015 if length else 0.001
+        prefill = length == 0 and step < 60
+        gate.finish_step([] if prefill else [1 + min(a, length) for a in (1, 1, 1, 0, 0, 0, 0, 0)])
+        decisions.append(length)
+    warm = WARM_UP_STEPS + RUN_EDGES  # length 1's warm-up, then plain's
+    assert sum(decisions[warm:60]) == 0, decisions[:60]
+    assert 0 in gate.rates(8)
+    assert sum(decisions[70:]) <= len(decisions[70:]) // PROBE_INTERVAL + 1, decisions
+
+
 def test_a_later_tier_warms_up_in_two_steps_a_length_on_the_shared_acceptance() -> None:
     """Served, the request count moves between tiers; acceptance is the drafter's, not the batch's, so
     a tier met after the first times each length twice and decides on the acceptance measured so far."""

@@ -55,7 +55,9 @@ most of a short run). A probe re-measures a losing length now and then, in turn,
 a row as it takes to measure it once (counting again after a step with a prefill chunk, up to a
 bound), and the next comes PROBE_INTERVAL steps later for each step it needs (probes of 3 steps under
 overlap, as often as those of 1 step, would run 3x the losing steps), PROBE_BACKOFF times later where the
-probe found its length clearly behind (PROBE_CLEAR_LOSS).
+probe found its length clearly behind (PROBE_CLEAR_LOSS). Plain decoding unmeasured in a tier where a drafting
+length would be chosen is probed at once (unmeasured lengths first), so that no drafting choice stands
+without the margin's comparison.
 A warm-up or probe run keeps its length whatever the tier of the steps it runs (a tier's own steps
 interleaved with another's would never be neighbours), and a choice counts once its step starts (a
 launch given up and tried again asks twice).
@@ -314,10 +316,16 @@ class SpeculationGate:
             length = run.length
         else:
             length = self._fastest(stats, num_requests)
-            if stats.steps >= stats.next_probe:
+            # Drafting with plain decoding unmeasured in this tier (its warm-up steps all carried a
+            # prefill chunk or sat at a run's edge) is a choice the margin never judged: plain is
+            # probed now, until measured (H100, 64 requests after three runs: the gate drafted most
+            # steps with no plain time in the tier).
+            unjudged = length != 0 and not stats.measured(0)
+            if unjudged or stats.steps >= stats.next_probe:
                 losers = [n for n in self.lengths if n != length]
                 stats.probes += 1
-                length = losers[stats.probes % len(losers)]
+                unmeasured = [n for n in losers if not stats.measured(n)]
+                length = unmeasured[0] if unmeasured else losers[stats.probes % len(losers)]
                 self._run = _Run(stats, length, stats.measured(length) + 1, PROBE_MOST_STEPS, probe=True)
                 stats.next_probe = stats.steps + PROBE_INTERVAL  # moved on when the probe ends
         self._choice = (stats, length)
