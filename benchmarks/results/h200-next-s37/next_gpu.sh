@@ -52,6 +52,18 @@ set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/dspark-s37}
 mkdir -p "$OUT"
+# The serve default and plain decoding of HEAD against an older tree's (`$1`, its backend/), batches
+# run to their end (128 tokens; AB_BATCHES, ROUNDS) and with lengths spread over 64-128 tokens.
+gate_ab() {
+  timeout "$AB_S" python3 benchmarks/ab_trees.py --base "$1" --device cuda \
+    --batch-sizes "${AB_BATCHES:-64,8,128,1}" --modes off,default --rounds "${ROUNDS:-3}" --max-tokens 128 \
+    --out "$OUT/ab-margin.json" > "$OUT/ab-margin.log" 2>&1
+  echo "ab margin: exit $?"; grep -vE "^\{" "$OUT/ab-margin.log" | tail -12
+  timeout "$AB2_S" python3 benchmarks/ab_trees.py --base "$1" --device cuda \
+    --batch-sizes 64,16 --modes off,default --rounds 3 --max-tokens 128 --max-tokens-spread 0.5 \
+    --out "$OUT/ab-margin-spread.json" > "$OUT/ab-margin-spread.log" 2>&1
+  echo "ab margin spread: exit $?"; grep -vE "^\{" "$OUT/ab-margin-spread.log" | tail -8
+}
 case "${1:-}" in
   tests)
     OUT=$OUT TESTS_S=${TESTS_S:-330} SERVING_S=${SERVING_S:-110} bash benchmarks/gpu_check.sh > "$OUT/check.log" 2>&1
@@ -438,14 +450,7 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
     # 2. The Qwen3-8B step at 1-16 requests x windows 1-4, HEAD's kernel rows against 16 and cuBLAS.
     # 3. The skinny-product kernel's tests.
     OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
-    timeout ${AB_S:-170} python3 benchmarks/ab_trees.py --base .carry/base57/backend --device cuda \
-      --batch-sizes ${AB_BATCHES:-64,8,128,1} --modes off,default --rounds ${ROUNDS:-3} --max-tokens 128 \
-      --out "$OUT/ab-margin.json" > "$OUT/ab-margin.log" 2>&1
-    echo "ab margin: exit $?"; grep -vE "^\{" "$OUT/ab-margin.log" | tail -12
-    timeout ${AB2_S:-110} python3 benchmarks/ab_trees.py --base .carry/base57/backend --device cuda \
-      --batch-sizes 64,16 --modes off,default --rounds 3 --max-tokens 128 --max-tokens-spread 0.5 \
-      --out "$OUT/ab-margin-spread.json" > "$OUT/ab-margin-spread.log" 2>&1
-    echo "ab margin spread: exit $?"; grep -vE "^\{" "$OUT/ab-margin-spread.log" | tail -8
+    AB_S=${AB_S:-170} AB2_S=${AB2_S:-110} gate_ab .carry/base57/backend
     timeout ${STEP_S:-150} python3 benchmarks/gpu_e2e.py --parts step --shape qwen3-8b --work /tmp/s57 --out "$OUT/step8b" \
       --step-batches 1,8,16,32 --step-windows 1,2,4 --kernel-paths gemv,gemv16,cublas --context 1024 --repeats 10 \
       > "$OUT/step8b.log" 2>&1
@@ -470,14 +475,7 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
     # f2d4349 backend`; ~200 s): the gate's margin by request count (10% at one request, 20% from 8)
     # against the flat 10%, a batch run to its end (128 tokens) and with spread lengths.
     OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
-    timeout ${AB_S:-200} python3 benchmarks/ab_trees.py --base .carry/base59/backend --device cuda \
-      --batch-sizes ${AB_BATCHES:-64,8,128,1} --modes off,default --rounds ${ROUNDS:-3} --max-tokens 128 \
-      --out "$OUT/ab-margin.json" > "$OUT/ab-margin.log" 2>&1
-    echo "ab margin: exit $?"; grep -vE "^\{" "$OUT/ab-margin.log" | tail -12
-    timeout ${AB2_S:-120} python3 benchmarks/ab_trees.py --base .carry/base59/backend --device cuda \
-      --batch-sizes 64,16 --modes off,default --rounds 3 --max-tokens 128 --max-tokens-spread 0.5 \
-      --out "$OUT/ab-margin-spread.json" > "$OUT/ab-margin-spread.log" 2>&1
-    echo "ab margin spread: exit $?"; grep -vE "^\{" "$OUT/ab-margin-spread.log" | tail -8
+    AB_S=${AB_S:-200} AB2_S=${AB2_S:-120} gate_ab .carry/base59/backend
     ;;
   timeline64)
     # Session 59 (carry [".carry/c4"] after parking g01, g2; ~100 s): where the serve default's gate
