@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         if gated_plain:
             # The serve default's engine (drafter loaded, its graphs and features) with every step plain:
             # what a plain step costs there against the plain engine's (`off`).
-            llm.engine.gate.draft_length = lambda num_requests: 0
+            llm.engine.gate.draft_length = lambda num_requests, draining=None: 0
         ids = _prompt_ids(llm, args.batch)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         llm.generate(params=params, prompt_token_ids=ids)  # warm-up: kernels compiled, graphs captured

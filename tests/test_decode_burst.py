@@ -180,7 +180,7 @@ def test_a_gate_drafting_apart_bursts_its_plain_steps_only(tiny_target_dir, tiny
     # Every other choice plain, the others random: with a random one alone, a draw whose ~20 decode-only
     # steps all drafted left nothing to burst (seed 143466820, ~1 draw in 400).
     choose, choices = gate.draft_length, itertools.count()
-    gate.draft_length = lambda num_requests: 0 if next(choices) % 2 else choose(num_requests)  # type: ignore[method-assign]
+    gate.draft_length = lambda num_requests, draining=None: 0 if next(choices) % 2 else choose(num_requests)  # type: ignore[method-assign]
     engine.gate = gate
     plans = []
     launch = engine._launch_burst

@@ -23,7 +23,7 @@ def _random_prompts(count: int) -> list[list[int]]:
 def _held_at(llm: LLM, length: int) -> LLM:
     """The engine with its gate's choice fixed at `length` (0: plain steps)."""
     assert llm.engine.gate is not None
-    llm.engine.gate.draft_length = lambda num_requests: length  # type: ignore[method-assign]
+    llm.engine.gate.draft_length = lambda num_requests, draining=None: length  # type: ignore[method-assign]
     return llm
 
 

@@ -7,9 +7,10 @@ import collections
 import random
 
 import pytest
-from tiny_models import emulated_graphs_config, use_emulated_graphs
+from tiny_models import emulated_graphs_config, tiny_engine_config, use_emulated_graphs
 
 from dspark import LLM, EngineConfig, SamplingParams
+from dspark.engine.llm_engine import WAVE_STEPS
 from dspark.outputs import gate_rows
 from dspark.spec.gate import (
     BATCH_DRAFT_MARGIN,
@@ -42,14 +43,14 @@ class _Clock:
 
 
 def _run_steps(
-    gate: SpeculationGate, clock: _Clock, requests: int, steps: int, seconds, accepted
+    gate: SpeculationGate, clock: _Clock, requests: int, steps: int, seconds, accepted, draining=None
 ) -> list[int]:
     """Drive `steps` decode steps; seconds(length) says how long a step of each draft length takes and
     accepted(step) how many drafts each request would accept of an unbounded window (it commits
-    1 + min(accepted, length)). Returns the lengths chosen."""
+    1 + min(accepted, length)); `draining` goes to `draft_length`. Returns the lengths chosen."""
     decisions = []
     for step in range(steps):
-        length = gate.draft_length(requests)
+        length = gate.draft_length(requests, draining)
         gate.start_step(length)
         clock.now += seconds(length)
         gate.finish_step([1 + min(a, length) for a in accepted(step)])
@@ -211,6 +212,67 @@ def test_the_margin_grows_with_the_requests_a_batch_waits_for() -> None:
     assert margins[3:] == [BATCH_DRAFT_MARGIN] * 3
 
 
+def _progress(accepted_per_request: list[int], block: int, steps: int, remaining: int):
+    """`draining` for the gate: each request verified `block` drafts on `steps` steps and accepted its
+    first accepted_per_request[r] of them on each, with `remaining` tokens left."""
+
+    def progress():
+        for a in accepted_per_request:
+            yield remaining, [steps] * block, [steps if k < a else 0 for k in range(block)]
+
+    return progress
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_a_batch_run_to_its_end_is_judged_by_the_requests_it_drafts_worst_for(spread: bool) -> None:
+    """64 requests, plain 1 ms a step, a window of 3 drafts 1.4 ms. Spread: half accept every draft,
+    half none: the mean commits 2.5 tokens a request a step (1.8x plain's rate), but a batch run to its
+    end waits for the requests at 1 token a step (0.7x): draining, plain decoding; otherwise (a
+    server's batch, whose freed seats are taken), drafting. Alike: every request accepts 2 of 3, and
+    drafting pays either way."""
+    accepted = [3] * 32 + [0] * 32 if spread else [2] * 64
+    chosen = {}
+    for draining in (None, _progress(accepted, 3, 40, 100)):
+        clock = _Clock()
+        gate = SpeculationGate(3, clock)
+        decisions = _run_steps(
+            gate, clock, 64, 400, lambda n: 0.0014 if n else 0.001, lambda step: accepted, draining
+        )
+        settled = decisions[8 * WARM_UP_STEPS :]
+        chosen[draining is not None] = sum(1 for n in settled if n) / len(settled)
+    assert chosen[False] > 0.9  # the mean: drafting
+    if spread:
+        assert chosen[True] < 0.1, chosen  # plain, but for probes
+    else:
+        assert chosen[True] > 0.9, chosen
+
+
+def test_a_draining_batch_s_requests_few_steps_measured_count_as_the_mean() -> None:
+    """Requests whose drafts no step verified yet (the gate ran plain steps) are judged by the shared
+    acceptance, not as requests that accept nothing: drafting that pays for every request stays."""
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    unmeasured = _progress([0] * 64, 3, 0, 100)
+    decisions = _run_steps(
+        gate, clock, 64, 300, lambda n: 0.0014 if n else 0.001, lambda step: [2] * 64, unmeasured
+    )
+    settled = decisions[8 * WARM_UP_STEPS :]
+    assert sum(1 for n in settled if n) / len(settled) > 0.9
+
+
+def test_a_tier_remembers_how_far_behind_the_mean_its_batches_ended() -> None:
+    """A batch whose requests' own steps showed its end far behind the mean (half accept every draft,
+    half none) teaches the tier: the next batch's requests, not measured yet, are judged by it from its
+    first steps (plain decoding), not as the mean (drafting, until their own steps tell)."""
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    spread = [3] * 32 + [0] * 32
+    seconds = lambda n: 0.0014 if n else 0.001  # noqa: E731
+    _run_steps(gate, clock, 64, 200, seconds, lambda step: spread, _progress(spread, 3, 40, 100))
+    fresh = _run_steps(gate, clock, 64, 40, seconds, lambda step: spread, _progress(spread, 3, 0, 100))
+    assert sum(1 for n in fresh if n) <= PROBE_MOST_STEPS, fresh
+
+
 def test_a_warm_up_choice_on_a_prefill_step_is_made_again() -> None:
     """Served, requests arrive one by one and many steps carry a prefill chunk, which the gate does
     not measure. Here every plain step of the warm-up carries one: plain must be tried until it is
@@ -359,9 +421,9 @@ def test_gated_engine_is_lossless_and_speculates_on_some_steps_only(
     decisions: list[int] = []
     real_decide = gate.draft_length
 
-    def decide(num_requests: int) -> int:
+    def decide(num_requests: int, draining=None) -> int:
         asked[0] = num_requests
-        decisions.append(real_decide(num_requests))
+        decisions.append(real_decide(num_requests, draining))
         return decisions[-1]
 
     gate.start_step = start  # type: ignore[method-assign]
@@ -415,7 +477,7 @@ def test_seeded_sampling_stays_reproducible_under_the_gate(tiny_target_dir, tiny
     for speculate in (True, False):
         llm = LLM(config)
         block = llm.engine.limits.block_size
-        llm.engine.gate.draft_length = lambda num_requests, s=speculate, b=block: b if s else 0  # type: ignore[method-assign]
+        llm.engine.gate.draft_length = lambda num_requests, draining=None, s=speculate, b=block: b if s else 0  # type: ignore[method-assign]
         out = llm.generate(params=params, prompt_token_ids=[[1, 2, 3, 4]])[0]
         assert out.spec_stats.drafted_tokens > 0
         streams.append(out.token_ids)
@@ -789,3 +851,51 @@ def test_a_withdrawn_choice_is_no_try_of_its_length():
         clock.now += 0.001
         gate.finish_step([])
     assert gate.draft_length(4) == 1
+
+
+def test_the_engine_hands_the_gate_a_batch_s_progress_only_while_it_runs_to_its_end(
+    tiny_target_dir, tiny_drafter_dir
+) -> None:
+    """Prompts of one `generate()` (one wave) with none waiting: the gate gets each decoding request's
+    tokens left and per-position counts, once every prompt is in; while prompts wait for seats, or once
+    a request has come later than the rest (a server's requests come and go), it gets none."""
+    config = tiny_engine_config(tiny_target_dir, tiny_drafter_dir, device="cpu", max_num_seqs=2)
+    llm = LLM(config.replace(adaptive_speculation=True))
+    engine = llm.engine
+    seen: list[tuple[int, list | None]] = []
+    real_decide = engine.gate.draft_length
+
+    def decide(num_requests: int, draining=None) -> int:
+        seen.append((num_requests, None if draining is None else list(draining())))
+        # Nor is the gate asked while such a batch takes its prompts in (no length is timed then).
+        assert draining is None or not any(s.in_prefill for s in engine.scheduler.running)
+        return real_decide(num_requests, draining)
+
+    engine.gate.draft_length = decide  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs = llm.generate(params=params, prompt_token_ids=[[1, 2, 3], [4, 5], [6, 7, 1], [2, 2]])
+    # Two seats: the first two decode while the others wait, then the last two run to their end.
+    assert any(d is None for _, d in seen) and seen[-1][1] is not None
+    for num_requests, progress in seen:
+        if progress is not None:
+            assert len(progress) == num_requests
+            assert all(0 < left <= 12 and len(v) == len(a) for left, v, a in progress)
+    handed = [sum(left for left, _, _ in d) for _, d in seen if d is not None]
+    assert all(a > b for a, b in zip(handed, handed[1:], strict=False)), handed  # as the requests move on
+    # Each request's own per-position counts (they are the ones its output reports).
+    last_two = [o.spec_stats for o in outs[2:]]
+    first = next(d for _, d in seen if d is not None)
+    assert [(v, a) for _, v, a in first] == [
+        (s.verified_per_position, s.accepted_per_position) for s in last_two
+    ]
+    # A request that comes while others run: none is handed over until the earlier ones are done.
+    seen.clear()
+    engine.add_request("early", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(2 * WAVE_STEPS):
+        engine.step()
+    engine.add_request("late", [4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    both = [d for n, d in seen if n == 2]
+    assert both and all(d is None for d in both)
+    assert seen[0][1] is not None  # alone at first: a wave of one

@@ -188,6 +188,6 @@ class RandomLengthGate(SpeculationGate):
         super().__init__(block_size)
         self._rng = rng
 
-    def draft_length(self, num_requests: int) -> int:
+    def draft_length(self, num_requests: int, draining=None) -> int:
         """A random one of the gate's lengths."""
         return self._rng.choice(self.lengths)

@@ -39,6 +39,7 @@ class Sequence:
     finish_reason: str | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
     num_preemptions: int = 0
+    arrival_step: int = 0  # the engine's steps launched before it came (requests of one wave share it)
     num_prompt_tokens: int = field(init=False, repr=False)  # len(prompt_token_ids), set once
 
     def __post_init__(self) -> None:

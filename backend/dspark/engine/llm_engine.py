@@ -13,6 +13,7 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ from dspark.spec.draft_checkpoint import load_drafter
 from dspark.spec.draft_vocab import load_draft_vocab
 from dspark.spec.drafter import Drafter
 from dspark.spec.drafts import Drafts
-from dspark.spec.gate import SpeculationGate
+from dspark.spec.gate import RequestProgress, SpeculationGate
 from dspark.spec.lookup import PromptLookup
 from dspark.spec.planner import VerifyPlanner
 from dspark.spec.proposer import DSparkProposer, Proposer
@@ -65,6 +66,9 @@ from dspark.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 MEMORY_READ_INTERVAL_S = 0.5  # how stale the load's GPU memory figures may be
 GATE_VIEW_INTERVAL_S = 0.5  # how stale the load's view of the gate may be (remade at most this often)
+# Requests that came within this many launched steps of each other are one wave: a batch of them, with
+# none waiting, runs to its end (`LLMEngine._draining`).
+WAVE_STEPS = 4
 # A burst may run past the ends of some requests while their dropped rows stay below this share of its
 # rows (`_past_some_ends`).
 BURST_ENDED_ROWS = 0.25
@@ -206,6 +210,7 @@ class LLMEngine:
         # (one burst at most) so that it may burst (`_defers_prompts`).
         self._took_prompts = False
         self._arrivals = itertools.count()
+        self._latest_arrival_step = 0  # the `arrival_step` of the request that came last
         self._seed_rng = random.Random(config.seed)
 
     def _dspark_proposer(
@@ -307,7 +312,9 @@ class LLMEngine:
             params=params,
             # On the engine's device: a GPU draws the request's random numbers itself.
             generator=torch.Generator(device=self.limits.device).manual_seed(seed),
+            arrival_step=self.loop_counters.steps,
         )
+        self._latest_arrival_step = seq.arrival_step
         self._seqs[request_id] = seq
         self._outputs[request_id] = OutputProcessor(
             seq, self.tokenizer, self.eos_token_ids, self.limits.max_model_len
@@ -774,7 +781,32 @@ class LLMEngine:
         assert self.gate is not None  # a gate exists only beside a proposer
         if any(s.params.seed is not None and not s.params.greedy for s in decode):
             return 1 + self.limits.block_size
-        return 1 + self.gate.draft_length(len(decode))
+        draining = self._draining(decode)
+        if draining is not None and any(s.in_prefill for s in self.scheduler.running):
+            # A batch run to its end still taking its prompts in: its steps carry prefill chunks, which
+            # time no length, so a warm-up or probe begun now would draft through the whole intake and
+            # be measured only after it (H100, 64 requests: a probe of 3 steps drafted 10).
+            return 1
+        return 1 + self.gate.draft_length(len(decode), draining)
+
+    def _draining(self, decode: list[Sequence]) -> Callable[[], Iterator[RequestProgress]] | None:
+        """The progress of the decoding requests, for the gate (`SpeculationGate.draft_length`), when
+        the batch runs to its end: no request waits, and every one still running came in one wave
+        (within WAVE_STEPS steps of the last to come, as the prompts of one `generate()` do), so no
+        seat a request frees is taken. None otherwise (a server's requests come and go: a request that
+        ends early makes room for the next)."""
+        running = self.scheduler.running
+        if self.scheduler.waiting or not running:
+            return None
+        if self._latest_arrival_step - min(s.arrival_step for s in running) > WAVE_STEPS:
+            return None
+
+        def progress() -> Iterator[RequestProgress]:
+            for seq in decode:
+                stats = seq.spec_stats
+                yield seq.remaining_tokens, stats.verified_per_position, stats.accepted_per_position
+
+        return progress
 
     def _draft(self, decode: Seq[Sequence], caps: list[int]) -> Drafts | InStepDrafts | None:
         """The step's drafts for windows of up to `caps` drafts: None for a plain step (no drafter, or

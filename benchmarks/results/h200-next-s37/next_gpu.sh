@@ -33,6 +33,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s58   no carry, nothing parked (~260 s with the start)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s59   carry [".carry/c4", ".carry/base59"] after parking g01, g2 (~200 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh timeline64   carry [".carry/c4"] after parking g01, g2 (~100 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s60   carry [".carry/c4", ".carry/base60"] after parking g01, g2 (~250 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh data-train   carry [".carry/c4", ".carry/distill"]
 #     (~530 s; parked: .carry/g01 then .carry/g2, the GGUF alone, with drafters/, benchmarks/results/ and
 #     training/prompts_train.jsonl moved aside meanwhile; drafters/ and the prompts back for this call,
@@ -476,6 +477,16 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
     # against the flat 10%, a batch run to its end (128 tokens) and with spread lengths.
     OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
     AB_S=${AB_S:-200} AB2_S=${AB2_S:-120} gate_ab .carry/base59/backend
+    ;;
+  s60)
+    # Session 60 (carry [".carry/c4", ".carry/base60"] after parking g01, g2; base60: `git archive 53971f4
+    # backend`; ~250 s): a batch run to its end judged by the requests it drafts worst for (the gate's
+    # `draining`) against 53971f4, batch run to its end and with spread lengths; then the timeline at 64.
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    AB_S=${AB_S:-200} AB2_S=${AB2_S:-120} gate_ab .carry/base60/backend
+    (cd benchmarks && timeout ${TL_S:-100} python3 gate_timeline.py --device cuda --batch 64 --max-tokens 128 \
+      --before 64 --before-runs 3 --out "$OUT/timeline64" > "$OUT/timeline64.log" 2>&1)
+    echo "timeline 64: exit $?"; grep -E "tok/s" "$OUT/timeline64.log"
     ;;
   timeline64)
     # Session 59 (carry [".carry/c4"] after parking g01, g2; ~100 s): where the serve default's gate
