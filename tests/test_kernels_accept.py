@@ -188,3 +188,27 @@ def test_plain_windows_commit_their_argmax_without_judging(with_drafts, gen):
     assert result.bonus == bonus.tolist() == argmax[:windows].tolist()
     assert result.drafts == [[]] * windows
     assert result.rest == argmax[windows:].tolist()
+
+
+def test_steps_copied_together_read_what_each_step_copied_alone_reads(gen):
+    # A burst's steps share one plan (one `window_bounds`) and one copy to the host (`copy_together`):
+    # each step's acceptance reads its own slice, as the step's own copy reads, plain steps among them.
+    from dspark.spec.accept import copy_together, greedy_accept_all, queue_greedy_accept, window_bounds
+
+    lens = [int(n) for n in torch.randint(0, 4, (6,), generator=gen)]
+    lens[0] = 3  # at least one window verifies drafts
+    caps = [min(n, int(c)) for n, c in zip(lens, torch.randint(0, 4, (6,), generator=gen), strict=True)]
+    bounds = window_bounds(lens, caps, DEVICE)
+    steps, alone = [], []
+    for step in range(4):
+        plain = step == 2
+        step_lens, step_caps = ([0] * 6, [0] * 6) if plain else (lens, caps)
+        # The windows' rows, then two more (prefill chunks' last rows).
+        argmax = torch.randint(0, 5, (sum(step_lens) + 6 + 2,), generator=gen, device=DEVICE)
+        drafts = None if plain else torch.randint(0, 5, (6, 4), generator=gen, device=DEVICE)
+        shared = None if plain else bounds
+        steps.append(queue_greedy_accept(step_lens, step_caps, drafts, argmax, shared, copy=False))
+        alone.append(greedy_accept_all(step_lens, step_caps, drafts, argmax))
+    together = copy_together(steps)
+    assert [q.result() for q in together] == alone
+    assert copy_together([]) == []

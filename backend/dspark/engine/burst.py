@@ -42,7 +42,7 @@ from dspark.engine.scheduler import InFlight, StepSchedule
 from dspark.engine.step import LaunchedStep, PackedStep, pack_step, queue_greedy
 from dspark.runner.host_to_device import to_device
 from dspark.runner.model_runner import ModelRunner, TargetStep
-from dspark.spec.accept import QueuedGreedyAcceptance, queue_greedy_accept
+from dspark.spec.accept import QueuedGreedyAcceptance, copy_together, queue_greedy_accept, window_bounds
 from dspark.spec.verify_policy import VerifyPlan
 
 
@@ -112,9 +112,13 @@ def launch_burst(
     # once a burst: where a replayed step writes the anchors.
     anchor_rows = to_device(torch.tensor(first.logit_offsets[: len(decode)], dtype=torch.long), runner.device)
     accepted: torch.Tensor | None = None
+    # The steps share the plan, and so the accept kernel's window bounds; their acceptances come to the
+    # host in one copy, queued after the last step (`copy_together`).
+    lens, caps = plan.verify_lens, plan.commit_caps
+    bounds = window_bounds(lens, caps, runner.device) if any(lens) else None
     for j in range(length):
         launched = LaunchedStep(schedule, plan, packed, result)
-        queued = queue_greedy(plan, launched.drafts, result)
+        queued = queue_greedy(plan, launched.drafts, result, bounds, copy=False)
         steps.append((launched, queued))
         if queued.accepted is not None:
             accepted = queued.accepted if accepted is None else accepted + queued.accepted
@@ -132,7 +136,9 @@ def launch_burst(
             following = runner.run(packed.step)
         result = following
     outputs = StepOutputs(accepted, steps[-1][1].bonus)
-    return LaunchedBurst(schedule, plan, length, graph, outputs, steps=tuple(steps))
+    copied = copy_together([queued for _, queued in steps])
+    together = tuple((launched, queued) for (launched, _), queued in zip(steps, copied, strict=True))
+    return LaunchedBurst(schedule, plan, length, graph, outputs, steps=together)
 
 
 def _launch_plain(

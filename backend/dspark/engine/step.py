@@ -142,11 +142,18 @@ class Acceptance:
     first_tokens: tuple[int | None, ...]
 
 
-def queue_greedy(plan: VerifyPlan, drafts: Drafts | None, result: TargetResult) -> QueuedGreedyAcceptance:
-    """The greedy acceptance of every verify window, queued on the device (`accept` reads it)."""
+def queue_greedy(
+    plan: VerifyPlan,
+    drafts: Drafts | None,
+    result: TargetResult,
+    bounds: torch.Tensor | None = None,
+    copy: bool = True,
+) -> QueuedGreedyAcceptance:
+    """The greedy acceptance of every verify window, queued on the device (`accept` reads it); bounds,
+    copy: as `queue_greedy_accept` takes them (a burst's steps share one plan's bounds and one copy)."""
     assert result.argmax is not None
     tokens = drafts.tokens if drafts is not None else None
-    return queue_greedy_accept(plan.verify_lens, plan.commit_caps, tokens, result.argmax)
+    return queue_greedy_accept(plan.verify_lens, plan.commit_caps, tokens, result.argmax, bounds, copy)
 
 
 def accept(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -155,8 +155,24 @@ class QueuedGreedyAcceptance:
         return GreedyAcceptance(host[:num], host[num : 2 * num], verified, host[2 * num + num * width :])
 
 
+def window_bounds(
+    verify_lens: Sequence[int], commit_caps: Sequence[int], device: torch.device
+) -> torch.Tensor:
+    """The accept kernel's window metadata on `device`, in one tensor: the windows' boundaries in the
+    packed rows (cu, [windows + 1]), their verify lengths and commit caps ([windows] each). Made in
+    Python and copied at once: each small host torch op costs microseconds of the step's host time,
+    which bounds a step at batch 64; a burst's steps share one plan, and so one of these."""
+    cu = [0, *itertools.accumulate(n + 1 for n in verify_lens)]
+    return to_device(torch.tensor([*cu, *verify_lens, *commit_caps], dtype=torch.long), device)
+
+
 def queue_greedy_accept(
-    verify_lens: Sequence[int], commit_caps: Sequence[int], drafts: torch.Tensor | None, argmax: torch.Tensor
+    verify_lens: Sequence[int],
+    commit_caps: Sequence[int],
+    drafts: torch.Tensor | None,
+    argmax: torch.Tensor,
+    bounds: torch.Tensor | None = None,
+    copy: bool = True,
 ) -> QueuedGreedyAcceptance:
     """Greedy acceptance of every verify window where the argmax is (`ops.greedy_accept`: the accept
     kernel on a GPU), and the copy to the host of what the step commits, queued: nothing waits here.
@@ -166,19 +182,18 @@ def queue_greedy_accept(
     the target's argmax of every logit row of the step. Verify windows come first in the packed step
     and every one of their rows has logits, so window r's argmax rows are argmax[cu[r] : cu[r + 1]]
     with no gather; the rows after them are the prefill chunks' last rows. Sampling requests' windows
-    are judged too and their results ignored."""
+    are judged too and their results ignored. bounds: `window_bounds` of these windows, made already
+    (None: made here); copy: False leaves the copy to the caller (`copy_together`), its host tensor
+    still on the device meanwhile."""
     num = len(verify_lens)
     device = argmax.device
     if not any(verify_lens):
         # Plain windows (or none), one row each: nothing to judge, each commits its row's argmax. No
         # kernel, no copy of window bounds, no accepted counts: the copy back is the argmax alone (each
         # small device op is microseconds of the host on every plain step).
-        return _queue_copy(None, argmax[:num], argmax[num:], argmax, tuple(verify_lens), 0)
-    # The window boundaries, lengths and caps made in Python and copied to the device at once: each
-    # small host torch op costs microseconds of the step's host time, which bounds a step at batch 64.
-    cu = [0, *itertools.accumulate(n + 1 for n in verify_lens)]
-    window_rows = cu[-1]
-    meta = to_device(torch.tensor([*cu, *verify_lens, *commit_caps], dtype=torch.long), device)
+        return _queue_copy(None, argmax[:num], argmax[num:], argmax, tuple(verify_lens), 0, copy)
+    meta = window_bounds(verify_lens, commit_caps, device) if bounds is None else bounds
+    window_rows = sum(verify_lens) + num
     cu_d, lens_d, caps_d = meta[: num + 1], meta[num + 1 : 2 * num + 1], meta[2 * num + 1 :]
     if drafts is None:
         drafts = torch.zeros(num, 1, dtype=torch.long, device=device)
@@ -192,7 +207,22 @@ def queue_greedy_accept(
     # The verified drafts come back in the same copy (the host emits the accepted ones).
     rest = argmax[window_rows:]
     both = torch.cat([accepted, bonus, drafts[:, :width].flatten(), rest])
-    return _queue_copy(accepted, bonus, rest, both, tuple(verify_lens), width)
+    return _queue_copy(accepted, bonus, rest, both, tuple(verify_lens), width, copy)
+
+
+def copy_together(queued: Sequence[QueuedGreedyAcceptance]) -> list[QueuedGreedyAcceptance]:
+    """The acceptances of several steps (queued with copy=False, in launch order) with one copy to the
+    host for all of them behind one event, each reading its own slice: a burst's steps queue one copy,
+    not one each (a pinned buffer, a copy and an event are tens of microseconds of host time a step)."""
+    if not queued:
+        return []
+    joined = _queue_copy(None, queued[0].bonus, queued[0].rest, torch.cat([q._host for q in queued]), (), 0)
+    out, start = [], 0
+    for q in queued:
+        size = q._host.shape[0]
+        out.append(replace(q, _host=joined._host[start : start + size], _ready=joined._ready))
+        start += size
+    return out
 
 
 def _queue_copy(
@@ -202,10 +232,12 @@ def _queue_copy(
     both: torch.Tensor,
     verify_lens: tuple[int, ...],
     width: int,
+    copy: bool = True,
 ) -> QueuedGreedyAcceptance:
     """Start the copy of `both` to the host: into pinned memory behind an event on a GPU (the host
-    reads it once the event has passed), as it is elsewhere."""
-    if both.device.type != "cuda":
+    reads it once the event has passed), as it is elsewhere. copy: False leaves `both` where it is
+    (`copy_together` copies it)."""
+    if both.device.type != "cuda" or not copy:
         return QueuedGreedyAcceptance(accepted, bonus, rest, both, None, verify_lens, width)
     host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
     host.copy_(both, non_blocking=True)
