@@ -67,8 +67,12 @@ prompt, the kind of text), so the batch's end comes at the pace of the requests 
 There, a drafting length's tokens a request a step are those that bring the batch's end soonest: the
 most tokens any request has left over the most steps any request needs at that length, each request's
 steps from its own acceptance per position (its counts, with DRAIN_PRIOR_STEPS steps' worth of the
-shared chances added, so that a request few steps measured counts as the mean). The margin is then
-DRAFT_MARGIN at every request count (the batch's end is in the estimate). (H100, SmolLM2, 64 requests
+shared chances added). Where the requests' own counts say little (a batch's first bursts; a batch run
+plain but for probes), the tier's last measured ratio of that pace to the mean's (`_TierStats.tail`,
+learnt where they said enough) stands in for what they do not say. The margin is then DRAFT_MARGIN at
+every request count (the batch's end is in the estimate). The engine does not ask the gate while such a
+batch still takes its prompts in (`LLMEngine._window_of`: plain steps; a probe begun there drafted
+through the whole intake). (H100, SmolLM2, 64 requests
 of 128 tokens: the mean rated drafting 11-17% ahead, a batch run to its end drafting took 1.16x plain's
 time; its slowest request committed 1.54 tokens a step against a mean near 1.9.)
 A warm-up or probe run keeps its length whatever the tier of the steps it runs (a tier's own steps
@@ -442,31 +446,6 @@ class SpeculationGate:
         if stats.tail:
             drain = {n: known * drain[n] + (1.0 - known) * mean[n] * stats.tail.get(n, 1.0) for n in wanted}
         self._drain_tokens = {0: 1.0} | drain
-        return self._drain_tokens
-        acceptance, longest = self._acceptance, self.lengths[-1]
-        shared, chance = [], FIRST_PRIOR
-        for position in range(1, longest + 1):
-            chance = acceptance.chance(position, chance)
-            shared.append(chance * DRAIN_PRIOR_STEPS)
-        wanted = set(self.lengths[1:])
-        steps = dict.fromkeys(wanted, 0.0)  # per length: the most steps any request needs
-        most = 0  # the most tokens any request has left
-        for remaining, verified, accepted in draining():
-            if remaining <= 0:
-                continue
-            most = max(most, remaining)
-            tokens, survival, before = 1.0, 1.0, -1
-            for k in range(longest):
-                reached = verified[k] if k < len(verified) else 0
-                if k:  # a position is reached where every draft before it was accepted
-                    reached = min(reached, before)
-                before = accepted[k] if k < len(accepted) else 0
-                survival *= (before + shared[k]) / (reached + DRAIN_PRIOR_STEPS)
-                tokens += survival
-                if k + 1 in wanted:
-                    steps[k + 1] = max(steps[k + 1], remaining / tokens)
-        self._drain_age = DRAIN_REFRESH - 1
-        self._drain_tokens = None if not most else {0: 1.0} | {n: most / steps[n] for n in wanted}
         return self._drain_tokens
 
     def _clearly_behind(self, stats: _TierStats, length: int, num_requests: int) -> bool:
