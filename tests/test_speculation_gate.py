@@ -273,6 +273,21 @@ def test_a_tier_remembers_how_far_behind_the_mean_its_batches_ended() -> None:
     assert sum(1 for n in fresh if n) <= PROBE_MOST_STEPS, fresh
 
 
+def test_a_warm_up_begun_as_a_batch_ended_does_not_run_on_into_the_next_batch() -> None:
+    """A batch's last request alone starts tier 1's warm-up (drafting); the next batch of 8 comes at once,
+    where drafting loses: the warm-up ends there (its steps would be measured in tier 8, never in its
+    own), and tier 8 decodes plainly. Across a tier's edge (8 <-> 16 requests) a run goes on."""
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    seconds = lambda n: 0.0015 if n else 0.001  # noqa: E731
+    _run_steps(gate, clock, 8, 40, seconds, lambda step: [0] * 8)  # tier 8 warmed up: plain wins
+    assert _run_steps(gate, clock, 1, 1, seconds, lambda step: [0]) == [3]  # tier 1's warm-up, longest first
+    assert _run_steps(gate, clock, 8, 4, seconds, lambda step: [0] * 8) == [0] * 4
+    # A tier's first step starts its warm-up; the count moving to the next tier keeps it going.
+    assert _run_steps(gate, clock, 16, 1, seconds, lambda step: [0] * 16) == [3]
+    assert _run_steps(gate, clock, 9, 1, seconds, lambda step: [0] * 9) == [3]
+
+
 def test_a_warm_up_choice_on_a_prefill_step_is_made_again() -> None:
     """Served, requests arrive one by one and many steps carry a prefill chunk, which the gate does
     not measure. Here every plain step of the warm-up carries one: plain must be tried until it is

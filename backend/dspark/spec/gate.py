@@ -59,6 +59,15 @@ probe found its length clearly behind (PROBE_CLEAR_LOSS). Plain decoding unmeasu
 length would be chosen is probed at once (unmeasured lengths first), so that no drafting choice stands
 without the margin's comparison.
 
+A warm-up or probe run keeps its length across neighbouring tiers (a tier's own steps interleaved with
+another's would never be neighbours), and ends where the request count jumps further (a new batch after
+the last requests of one: it would be measured in its own tier only, and ran on into the new batch);
+a choice counts once its step starts (a launch given up and tried again asks twice).
+A step that carries a prefill chunk is not measured (the chunk's cost is not the length's): a warm-up
+length goes on being chosen, up to a bound, until it is measured, so that under served load, where
+requests arrive one by one and many steps carry a chunk, no length stays unmeasured (and so never
+chosen) after the warm-up.
+
 A batch that runs to its end (`draining`: every running request came in one wave and none waits, as an
 offline `generate()` of a list of prompts) is done when its last request is, and a request that ends
 early frees a seat no one takes: what counts there is how fast the batch's end comes, not the mean
@@ -71,17 +80,10 @@ shared chances added). Where the requests' own counts say little (a batch's firs
 plain but for probes), the tier's last measured ratio of that pace to the mean's (`_TierStats.tail`,
 learnt where they said enough) stands in for what they do not say. The margin is then DRAFT_MARGIN at
 every request count (the batch's end is in the estimate). The engine does not ask the gate while such a
-batch still takes its prompts in (`LLMEngine._window_of`: plain steps; a probe begun there drafted
-through the whole intake). (H100, SmolLM2, 64 requests
-of 128 tokens: the mean rated drafting 11-17% ahead, a batch run to its end drafting took 1.16x plain's
-time; its slowest request committed 1.54 tokens a step against a mean near 1.9.)
-A warm-up or probe run keeps its length whatever the tier of the steps it runs (a tier's own steps
-interleaved with another's would never be neighbours), and a choice counts once its step starts (a
-launch given up and tried again asks twice).
-A step that carries a prefill chunk is not measured (the chunk's cost is not the length's): a warm-up
-length goes on being chosen, up to a bound, until it is measured, so that under served load, where
-requests arrive one by one and many steps carry a chunk, no length stays unmeasured (and so never
-chosen) after the warm-up.
+batch still takes its prompts in (`LLMEngine._window_of`: plain steps; a probe begun there drafts
+through the whole intake). (H100, SmolLM2, 64 requests of 128 tokens: the mean rated drafting 11-17%
+ahead, a batch run to its end drafting took 1.16x plain's time; its slowest request committed 1.54
+tokens a step against a mean near 1.9.)
 
 Lossless: the decision reads only the wall times and token counts of earlier steps, never this step's
 drafts, and every length gives a lossless step. (A seeded sampling request keeps its distribution, but
@@ -249,6 +251,7 @@ class _TierStats:
     ends, and how many steps of each length it chose."""
 
     warm_up: int
+    size: int = 1  # its request counts' power of two
     seconds: dict[int, _RecentMedian] = field(default_factory=lambda: collections.defaultdict(_RecentMedian))
     chosen: collections.Counter = field(default_factory=collections.Counter)
     steps: int = 0
@@ -339,7 +342,13 @@ class SpeculationGate:
         if draining is None:
             self._drain_tokens = None
         run = self._run
-        if run is not None and not run.going():
+        # A run goes on across neighbouring tiers (a served batch's count moves to and fro across a tier's
+        # edge), not across a jump: a warm-up begun in a small tier as a batch's last requests ended would
+        # be measured in its own tier only, and ran on, drafting, into the next batch's first steps at 8
+        # requests, where drafting lost (this CPU, a batch of 8 after one: 11 steps of it).
+        if run is not None and (
+            not run.going() or max(run.tier.size, stats.size) > 2 * min(run.tier.size, stats.size)
+        ):
             if run.probe:
                 # Spaced by the steps a probe needs, not by those chunks added (a probe slowed by them
                 # would put off the next by up to PROBE_PREFILL_BOUND times as long).
@@ -609,5 +618,6 @@ class SpeculationGate:
         tier = next_pow2(num_requests)
         stats = self._tiers.get(tier)
         if stats is None:
-            stats = self._tiers[tier] = _TierStats(LATER_TIER_WARM_UP_STEPS if self._tiers else WARM_UP_STEPS)
+            warm_up = LATER_TIER_WARM_UP_STEPS if self._tiers else WARM_UP_STEPS
+            stats = self._tiers[tier] = _TierStats(warm_up, tier)
         return stats
