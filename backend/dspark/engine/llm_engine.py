@@ -785,7 +785,8 @@ class LLMEngine:
         if draining is not None and any(s.in_prefill for s in self.scheduler.running):
             # A batch run to its end still taking its prompts in: its steps carry prefill chunks, which
             # time no length, so a warm-up or probe begun now would draft through the whole intake and
-            # be measured only after it (H100, 64 requests: a probe of 3 steps drafted 10).
+            # be measured only after it (H100, 64 requests: a run of length 3 drafted through 6 steps of
+            # intake before its one measured burst).
             return 1
         return 1 + self.gate.draft_length(len(decode), draining)
 
