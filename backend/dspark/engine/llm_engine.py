@@ -782,8 +782,9 @@ class LLMEngine:
         if any(s.params.seed is not None and not s.params.greedy for s in decode):
             return 1 + self.limits.block_size
         draining = self._draining(decode)
-        if draining is not None and any(s.in_prefill for s in self.scheduler.running):
-            # A batch run to its end still taking its prompts in: its steps carry prefill chunks, which
+        if draining is not None and len(decode) < len(self.scheduler.running):
+            # A batch run to its end still taking its prompts in (a running request that does not decode
+            # is in prefill, or sits a launch out near its end): its steps carry prefill chunks, which
             # time no length, so a warm-up or probe begun now would draft through the whole intake and
             # be measured only after it (H100, 64 requests: a run of length 3 drafted through 6 steps of
             # intake before its one measured burst).
