@@ -493,14 +493,10 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
     # Session 61's first device call (carry [".carry/c4", ".carry/base60"] after parking c1, c2, c3+c5 as for
     # `tests`; base60: `git archive 53971f4 backend`; ~500 s on session 60's hosts): session 60's gate
     # (draining batches by their slowest requests, the tier tail, no choice during a draining batch's
-    # intake, runs ended by a tier jump) and one copy a burst, against 53971f4, then its timeline at 64,
-    # then the GPU tests (the intake rule, the tier jump and one copy a burst never ran on a GPU).
-    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
-    AB_S=${AB_S:-170} AB2_S=${AB2_S:-90} gate_ab .carry/base60/backend
-    (cd benchmarks && timeout ${TL_S:-60} python3 gate_timeline.py --device cuda --batch 64 --max-tokens 128 \
-      --before 64 --before-runs 3 --out "$OUT/timeline64" > "$OUT/timeline64.log" 2>&1)
-    echo "timeline 64: exit $?"; grep -E "tok/s" "$OUT/timeline64.log"
-    OUT=$OUT TESTS_S=${TESTS_S:-300} SERVING_S=${SERVING_S:-100} bash "$0" tests
+    # intake, runs ended by a tier jump) and one copy a burst, against 53971f4 with its timeline at 64
+    # (`s60`), then the GPU tests (the intake rule, the tier jump and one copy a burst never ran on a GPU).
+    AB_S=${AB_S:-170} AB2_S=${AB2_S:-90} TL_S=${TL_S:-60} bash "$0" s60
+    TESTS_S=${TESTS_S:-300} SERVING_S=${SERVING_S:-100} bash "$0" tests
     ;;
   timeline64)
     # Session 59 (carry [".carry/c4"] after parking g01, g2; ~100 s): where the serve default's gate
