@@ -68,18 +68,18 @@ length goes on being chosen, up to a bound, until it is measured, so that under 
 requests arrive one by one and many steps carry a chunk, no length stays unmeasured (and so never
 chosen) after the warm-up.
 
-A batch that runs to its end (`draining`: every running request came in one wave and none waits, as an
-offline `generate()` of a list of prompts) is done when its last request is, and a request that ends
+A batch that runs to its end (`draining`: two or more decoding requests, every running one came in one
+wave and none waits, as in an offline `generate()` of a list of prompts) is done when its last request
+is, and a request that ends
 early frees a seat no one takes: what counts there is how fast the batch's end comes, not the mean
 tokens a step. Drafting spreads the requests' progress (each request's acceptance is its own: the
 prompt, the kind of text), so the batch's end comes at the pace of the requests it drafts worst for.
 There, a drafting length's tokens a request a step are those that bring the batch's end soonest: the
 most tokens any request has left over the most steps any request needs at that length, each request's
 steps from its own acceptance per position (its counts, with DRAIN_PRIOR_STEPS steps' worth of the
-shared chances added). Where the requests' own counts say little (a batch's first bursts; a batch run
-plain but for probes), the tier's last measured ratio of that pace to the mean's (`_TierStats.tail`,
-learnt where they said enough) stands in for what they do not say. The margin is then DRAFT_MARGIN at
-every request count (the batch's end is in the estimate). The engine does not ask the gate while such a
+shared chances added: a request few steps measured counts as the mean, not as the worst its few steps
+happened to show). The margin is then DRAFT_MARGIN at every request count (the batch's end is in the
+estimate). The engine does not ask the gate while such a
 batch still takes its prompts in (`LLMEngine._window_of`: plain steps; a probe begun there drafts
 through the whole intake). (H100, SmolLM2, 64 requests of 128 tokens: the mean rated drafting 11-17%
 ahead, a batch run to its end drafting took 1.16x plain's time; its slowest request committed 1.54
@@ -133,9 +133,12 @@ FIRST_PRIOR = 0.5  # the prior chance of the first draft
 DRAFT_MARGIN = 0.10  # at one request: the estimates' noise, near a tie plain decoding is the safe side
 BATCH_DRAFT_MARGIN = 0.20  # from BATCH_MARGIN_REQUESTS requests up; between, by log2 of the count
 BATCH_MARGIN_REQUESTS = 8
-DRAIN_PRIOR_STEPS = 4.0  # steps' worth of the shared chances added to a request's own (draining)
-DRAIN_KNOWN = 2.0 / 3.0  # the requests' own share of their estimates (mean) from which a tier learns
-# its batch's end as a share of the mean (`_TierStats.tail`): two bursts of 4 steps a request
+DRAIN_PRIOR_STEPS = 32.0  # steps' worth of the shared chances added to a request's own (draining): a
+# request's counts weigh as much as the shared chances once it verified 32 steps. Fewer made the
+# estimate pessimistic, the batch's end taken at the worst of many requests' noisy early counts (a
+# simulation of batches run to their end, `benchmarks/results/cpu-2026-12-07-s60/gate_batch_sim.py`: at
+# 4 steps' worth, 64 requests decoded plainly where drafting gained 11%; at 32, within ~3% of the best
+# fixed length or of plain decoding in most cases, and never slower than plain).
 DRAIN_REFRESH = 4  # choices between two computations of a draining batch's tokens a step (a pass over
 # its requests: ~2 us each, at 64 requests a few percent of a burst's host time every choice)
 
@@ -256,9 +259,6 @@ class _TierStats:
     chosen: collections.Counter = field(default_factory=collections.Counter)
     steps: int = 0
     next_probe: int = PROBE_INTERVAL  # the step count at which the next probe starts
-    # Per drafting length, a draining batch's tokens a request a step (the pace of its end) over the
-    # mean's, when its requests' own steps last said enough (`SpeculationGate._draining_tokens`).
-    tail: dict[int, float] = field(default_factory=dict)
     probes: int = 0
 
     def measured(self, length: int) -> int:
@@ -392,7 +392,7 @@ class SpeculationGate:
             return best
         margin = draft_margin(num_requests)
         if draining is not None:
-            tokens = self._draining_tokens(stats, draining)
+            tokens = self._draining_tokens(draining)
             if tokens is not None:
                 seconds = stats.seconds
                 rates = {
@@ -405,14 +405,9 @@ class SpeculationGate:
             return 0
         return best
 
-    def _draining_tokens(
-        self, stats: _TierStats, draining: Callable[[], Iterable[RequestProgress]]
-    ) -> dict[int, float] | None:
+    def _draining_tokens(self, draining: Callable[[], Iterable[RequestProgress]]) -> dict[int, float] | None:
         """Per length, the tokens a request a step that bring a draining batch's end soonest (plain: 1),
-        recomputed every DRAIN_REFRESH choices; None when no request has tokens left. Where its
-        requests' own steps say little yet (a batch's first steps; the steps it ran plain), the tier's
-        share of the mean that the batch's end came at when they last said enough (`_TierStats.tail`)
-        stands in for what they do not say."""
+        recomputed every DRAIN_REFRESH choices; None when no request has tokens left."""
         if self._drain_tokens is not None and self._drain_age > 0:
             self._drain_age -= 1
             return self._drain_tokens
@@ -424,37 +419,22 @@ class SpeculationGate:
         wanted = set(self.lengths[1:])
         steps = dict.fromkeys(wanted, 0.0)  # per length: the most steps any request needs
         most = 0  # the most tokens any request has left
-        own = 0.0  # the requests' own share of their estimates, summed
-        count = 0
         for remaining, verified, accepted in draining():
             if remaining <= 0:
                 continue
             most = max(most, remaining)
-            count += 1
             tokens, survival, before = 1.0, 1.0, -1
             for k in range(longest):
                 reached = verified[k] if k < len(verified) else 0
                 if k:  # a position is reached where every draft before it was accepted
                     reached = min(reached, before)
-                else:
-                    own += reached / (reached + DRAIN_PRIOR_STEPS)
                 before = accepted[k] if k < len(accepted) else 0
                 survival *= (before + shared[k]) / (reached + DRAIN_PRIOR_STEPS)
                 tokens += survival
                 if k + 1 in wanted:
                     steps[k + 1] = max(steps[k + 1], remaining / tokens)
         self._drain_age = DRAIN_REFRESH - 1
-        if not most:
-            self._drain_tokens = None
-            return None
-        known = own / count
-        drain = {n: most / steps[n] for n in wanted}
-        mean = {n: acceptance.tokens_per_request(n) for n in wanted}
-        if known >= DRAIN_KNOWN:
-            stats.tail.update({n: drain[n] / mean[n] for n in wanted})
-        if stats.tail:
-            drain = {n: known * drain[n] + (1.0 - known) * mean[n] * stats.tail.get(n, 1.0) for n in wanted}
-        self._drain_tokens = {0: 1.0} | drain
+        self._drain_tokens = None if not most else {0: 1.0} | {n: most / steps[n] for n in wanted}
         return self._drain_tokens
 
     def _clearly_behind(self, stats: _TierStats, length: int, num_requests: int) -> bool:
