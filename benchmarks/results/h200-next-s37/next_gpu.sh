@@ -492,7 +492,7 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
   s61)
     # Session 61's first device call (carry [".carry/c4", ".carry/base60"] after parking c1, c2, c3+c5 as for
     # `tests`; base60: `git archive 53971f4 backend`; ~500 s on session 60's hosts): session 60's gate
-    # (draining batches by their slowest requests, the tier tail, no choice during a draining batch's
+    # (draining batches by their slowest requests, 32 steps of prior, no choice during a draining batch's
     # intake, runs ended by a tier jump) and one copy a burst, against 53971f4 with its timeline at 64
     # (`s60`), then the GPU tests (the intake rule, the tier jump and one copy a burst never ran on a GPU).
     AB_S=${AB_S:-170} AB2_S=${AB2_S:-90} TL_S=${TL_S:-60} bash "$0" s60
