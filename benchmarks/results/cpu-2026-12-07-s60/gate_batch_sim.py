@@ -67,11 +67,12 @@ def batch(gate, clock, rng, ps, tokens=128, fixed=None) -> tuple[float, int, int
 
 def run(module, requests: int, beta: tuple[float, float], seed: int, fixed=None) -> tuple[float, float]:  # noqa: ANN001
     rng = random.Random(seed)
+    requests_rng = random.Random(seed + 1000)  # the requests' chances apart, alike for every gate
     clock = [0.0]
     gate = None if module is None else module.SpeculationGate(3, lambda: clock[0])
     total = drafting = choices = 0.0
     for i in range(8):
-        ps = [rng.betavariate(*beta) for _ in range(requests)]
+        ps = [requests_rng.betavariate(*beta) for _ in range(requests)]
         ms, d, c = batch(gate, clock, rng, ps, fixed=fixed)
         if i >= 3:
             total, drafting, choices = total + ms, drafting + d, choices + c
