@@ -228,8 +228,8 @@ def test_a_batch_run_to_its_end_is_judged_by_the_requests_it_drafts_worst_for(sp
     """64 requests, plain 1 ms a step, a window of 3 drafts 1.4 ms. Spread: half accept every draft,
     half none (200 steps each have shown it): the mean commits 2.5 tokens a request a step (1.8x plain's
     rate), but a batch run to its end waits for the requests at 1 token a step (0.7x): draining, plain
-    decoding; otherwise (a server's batch, whose freed seats are taken), drafting. Alike: every request accepts 2 of 3, and
-    drafting pays either way."""
+    decoding; otherwise (a server's batch, whose freed seats are taken), drafting. Alike: every request
+    accepts 2 of 3, and drafting pays either way."""
     accepted = [3] * 32 + [0] * 32 if spread else [2] * 64
     chosen = {}
     for draining in (None, _progress(accepted, 3, 200, 100)):

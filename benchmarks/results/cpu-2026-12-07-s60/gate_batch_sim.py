@@ -5,7 +5,8 @@ per length (GPU-like, host-bound: an H100 at 64 requests plain 0.92 ms, a window
 One gate lives through 3 warm batches and 5 timed ones, as `ab_trees.py` runs them. Prints each gate's
 time over plain decoding's (lower is faster) and the share of drafting choices, mean of 6 seeds.
 
-    .venv/bin/python benchmarks/results/cpu-2026-12-07-s60/gate_batch_sim.py .carry/base60/backend/dspark/spec/gate.py
+    .venv/bin/python benchmarks/results/cpu-2026-12-07-s60/gate_batch_sim.py \
+        .carry/base60/backend/dspark/spec/gate.py
 """
 
 import importlib.util
@@ -41,7 +42,7 @@ def batch(gate, clock, rng, ps, tokens=128, fixed=None) -> tuple[float, int, int
         else:
             draining = None
             if takes_draining and n >= 2:
-                draining = lambda: ((left[r], verified[r], accepted[r]) for r in active)  # noqa: E731
+                draining = lambda active=active: ((left[r], verified[r], accepted[r]) for r in active)  # noqa: E731
             length = gate.draft_length(n, draining) if takes_draining else gate.draft_length(n)
             gate.start_step(length)
         choices += 1
@@ -80,7 +81,10 @@ def run(module, requests: int, beta: tuple[float, float], seed: int, fixed=None)
 
 
 if __name__ == "__main__":
-    gates = {"base": load(sys.argv[1], "gate_base"), "this tree": load(str(ROOT / "backend/dspark/spec/gate.py"), "gate_new")}
+    gates = {
+        "base": load(sys.argv[1], "gate_base"),
+        "this tree": load(str(ROOT / "backend/dspark/spec/gate.py"), "gate_new"),
+    }
     for beta in ((6.0, 4.0), (3.0, 2.0), (1.5, 1.0)):
         for requests in (1, 8, 64, 128):
             plain = sum(run(None, requests, beta, s, fixed=0)[0] for s in range(6))
@@ -88,5 +92,6 @@ if __name__ == "__main__":
             line = f"beta {beta} requests {requests:3d}: fixed 3 drafts {fixed3 / plain:5.3f}"
             for name, module in gates.items():
                 results = [run(module, requests, beta, s) for s in range(6)]
-                line += f"  {name} {sum(t for t, _ in results) / plain:5.3f} ({sum(d for _, d in results) / 6:4.0%} drafting)"
+                time, share = sum(t for t, _ in results) / plain, sum(d for _, d in results) / 6
+                line += f"  {name} {time:5.3f} ({share:4.0%} drafting)"
             print(line, flush=True)
