@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from dspark.kernels import ops
-from dspark.runner.host_to_device import to_device
+from dspark.runner.host_to_device import to_device, to_host_queued
 from dspark.sampling.sampler import (
     NON_FINITE_TOKEN,
     draw_exponentials_into,
@@ -216,11 +216,11 @@ def copy_together(queued: Sequence[QueuedGreedyAcceptance]) -> list[QueuedGreedy
     not one each (a pinned buffer, a copy and an event are tens of microseconds of host time a step)."""
     if not queued:
         return []
-    joined = _queue_copy(None, queued[0].bonus, queued[0].rest, torch.cat([q._host for q in queued]), (), 0)
+    host, ready = _to_host(torch.cat([q._host for q in queued]))
     out, start = [], 0
     for q in queued:
         size = q._host.shape[0]
-        out.append(replace(q, _host=joined._host[start : start + size], _ready=joined._ready))
+        out.append(replace(q, _host=host[start : start + size], _ready=ready))
         start += size
     return out
 
@@ -237,10 +237,16 @@ def _queue_copy(
     """Start the copy of `both` to the host: into pinned memory behind an event on a GPU (the host
     reads it once the event has passed), as it is elsewhere. copy: False leaves `both` where it is
     (`copy_together` copies it)."""
-    if both.device.type != "cuda" or not copy:
-        return QueuedGreedyAcceptance(accepted, bonus, rest, both, None, verify_lens, width)
-    host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-    host.copy_(both, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(both.device))  # the copy's stream, whatever device is current
+    host, ready = _to_host(both) if copy else (both, None)
     return QueuedGreedyAcceptance(accepted, bonus, rest, host, ready, verify_lens, width)
+
+
+def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`values` on the host, queued (`to_host_queued`), and the event after which the host may read
+    them; off CUDA `values` themselves and no event."""
+    if values.device.type != "cuda":
+        return values, None
+    host = to_host_queued(values)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(values.device))  # the copy's stream, whatever device is current
+    return host, ready

@@ -235,14 +235,21 @@ class _Acceptance:
         passed = self.passed.get(position, 0.0)
         return (passed + PRIOR_REQUESTS * prior) / (reached + PRIOR_REQUESTS)
 
+    def chances(self, length: int) -> list[float]:
+        """Each position's chance up to `length` (`chance`), a position's prior the chance of the one
+        before it, the first one's FIRST_PRIOR."""
+        chances, chance = [], FIRST_PRIOR
+        for position in range(1, length + 1):
+            chance = self.chance(position, chance)
+            chances.append(chance)
+        return chances
+
     def tokens_per_request(self, length: int) -> float:
         """Tokens a request commits in a step of this length: 1 + the sum over positions k <= length of
         the chance that drafts 1..k are all accepted (a product of each position's chance given the
-        ones before it; a position's prior is the chance of the one before it, the first one's
-        FIRST_PRIOR)."""
-        tokens, survival, chance = 1.0, 1.0, FIRST_PRIOR
-        for position in range(1, length + 1):
-            chance = self.chance(position, chance)
+        ones before it, `chances`)."""
+        tokens, survival = 1.0, 1.0
+        for chance in self.chances(length):
             survival *= chance
             tokens += survival
         return tokens
@@ -265,11 +272,12 @@ class _TierStats:
         """How many steps of this length were measured (without adding the length to `seconds`)."""
         return self.seconds[length].count if length in self.seconds else 0
 
-    def rate(self, length: int, num_requests: int, acceptance: _Acceptance) -> float:
-        """Committed tokens per second of a step of this length (0.0 until its time is measured)."""
+    def rate(self, length: int, num_requests: int, tokens_per_request: float) -> float:
+        """Committed tokens per second of a step of this length whose requests commit these many tokens
+        each (0.0 until its time is measured)."""
         if not self.measured(length):
             return 0.0
-        return acceptance.tokens_per_request(length) * num_requests / max(self.seconds[length].value, 1e-9)
+        return tokens_per_request * num_requests / max(self.seconds[length].value, 1e-9)
 
 
 @dataclass
@@ -386,7 +394,8 @@ class SpeculationGate:
     ) -> int:
         """The length of the highest estimated rate in this tier, plain decoding unless a drafting
         length beats it by `draft_margin` (`draining`: by the batch's end, see the module docstring)."""
-        rates = {n: stats.rate(n, num_requests, self._acceptance) for n in self.lengths}
+        acceptance = self._acceptance
+        rates = {n: stats.rate(n, num_requests, acceptance.tokens_per_request(n)) for n in self.lengths}
         best = max(self.lengths, key=rates.__getitem__)
         if best == 0 or not stats.measured(0):
             return best
@@ -394,11 +403,7 @@ class SpeculationGate:
         if draining is not None:
             tokens = self._draining_tokens(draining)
             if tokens is not None:
-                seconds = stats.seconds
-                rates = {
-                    n: tokens[n] * num_requests / max(seconds[n].value, 1e-9) if stats.measured(n) else 0.0
-                    for n in self.lengths
-                }
+                rates = {n: stats.rate(n, num_requests, tokens[n]) for n in self.lengths}
                 best = max(self.lengths, key=rates.__getitem__)
                 margin = DRAFT_MARGIN
         if best != 0 and rates[best] < (1.0 + margin) * rates[0]:
@@ -411,11 +416,8 @@ class SpeculationGate:
         if self._drain_tokens is not None and self._drain_age > 0:
             self._drain_age -= 1
             return self._drain_tokens
-        acceptance, longest = self._acceptance, self.lengths[-1]
-        shared, chance = [], FIRST_PRIOR
-        for position in range(1, longest + 1):
-            chance = acceptance.chance(position, chance)
-            shared.append(chance * DRAIN_PRIOR_STEPS)
+        longest = self.lengths[-1]
+        shared = [chance * DRAIN_PRIOR_STEPS for chance in self._acceptance.chances(longest)]
         wanted = set(self.lengths[1:])
         steps = dict.fromkeys(wanted, 0.0)  # per length: the most steps any request needs
         most = 0  # the most tokens any request has left
@@ -444,8 +446,9 @@ class SpeculationGate:
         if length not in stats.seconds or not stats.seconds[length].settled:
             return False
         chosen = self._fastest(stats, num_requests)
-        probed = stats.rate(length, num_requests, self._acceptance)
-        best = stats.rate(chosen, num_requests, self._acceptance)
+        tokens = self._acceptance.tokens_per_request
+        probed = stats.rate(length, num_requests, tokens(length))
+        best = stats.rate(chosen, num_requests, tokens(chosen))
         return chosen != length and 0.0 < probed < PROBE_CLEAR_LOSS * best
 
     def withdraw(self) -> None:
@@ -591,7 +594,11 @@ class SpeculationGate:
         if stats is None:
             return {}
         acceptance = self._acceptance
-        return {n: stats.rate(n, num_requests, acceptance) for n in self.lengths if stats.measured(n)}
+        return {
+            n: stats.rate(n, num_requests, acceptance.tokens_per_request(n))
+            for n in self.lengths
+            if stats.measured(n)
+        }
 
     def _tier(self, num_requests: int) -> _TierStats:
         """The tier of this many decoding requests (made on first use: the first one warms up fully)."""
