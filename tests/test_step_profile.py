@@ -198,9 +198,25 @@ EXPECTED = {
 }
 
 
+@pytest.fixture
+def unfused_cpu_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny model's CPU products off the CPU kernel, whose fused SwiGLU (`silu_mul_rows`, counted
+    under `gemm:gate_up`) leaves no `silu_mul` op to profile. Whether a model load takes the kernel is
+    timed when it loads (a near tie at the tiny shapes on a 2-core host) and remembered per weight
+    shapes for the process: in one clean-clone run of the suite it was taken, in others not."""
+    from dspark.runner.models import layers
+
+    monkeypatch.setattr(layers, "kernel_here", lambda: False)
+    monkeypatch.setattr(layers, "_MEASURED", {})
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
 def test_profile_part_on_the_cpu(
-    graphs: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
+    graphs: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    one_thread: None,
+    unfused_cpu_products: None,
 ) -> None:
     """The whole part on the CPU: plain (no graphs there), and with emulated graphs, which run the
     graph-replay path (its timing, its profile beside the eager one) eagerly."""
