@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--modes",
         default="default,off",
-        help="engines timed, each behind the gate but off (spec_mode; default: the serve default's)",
+        help="engines timed: default (the serve default's, gated), off, or a spec_mode drafting every "
+        "step at its full length (no gate)",
     )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -303,7 +304,9 @@ def main(argv: list[str] | None = None) -> None:
     gate_module._RecentMedian.add = recording_add  # type: ignore[method-assign]
     report: dict[str, object] = {"batch": args.batch, "max_tokens": args.max_tokens, "before": before}
     for name in args.modes.split(","):
-        fields = {} if name == "default" else {"spec_mode": name}
+        fields: dict[str, object] = {} if name == "default" else {"spec_mode": name}
+        if name not in ("default", "off"):
+            fields["adaptive_speculation"] = False  # a fixed length: what the gate's mix is measured against
         draft_model = args.draft_model if name != "off" else ""
         config = bench_config(args.model, draft_model, args.device, max([args.batch, *before]), **fields)
         llm = LLM(config)

@@ -195,9 +195,9 @@ def test_steps_copied_together_read_what_each_step_copied_alone_reads(gen):
     # each step's acceptance reads its own slice, as the step's own copy reads, plain steps among them.
     from dspark.spec.accept import copy_together, greedy_accept_all, queue_greedy_accept, window_bounds
 
-    lens = [int(n) for n in torch.randint(0, 4, (6,), generator=gen)]
+    lens = [int(n) for n in torch.randint(0, 4, (6,), generator=gen, device=DEVICE)]
     lens[0] = 3  # at least one window verifies drafts
-    caps = [min(n, int(c)) for n, c in zip(lens, torch.randint(0, 4, (6,), generator=gen), strict=True)]
+    caps = [min(n, int(c)) for n, c in zip(lens, torch.randint(0, 4, (6,), generator=gen, device=DEVICE), strict=True)]
     bounds = window_bounds(lens, caps, DEVICE)
     steps, alone = [], []
     for step in range(4):

@@ -489,6 +489,29 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
       --before 64 --before-runs 3 --out "$OUT/timeline64" > "$OUT/timeline64.log" 2>&1)
     echo "timeline 64: exit $?"; grep -E "tok/s" "$OUT/timeline64.log"
     ;;
+  s61b)
+    # Session 61's second call (carry [".carry/c4"] after parking c1, c2, c3+c5; ~420 s): why the serve
+    # default trails plain at 64 requests in a batch run to its end (s61: 0.85x, its gate rating length 3
+    # 23% ahead): the step timeline after two runs of 64 (as ab_trees' round 2), what the speculative
+    # engine's plain steps cost against the plain engine's (`gated-plain`, host phases and device
+    # kernels), then the Qwen3-8B step on this GPU (issue 20's floor, H200 not measured since session 28).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    mkdir -p /tmp/s61b
+    (cd benchmarks && timeout ${TL_S:-100} python3 gate_timeline.py --device cuda --batch 64 --max-tokens 128 \
+      --before 64 --before-runs 2 --modes default,off,static --out /tmp/s61b/timeline64 > /tmp/s61b/timeline64.log 2>&1)
+    echo "timeline 64: exit $?"; grep -E "tok/s" /tmp/s61b/timeline64.log
+    (cd benchmarks && timeout ${PROF_S:-90} python3 profile_host.py --device cuda --batch 64 --max-tokens 128 \
+      --decode-burst 4 --modes off,gated-plain,static --out /tmp/s61b/profile64 > /tmp/s61b/profile64.log 2>&1)
+    echo "profile 64: exit $?"; grep -E "tok/s" /tmp/s61b/profile64.log
+    (cd benchmarks && timeout ${PROF_S:-90} python3 profile_host.py --device cuda --batch 64 --max-tokens 128 \
+      --decode-burst 4 --modes off,gated-plain,static --kernels --out /tmp/s61b/kernels64 > /tmp/s61b/kernels64.log 2>&1)
+    echo "kernels 64: exit $?"; grep -E "tok/s" /tmp/s61b/kernels64.log
+    timeout ${STEP_S:-130} python3 benchmarks/gpu_e2e.py --parts step --shape qwen3-8b --work /tmp/s61b/w --out /tmp/s61b/step8b \
+      --step-batches ${STEP_BATCHES:-1,8,16} --step-windows ${STEP_WINDOWS:-1,2,4} --kernel-paths gemv,cublas \
+      --context 1024 --repeats ${STEP_REPEATS:-8} > /tmp/s61b/step8b.log 2>&1
+    echo "step 8b: exit $?"; grep -A14 "^| batch" /tmp/s61b/step8b/results.md 2>/dev/null | head -14
+    rm -rf /tmp/s61b/w; tar -czf "$OUT/s61b.tgz" -C /tmp s61b
+    ;;
   s61)
     # Session 61's first device call (carry [".carry/c4", ".carry/base60"] after parking c1, c2, c3+c5 as for
     # `tests`; base60: `git archive 53971f4 backend`; ~500 s on session 60's hosts): session 60's gate
