@@ -197,7 +197,8 @@ def test_steps_copied_together_read_what_each_step_copied_alone_reads(gen):
 
     lens = [int(n) for n in torch.randint(0, 4, (6,), generator=gen, device=DEVICE)]
     lens[0] = 3  # at least one window verifies drafts
-    caps = [min(n, int(c)) for n, c in zip(lens, torch.randint(0, 4, (6,), generator=gen, device=DEVICE), strict=True)]
+    drawn = torch.randint(0, 4, (6,), generator=gen, device=DEVICE)
+    caps = [min(n, int(c)) for n, c in zip(lens, drawn, strict=True)]
     bounds = window_bounds(lens, caps, DEVICE)
     steps, alone = [], []
     for step in range(4):

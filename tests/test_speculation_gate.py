@@ -17,6 +17,7 @@ from dspark.spec.gate import (
     BATCH_MARGIN_REQUESTS,
     DRAFT_MARGIN,
     FIRST_PRIOR,
+    HISTORY_LEAST_STEPS,
     LATER_TIER_WARM_UP_STEPS,
     PROBE_BACKOFF,
     PROBE_CLEAR_LOSS,
@@ -258,6 +259,55 @@ def test_a_draining_batch_s_requests_few_steps_measured_count_as_the_mean() -> N
     )
     settled = decisions[8 * WARM_UP_STEPS :]
     assert sum(1 for n in settled if n) / len(settled) > 0.9
+
+
+@pytest.mark.parametrize("told", ["spread", "too few drafts", "nothing"])
+def test_a_draining_batch_s_unknown_requests_are_spread_as_finished_requests_were(told: str) -> None:
+    """64 requests, plain 1 ms a step, a window of 3 drafts 1.4 ms; half accept every draft, half none,
+    so the mean commits 2.5 tokens a request a step. A new batch run to its end whose requests no step
+    measured yet: told that finished requests spread so (each drafted 200 steps), the gate takes half
+    of the batch's requests at 1 token a step (the batch's end: 100 steps either way, at 1.4 ms drafting),
+    and decodes plainly from the batch's first step; told of requests that drafted too few steps to say,
+    or of none, it judges them all by the mean: drafting."""
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    seconds = lambda n: 0.0014 if n else 0.001  # noqa: E731
+    _run_steps(gate, clock, 64, 300, seconds, lambda step: [3] * 32 + [0] * 32)  # a server's batch: drafting
+    steps = {"spread": 200, "too few drafts": HISTORY_LEAST_STEPS - 1, "nothing": 0}[told]
+    for r in range(64 if steps else 0):
+        gate.request_finished([steps] * 3, [steps if r < 32 else 0] * 3)
+    mix = lambda step: [3] * 32 + [0] * 32  # noqa: E731
+    decisions = _run_steps(gate, clock, 64, 40, seconds, mix, _progress([0] * 64, 3, 0, 100))
+    drafting = sum(1 for n in decisions if n) / len(decisions)
+    if told == "spread":
+        assert drafting < 0.1, decisions
+    else:
+        assert drafting > 0.9, decisions
+
+
+@pytest.mark.parametrize("tail_ms", [1.4, 0.7])
+def test_a_draining_batch_s_end_is_timed_at_the_tiers_its_requests_leave_running(tail_ms: float) -> None:
+    """64 requests of 100 tokens, every one known (200 drafting steps each): half commit ~3.8 tokens a
+    step at 3 drafts and finish after ~26 steps, half ~1.45 and need ~69. Plain: 100 steps at 1 ms.
+    Drafting: 1.4 ms a step at 64 requests; the last ~43 steps run 32 requests, at tier 32's drafting
+    time: at 1.4 ms too the end comes at ~97 ms (3% ahead, under the margin): plain; at 0.7 ms (a tail
+    that costs less, as on a host-bound GPU) at ~67 ms: drafting."""
+    clock = _Clock()
+    gate = SpeculationGate(3, clock)
+    costs = {64: 1.4e-3, 32: tail_ms * 1e-3}
+    for tier in (64, 32):  # each tier's times measured (its warm-up), half accepting every draft
+        seconds = lambda n, d=costs[tier]: d if n else 1e-3  # noqa: E731
+        _run_steps(gate, clock, tier, 40, seconds, lambda step, t=tier: [3, 0] * (t // 2))
+
+    def progress():
+        for r in range(64):
+            yield 100, [200, 200, 200], [200, 200, 200] if r < 32 else [50, 0, 0]
+
+    decisions = _run_steps(
+        gate, clock, 64, 12, lambda n: costs[64] if n else 1e-3, lambda step: [3, 0] * 32, progress
+    )
+    expected = 0 if tail_ms > 1.0 else 3
+    assert decisions.count(expected) >= 9, decisions
 
 
 def test_a_warm_up_begun_as_a_batch_ended_does_not_run_on_into_the_next_batch() -> None:
@@ -853,6 +903,27 @@ def test_a_withdrawn_choice_is_no_try_of_its_length():
         clock.now += 0.001
         gate.finish_step([])
     assert gate.draft_length(4) == 1
+
+
+def test_the_engine_tells_the_gate_each_request_s_counts_as_it_ends(
+    tiny_target_dir, tiny_drafter_dir
+) -> None:
+    """Each request that ends (finished or aborted) hands the gate its own per-position counts, the
+    spread a later draining batch is judged by."""
+    config = tiny_engine_config(tiny_target_dir, tiny_drafter_dir, device="cpu")
+    llm = LLM(config.replace(adaptive_speculation=True))
+    told: list[tuple[list[int], list[int]]] = []
+    real = llm.engine.gate.request_finished
+
+    def record(verified, accepted) -> None:
+        told.append((list(verified), list(accepted)))
+        real(verified, accepted)
+
+    llm.engine.gate.request_finished = record  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = llm.generate(params=params, prompt_token_ids=[[1, 2, 3], [4, 5]])
+    stats = [o.spec_stats for o in outs]
+    assert sorted(told) == sorted((s.verified_per_position, s.accepted_per_position) for s in stats)
 
 
 def test_the_engine_hands_the_gate_a_batch_s_progress_only_while_it_runs_to_its_end(

@@ -994,6 +994,9 @@ class LLMEngine:
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.total_spec_stats.merge(seq.spec_stats)
+        if self.gate is not None:  # its acceptance joins the spread a draining batch is judged by
+            stats = seq.spec_stats
+            self.gate.request_finished(stats.verified_per_position, stats.accepted_per_position)
         self._spec_snapshot = None
         del self._seqs[seq.request_id]
         del self._outputs[seq.request_id]

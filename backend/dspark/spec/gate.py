@@ -74,16 +74,20 @@ is, and a request that ends
 early frees a seat no one takes: what counts there is how fast the batch's end comes, not the mean
 tokens a step. Drafting spreads the requests' progress (each request's acceptance is its own: the
 prompt, the kind of text), so the batch's end comes at the pace of the requests it drafts worst for.
-There, a drafting length's tokens a request a step are those that bring the batch's end soonest: the
-most tokens any request has left over the most steps any request needs at that length, each request's
-steps from its own acceptance per position (its counts, with DRAIN_PRIOR_STEPS steps' worth of the
-shared chances added: a request few steps measured counts as the mean, not as the worst its few steps
-happened to show). The margin is then DRAFT_MARGIN at every request count (the batch's end is in the
-estimate). The engine does not ask the gate while such a
-batch still takes its prompts in (`LLMEngine._window_of`: plain steps; a probe begun there drafts
-through the whole intake). (H100, SmolLM2, 64 requests of 128 tokens: the mean rated drafting 11-17%
-ahead, a batch run to its end drafting took 1.16x plain's time; its slowest request committed 1.54
-tokens a step against a mean near 1.9.)
+There, a length is rated by when the batch would end running it: each request's steps from its own
+acceptance per position (its counts, with DRAIN_PRIOR_STEPS steps' worth of the shared chances added: a
+request few steps measured counts as the mean, not as the worst its few steps happened to show), the
+batch running its slowest request's steps, each at the measured time of a step of as many requests as
+still run then (a batch that drafts thins out as its fast requests end, and its last steps cost what a
+smaller tier's do). While a request's own counts are few, the prior's share of its estimate is taken
+not at the mean but at a quantile of the spread finished requests showed (`request_finished`: the
+lowest-rated request of N at their 1/(2N) quantile, the next at 3/(2N), ...): the batch's first steps
+know nothing of its own requests, yet its end comes at the pace of the worst of them. The margin is
+then DRAFT_MARGIN at every request count (the batch's end is in the estimate). The engine does not
+ask the gate while such a batch still takes its prompts in (`LLMEngine._window_of`: plain steps; a
+probe begun there drafts through the whole intake). (H100, SmolLM2, 64 requests of 128 tokens: the
+mean rated drafting 11-17% ahead, a batch run to its end drafting took 1.16x plain's time; its
+slowest request committed 1.54 tokens a step against a mean near 1.9.)
 
 Lossless: the decision reads only the wall times and token counts of earlier steps, never this step's
 drafts, and every length gives a lossless step. (A seeded sampling request keeps its distribution, but
@@ -139,6 +143,18 @@ DRAIN_PRIOR_STEPS = 32.0  # steps' worth of the shared chances added to a reques
 # simulation of batches run to their end, `benchmarks/results/cpu-2026-12-07-s60/gate_batch_sim.py`: at
 # 4 steps' worth, 64 requests decoded plainly where drafting gained 11%; at 32, within ~3% of the best
 # fixed length or of plain decoding in most cases, and never slower than plain).
+# A draining batch's first steps know nothing of its own requests (each is the shared mean until its
+# own steps say otherwise, DRAIN_PRIOR_STEPS), yet its end comes at the pace of the worst of them: the
+# spread of the requests' acceptance is taken from requests that finished before (the latest
+# HISTORY_REQUESTS that verified at least HISTORY_LEAST_STEPS first drafts; none before HISTORY_LEAST of
+# them), the worst of N requests as their 1/(N+1) quantile over their mean, applied to the shared
+# chances, and given way to the batch's own counts as they come in (H200, SmolLM2, 64 requests of 128
+# tokens: rated from the mean, drafting led plain by 23% and ran 0.85x plain; its slowest request
+# committed 1.47 tokens a step at 3 drafts against a mean of 1.82).
+HISTORY_REQUESTS = 256
+HISTORY_LEAST = 16
+HISTORY_LEAST_STEPS = 8
+HISTORY_PRIOR_STEPS = 16.0  # steps' worth of the shared chances added to a finished request's counts
 DRAIN_REFRESH = 4  # choices between two computations of a draining batch's tokens a step (a pass over
 # its requests: ~2 us each, at 64 requests a few percent of a burst's host time every choice)
 
@@ -163,6 +179,23 @@ def draft_lengths(block_size: int) -> tuple[int, ...]:
         lengths.append(n)
         n *= 2
     return (*lengths, block_size) if block_size > 0 else (0,)
+
+
+def _own_tokens(
+    verified: Sequence[int], accepted: Sequence[int], chances: Sequence[float], prior_steps: float
+) -> dict[int, float]:
+    """Per length up to len(chances), the tokens a step of one request commits, from its own counts
+    per draft position with `prior_steps` steps' worth of the shared `chances` added."""
+    tokens, survival, before, out = 1.0, 1.0, -1, {}
+    for k, chance in enumerate(chances):
+        reached = verified[k] if k < len(verified) else 0
+        if k:  # a position is reached where every draft before it was accepted
+            reached = min(reached, before)
+        before = accepted[k] if k < len(accepted) else 0
+        survival *= (before + chance * prior_steps) / (reached + prior_steps)
+        tokens += survival
+        out[k + 1] = tokens
+    return out
 
 
 class _RecentMedian:
@@ -338,6 +371,9 @@ class SpeculationGate:
         # A draining batch's tokens a request a step per length, and the choices left until recomputed.
         self._drain_tokens: dict[int, float] | None = None
         self._drain_age = 0
+        # Finished requests' own tokens a step per drafting length, over the shared estimate then: the
+        # spread a draining batch's end is judged by (`request_finished`, HISTORY_REQUESTS).
+        self._finished: collections.deque[dict[int, float]] = collections.deque(maxlen=HISTORY_REQUESTS)
 
     def draft_length(
         self, num_requests: int, draining: Callable[[], Iterable[RequestProgress]] | None = None
@@ -401,7 +437,7 @@ class SpeculationGate:
             return best
         margin = draft_margin(num_requests)
         if draining is not None:
-            tokens = self._draining_tokens(draining)
+            tokens = self._draining_tokens(stats, draining)
             if tokens is not None:
                 rates = {n: stats.rate(n, num_requests, tokens[n]) for n in self.lengths}
                 best = max(self.lengths, key=rates.__getitem__)
@@ -410,34 +446,98 @@ class SpeculationGate:
             return 0
         return best
 
-    def _draining_tokens(self, draining: Callable[[], Iterable[RequestProgress]]) -> dict[int, float] | None:
-        """Per length, the tokens a request a step that bring a draining batch's end soonest (plain: 1),
-        recomputed every DRAIN_REFRESH choices; None when no request has tokens left."""
+    def _draining_tokens(
+        self, stats: _TierStats, draining: Callable[[], Iterable[RequestProgress]]
+    ) -> dict[int, float] | None:
+        """Per length, the tokens a request a step at this tier's step time that bring a draining batch's
+        end as soon as the batch would reach it running that length to its end; recomputed every
+        DRAIN_REFRESH choices; None when no request has tokens left or plain decoding is unmeasured here.
+
+        The end: each request's steps from its own acceptance (its counts with DRAIN_PRIOR_STEPS steps'
+        worth of the shared chances), spread as finished requests' were while its own counts are few
+        (`_spread`); the batch runs its slowest request's steps, each at the time of a step of as many
+        requests as still run then (their tier's measured time, this tier's where unmeasured)."""
         if self._drain_tokens is not None and self._drain_age > 0:
             self._drain_age -= 1
             return self._drain_tokens
-        longest = self.lengths[-1]
-        shared = [chance * DRAIN_PRIOR_STEPS for chance in self._acceptance.chances(longest)]
-        wanted = set(self.lengths[1:])
-        steps = dict.fromkeys(wanted, 0.0)  # per length: the most steps any request needs
-        most = 0  # the most tokens any request has left
+        if not stats.measured(0):
+            return None
+        chances = self._acceptance.chances(self.lengths[-1])
+        own: list[tuple[int, float, dict[int, float]]] = []  # tokens left, counts' weight, tokens a step
         for remaining, verified, accepted in draining():
-            if remaining <= 0:
-                continue
-            most = max(most, remaining)
-            tokens, survival, before = 1.0, 1.0, -1
-            for k in range(longest):
-                reached = verified[k] if k < len(verified) else 0
-                if k:  # a position is reached where every draft before it was accepted
-                    reached = min(reached, before)
-                before = accepted[k] if k < len(accepted) else 0
-                survival *= (before + shared[k]) / (reached + DRAIN_PRIOR_STEPS)
-                tokens += survival
-                if k + 1 in wanted:
-                    steps[k + 1] = max(steps[k + 1], remaining / tokens)
+            if remaining > 0:
+                first = verified[0] if verified else 0
+                weight = first / (first + DRAIN_PRIOR_STEPS)
+                own.append((remaining, weight, _own_tokens(verified, accepted, chances, DRAIN_PRIOR_STEPS)))
         self._drain_age = DRAIN_REFRESH - 1
-        self._drain_tokens = None if not most else {0: 1.0} | {n: most / steps[n] for n in wanted}
-        return self._drain_tokens
+        if not own:
+            self._drain_tokens = None
+            return None
+        left = sum(remaining for remaining, _, _ in own)
+        here = {n: stats.seconds[n].value for n in self.lengths if stats.measured(n)}
+        tokens = {}
+        for n in self.lengths:
+            if n not in here:
+                tokens[n] = 0.0
+                continue
+            spread = self._spread([t[n] for _, _, t in own], len(own), n) if n else None
+            shared = self._acceptance.tokens_per_request(n)
+            steps = []
+            for i, (remaining, weight, mine) in enumerate(own):
+                # The prior's share of its estimate (the shared mean) taken at its quantile instead.
+                per_step = 1.0 if not n else max(1.0, mine[n] + (1.0 - weight) * shared * (spread[i] - 1.0))
+                steps.append(remaining / per_step)
+            seconds = self._drain_seconds(steps, n, here)
+            tokens[n] = left / seconds * here[n] / len(own)
+        self._drain_tokens = tokens
+        return tokens
+
+    def _spread(self, estimates: list[float], count: int, length: int) -> list[float]:
+        """Per request (in `estimates`' order), the share of its estimate its acceptance comes to while
+        its own counts are few: finished requests' own tokens a step at this length over the shared
+        estimate, at the quantile of its rank among these requests' estimates (the lowest estimate the
+        lowest quantile); all 1.0 before HISTORY_LEAST requests finished."""
+        history = self._finished
+        if len(history) < HISTORY_LEAST:
+            return [1.0] * count
+        ratios = sorted(h[length] for h in history)
+        order = sorted(range(count), key=estimates.__getitem__)
+        spread = [1.0] * count
+        for rank, i in enumerate(order):
+            spread[i] = ratios[min(len(ratios) - 1, int((rank + 0.5) / count * len(ratios)))]
+        return spread
+
+    def _drain_seconds(self, steps: list[float], length: int, here: dict[int, float]) -> float:
+        """Seconds until the last of these requests' steps at this length (each its own count of steps),
+        each step at the time of a step of the requests still running then: their tier's measured
+        median; where that tier measured plain decoding only, its plain time times this tier's ratio
+        of the length's time to plain's (`here`: this tier's times); where neither, this tier's."""
+        seconds, done = 0.0, 0.0
+        running = len(steps)
+        for count in sorted(steps):
+            if count > done:
+                tier = self._tiers.get(next_pow2(running))
+                if tier is not None and tier.measured(length):
+                    step = tier.seconds[length].value
+                elif tier is not None and tier.measured(0):
+                    step = tier.seconds[0].value * here[length] / here[0]
+                else:
+                    step = here[length]
+                seconds += (count - done) * step
+                done = count
+            running -= 1
+        return max(seconds, 1e-9)
+
+    def request_finished(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        """A request ended, having verified and accepted these many drafts per position (`SpecStats`'s
+        counts): its own tokens a step per drafting length join the spread draining batches are judged
+        by (HISTORY_REQUESTS), if it drafted enough to say."""
+        if len(self.lengths) < 2 or not verified or verified[0] < HISTORY_LEAST_STEPS:
+            return
+        chances = self._acceptance.chances(self.lengths[-1])
+        own = _own_tokens(verified, accepted, chances, HISTORY_PRIOR_STEPS)
+        shared = self._acceptance.tokens_per_request
+        self._finished.append({n: own[n] / shared(n) for n in self.lengths[1:]})
 
     def _clearly_behind(self, stats: _TierStats, length: int, num_requests: int) -> bool:
         """Whether `length`'s estimated rate in this tier is under PROBE_CLEAR_LOSS of the rate of the
@@ -546,6 +646,10 @@ class SpeculationGate:
         acceptance = self._acceptance
         for j, step_committed in enumerate(committed):
             if not step_committed:  # a burst's step after its requests had all finished
+                continue
+            if not length:  # a plain step verified no position: only the fading below (no pass over
+                # its requests, which costs ~15 us a step at 64 requests)
+                acceptance.fade(range(1, self.lengths[-1] + 1), SMOOTHING / len(step_committed))
                 continue
             # One pass over the requests (this runs every step): a request that committed n tokens
             # having verified v drafts reached positions 1..min(n, v) and passed 1..n-1 (v: the step's
