@@ -489,6 +489,20 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
       --before 64 --before-runs 3 --out "$OUT/timeline64" > "$OUT/timeline64.log" 2>&1)
     echo "timeline 64: exit $?"; grep -E "tok/s" "$OUT/timeline64.log"
     ;;
+  s61c)
+    # Session 61's check of a2c8832 (carry [".carry/c4", ".carry/base60"] after parking c1, c2, c3+c5;
+    # ~520 s): the gate's draining batches rated by when their end comes (the spread of finished
+    # requests) against 53971f4 (`s60`'s A/B), the timeline at 64 with a fixed length beside (static),
+    # then the GPU tests; everything but check.log comes back in one archive (8 files at most).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    AB_S=${AB_S:-170} AB2_S=${AB2_S:-90} gate_ab .carry/base60/backend
+    (cd benchmarks && timeout ${TL_S:-100} python3 gate_timeline.py --device cuda --batch 64 --max-tokens 128 \
+      --before 64 --before-runs 2 --modes default,off,static --out "$OUT/timeline64.json" > "$OUT/timeline64.log" 2>&1)
+    echo "timeline 64: exit $?"; grep -E "tok/s" "$OUT/timeline64.log"
+    TESTS_S=${TESTS_S:-300} SERVING_S=${SERVING_S:-100} bash "$0" tests
+    (cd "$OUT" && tar -czf /tmp/s61c.tgz --exclude=check.log . && find . -type f ! -name check.log -delete \
+      && mv /tmp/s61c.tgz .)
+    ;;
   s61b)
     # Session 61's second call (carry [".carry/c4"] after parking c1, c2, c3+c5; ~420 s): why the serve
     # default trails plain at 64 requests in a batch run to its end (s61: 0.85x, its gate rating length 3
