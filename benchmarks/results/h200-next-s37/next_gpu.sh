@@ -35,6 +35,8 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh timeline64   carry [".carry/c4"] after parking g01, g2 (~100 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s60   carry [".carry/c4", ".carry/base60"] after parking g01, g2 (~250 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s61   carry [".carry/c4", ".carry/base60"] after parking c1, c2, c3+c5 (~500 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s61c   carry [".carry/c4", ".carry/base60"] after parking c1, c2, c3+c5 (~520 s;
+#     s61d: a ~320 s cut of it)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh data-train   carry [".carry/c4", ".carry/distill"]
 #     (~530 s; parked: .carry/g01 then .carry/g2, the GGUF alone, with drafters/, benchmarks/results/ and
 #     training/prompts_train.jsonl moved aside meanwhile; drafters/ and the prompts back for this call,
@@ -502,6 +504,20 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
     TESTS_S=${TESTS_S:-300} SERVING_S=${SERVING_S:-100} bash "$0" tests
     (cd "$OUT" && tar -czf /tmp/s61c.tgz --exclude=check.log . && find . -type f ! -name check.log -delete \
       && mv /tmp/s61c.tgz .)
+    ;;
+  s61d)
+    # s61c cut to the device time left (carry [".carry/c4", ".carry/base60"] after parking c1, c2, c3+c5;
+    # ~320 s): the A/B against 53971f4 at 64, 128 and 8 requests, then the gate's, engine's, burst and
+    # acceptance tests on the GPU (the full suite ran at 146f140's parent in call 1).
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    timeout "${AB_S:-170}" python3 benchmarks/ab_trees.py --base .carry/base60/backend --device cuda \
+      --batch-sizes "${AB_BATCHES:-64,128,8}" --modes off,default --rounds "${ROUNDS:-3}" --max-tokens 128 \
+      --out "$OUT/ab-margin.json" > "$OUT/ab-margin.log" 2>&1
+    echo "ab margin: exit $?"; grep -vE "^\{" "$OUT/ab-margin.log" | tail -8
+    OUT=$OUT TESTS_S=${TESTS_S:-120} SERVING_S=0 TEST_FILES="tests/test_speculation_gate.py tests/test_engine.py \
+      tests/test_kernels_accept.py tests/test_decode_burst.py tests/test_draft_length.py" \
+      bash benchmarks/gpu_check.sh > "$OUT/check.log" 2>&1
+    echo "gpu_check: exit $?"; grep -E "passed|failed|error" "$OUT/check.log" | tail -4
     ;;
   s61b)
     # Session 61's second call (carry [".carry/c4"] after parking c1, c2, c3+c5; ~420 s): why the serve
