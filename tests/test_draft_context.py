@@ -193,3 +193,55 @@ def test_the_block_early_stop_equals_the_position_by_position_one(threshold):
     assert torch.equal(kept, expected)
     if threshold in (0.05, 0.3):
         assert bool((lengths < 7).any()) and lengths.unique().numel() > 2, "requests stop at various places"
+
+
+@pytest.mark.parametrize("drafter", ["tiny_drafter_dir", "anchor_drafter_dir"])
+def test_deferred_injection_leaves_the_context_each_step_s_injection_leaves(
+    tiny_target_dir, drafter, request, monkeypatch
+) -> None:
+    """On an eager target the engine's proposer keeps each step's features (`defer_inject`) and injects
+    them in one pass before its next block: after steps that write a slot twice (a rejected draft's row,
+    then the committed token's), padding rows, and a flush forced by the row bound midway, its draft KV
+    and context rows, and the block it drafts, are those of a proposer that injected every step."""
+    from tiny_models import tiny_engine_config
+
+    import dspark.spec.proposer as proposer_module
+
+    config = tiny_engine_config(tiny_target_dir, request.getfixturevalue(drafter), device="cpu")
+    engine = LLM(config.replace(adaptive_speculation=True)).engine
+    deferred: DSparkProposer = engine.proposer
+    assert deferred.defer_inject  # the engine's choice on the CPU
+    vocab = deferred.vocab_ids
+    eager = DSparkProposer(
+        deferred.drafter,
+        deferred.embedding,
+        deferred.lm_head,
+        config.num_kv_pages,
+        config.kv_page_size,
+        deferred.stop_survival,
+        deferred.block_size,
+        None if vocab is None else vocab.cpu(),
+    )
+    monkeypatch.setattr(proposer_module, "DEFERRED_ROWS", 11)  # the third step's rows reach it
+    width = len(deferred.target_layer_ids) * deferred.drafter.config.hidden_size
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    # Slots 5 and 6 written in the second step and again in the third (one pass holds both), 9 in the
+    # fourth and again in the fifth (the last pass), padding rows (-1) in several.
+    steps = [(0, [0, 1, 2, 3]), (4, [4, 5, 6, -1]), (5, [5, 6, 7]), (8, [8, 9, -1]), (9, [9, -1])]
+    for first, slots in steps:
+        features = torch.randn(len(slots), width, generator=gen)
+        positions = torch.arange(first, first + len(slots))
+        for proposer in (deferred, eager):
+            proposer.inject(features, positions, torch.tensor(slots))
+    assert deferred._deferred  # the last two steps' rows wait for the next block
+    deferred.flush()
+    for a, b in zip(deferred.cache.k, eager.cache.k, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(deferred.cache.v, eager.cache.v, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if deferred.context_rows is not None:
+        torch.testing.assert_close(deferred.context_rows[:-1], eager.context_rows[:-1], rtol=1e-5, atol=1e-5)
+    seq = Sequence("r", 0, [1, 2, 3, 4, 5, 6, 7, 1, 2, 3], SamplingParams(), None)
+    seq.num_cached, seq.pages = 9, [0, 1, 2, 3]
+    drafts = [p.propose([seq], copies=False).tokens.tolist() for p in (deferred, eager)]
+    assert drafts[0] == drafts[1]
