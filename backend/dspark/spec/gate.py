@@ -155,8 +155,9 @@ HISTORY_REQUESTS = 256
 HISTORY_LEAST = 16
 HISTORY_LEAST_STEPS = 8
 HISTORY_PRIOR_STEPS = 16.0  # steps' worth of the shared chances added to a finished request's counts
-DRAIN_REFRESH = 4  # choices between two computations of a draining batch's tokens a step (a pass over
-# its requests: ~2 us each, at 64 requests a few percent of a burst's host time every choice)
+DRAIN_REFRESH = 8  # choices between two computations of a draining batch's tokens a step (a pass over
+# its requests per length: ~3 us a request on this project's CPU, 0.2 ms at 64 requests and 0.8 at 256,
+# a burst's host time being ~3.6 and ~5 ms there on an H100)
 
 # Per running request of a draining batch: the tokens it may still commit, and per draft position
 # (0-based) how many of its steps verified a draft there and how many accepted it
@@ -374,6 +375,7 @@ class SpeculationGate:
         # Finished requests' own tokens a step per drafting length, over the shared estimate then: the
         # spread a draining batch's end is judged by (`request_finished`, HISTORY_REQUESTS).
         self._finished: collections.deque[dict[int, float]] = collections.deque(maxlen=HISTORY_REQUESTS)
+        self._ratios: dict[int, list[float]] = {}  # per length, the finished requests' ratios sorted
 
     def draft_length(
         self, num_requests: int, draining: Callable[[], Iterable[RequestProgress]] | None = None
@@ -500,7 +502,9 @@ class SpeculationGate:
         history = self._finished
         if len(history) < HISTORY_LEAST:
             return [1.0] * count
-        ratios = sorted(h[length] for h in history)
+        ratios = self._ratios.get(length)
+        if ratios is None:  # sorted once until the next request finishes
+            ratios = self._ratios[length] = sorted(h[length] for h in history)
         order = sorted(range(count), key=estimates.__getitem__)
         spread = [1.0] * count
         for rank, i in enumerate(order):
@@ -514,15 +518,20 @@ class SpeculationGate:
         of the length's time to plain's (`here`: this tier's times); where neither, this tier's."""
         seconds, done = 0.0, 0.0
         running = len(steps)
+        times: dict[int, float] = {}  # per tier, its step time at this length
         for count in sorted(steps):
             if count > done:
-                tier = self._tiers.get(next_pow2(running))
-                if tier is not None and tier.measured(length):
-                    step = tier.seconds[length].value
-                elif tier is not None and tier.measured(0):
-                    step = tier.seconds[0].value * here[length] / here[0]
-                else:
-                    step = here[length]
+                size = next_pow2(running)
+                step = times.get(size)
+                if step is None:
+                    tier = self._tiers.get(size)
+                    if tier is not None and tier.measured(length):
+                        step = tier.seconds[length].value
+                    elif tier is not None and tier.measured(0):
+                        step = tier.seconds[0].value * here[length] / here[0]
+                    else:
+                        step = here[length]
+                    times[size] = step
                 seconds += (count - done) * step
                 done = count
             running -= 1
@@ -538,6 +547,7 @@ class SpeculationGate:
         own = _own_tokens(verified, accepted, chances, HISTORY_PRIOR_STEPS)
         shared = self._acceptance.tokens_per_request
         self._finished.append({n: own[n] / shared(n) for n in self.lengths[1:]})
+        self._ratios.clear()
 
     def _clearly_behind(self, stats: _TierStats, length: int, num_requests: int) -> bool:
         """Whether `length`'s estimated rate in this tier is under PROBE_CLEAR_LOSS of the rate of the
