@@ -147,14 +147,16 @@ DRAIN_PRIOR_STEPS = 32.0  # steps' worth of the shared chances added to a reques
 # own steps say otherwise, DRAIN_PRIOR_STEPS), yet its end comes at the pace of the worst of them: the
 # spread of the requests' acceptance is taken from requests that finished before (the latest
 # HISTORY_REQUESTS that verified at least HISTORY_LEAST_STEPS first drafts; none before HISTORY_LEAST of
-# them), the worst of N requests as their 1/(N+1) quantile over their mean, applied to the shared
-# chances, and given way to the batch's own counts as they come in (H200, SmolLM2, 64 requests of 128
-# tokens: rated from the mean, drafting led plain by 23% and ran 0.85x plain; its slowest request
-# committed 1.47 tokens a step at 3 drafts against a mean of 1.82).
+# them): their own tokens a step over the shared estimate, the lowest-rated of N requests at their
+# 1/(2N) quantile, the next at 3/(2N), ..., giving way to the batch's own counts as they come in (H200,
+# SmolLM2, 64 requests of 128 tokens: rated from the mean, drafting led plain by 23% and ran 0.85x
+# plain; on the CPU the slowest of those requests committed 1.47 tokens a step at 3 drafts, the mean 1.82).
 HISTORY_REQUESTS = 256
 HISTORY_LEAST = 16
 HISTORY_LEAST_STEPS = 8
-HISTORY_PRIOR_STEPS = 16.0  # steps' worth of the shared chances added to a finished request's counts
+HISTORY_PRIOR_STEPS = 16.0  # steps' worth of the shared chances added to a finished request's counts:
+# a request's counts hold its own luck too, which widens the spread past the requests' true one (at 4
+# steps' worth the simulation drafted 3-6% too little where acceptance was high)
 DRAIN_REFRESH = 8  # choices between two computations of a draining batch's tokens a step (a pass over
 # its requests per length: ~3 us a request on this project's CPU, 0.2 ms at 64 requests and 0.8 at 256,
 # a burst's host time being ~3.6 and ~5 ms there on an H100)
