@@ -184,21 +184,31 @@ def draft_lengths(block_size: int) -> tuple[int, ...]:
     return (*lengths, block_size) if block_size > 0 else (0,)
 
 
+def _tokens_by_length(chances: Sequence[float]) -> list[float]:
+    """Per length 0..len(chances) (the index), the tokens a request commits in a step of that length:
+    1 + the sum over positions k <= length of the chance that drafts 1..k are all accepted (the
+    product of each position's chance given the ones before it, `chances`)."""
+    tokens, survival, out = 1.0, 1.0, [1.0]
+    for chance in chances:
+        survival *= chance
+        tokens += survival
+        out.append(tokens)
+    return out
+
+
 def _own_tokens(
     verified: Sequence[int], accepted: Sequence[int], chances: Sequence[float], prior_steps: float
-) -> dict[int, float]:
-    """Per length up to len(chances), the tokens a step of one request commits, from its own counts
-    per draft position with `prior_steps` steps' worth of the shared `chances` added."""
-    tokens, survival, before, out = 1.0, 1.0, -1, {}
+) -> list[float]:
+    """`_tokens_by_length` of one request, each position's chance from its own counts with
+    `prior_steps` steps' worth of the shared `chances` added."""
+    own, before = [], -1
     for k, chance in enumerate(chances):
         reached = verified[k] if k < len(verified) else 0
         if k:  # a position is reached where every draft before it was accepted
             reached = min(reached, before)
         before = accepted[k] if k < len(accepted) else 0
-        survival *= (before + chance * prior_steps) / (reached + prior_steps)
-        tokens += survival
-        out[k + 1] = tokens
-    return out
+        own.append((before + chance * prior_steps) / (reached + prior_steps))
+    return _tokens_by_length(own)
 
 
 class _RecentMedian:
@@ -281,14 +291,12 @@ class _Acceptance:
         return chances
 
     def tokens_per_request(self, length: int) -> float:
-        """Tokens a request commits in a step of this length: 1 + the sum over positions k <= length of
-        the chance that drafts 1..k are all accepted (a product of each position's chance given the
-        ones before it, `chances`)."""
-        tokens, survival = 1.0, 1.0
-        for chance in self.chances(length):
-            survival *= chance
-            tokens += survival
-        return tokens
+        """Tokens a request commits in a step of this length (`_tokens_by_length` of `chances`)."""
+        return _tokens_by_length(self.chances(length))[length]
+
+    def tokens_by_length(self, longest: int) -> list[float]:
+        """`tokens_per_request` of every length up to `longest` (the index), from one pass."""
+        return _tokens_by_length(self.chances(longest))
 
 
 @dataclass
@@ -434,8 +442,8 @@ class SpeculationGate:
     ) -> int:
         """The length of the highest estimated rate in this tier, plain decoding unless a drafting
         length beats it by `draft_margin` (`draining`: by the batch's end, see the module docstring)."""
-        acceptance = self._acceptance
-        rates = {n: stats.rate(n, num_requests, acceptance.tokens_per_request(n)) for n in self.lengths}
+        mean = self._acceptance.tokens_by_length(self.lengths[-1])
+        rates = {n: stats.rate(n, num_requests, mean[n]) for n in self.lengths}
         best = max(self.lengths, key=rates.__getitem__)
         if best == 0 or not stats.measured(0):
             return best
@@ -467,7 +475,8 @@ class SpeculationGate:
         if not stats.measured(0):
             return None
         chances = self._acceptance.chances(self.lengths[-1])
-        own: list[tuple[int, float, dict[int, float]]] = []  # tokens left, counts' weight, tokens a step
+        shared = _tokens_by_length(chances)
+        own: list[tuple[int, float, list[float]]] = []  # tokens left, counts' weight, tokens a step
         for remaining, verified, accepted in draining():
             if remaining > 0:
                 first = verified[0] if verified else 0
@@ -484,13 +493,15 @@ class SpeculationGate:
             if n not in here:
                 tokens[n] = 0.0
                 continue
-            spread = self._spread([t[n] for _, _, t in own], len(own), n) if n else None
-            shared = self._acceptance.tokens_per_request(n)
-            steps = []
-            for i, (remaining, weight, mine) in enumerate(own):
-                # The prior's share of its estimate (the shared mean) taken at its quantile instead.
-                per_step = 1.0 if not n else max(1.0, mine[n] + (1.0 - weight) * shared * (spread[i] - 1.0))
-                steps.append(remaining / per_step)
+            if n:
+                spread = self._spread([t[n] for _, _, t in own], len(own), n)
+                # The prior's share of each estimate (the shared mean) taken at its quantile instead.
+                steps = [
+                    remaining / max(1.0, mine[n] + (1.0 - weight) * shared[n] * (spread[i] - 1.0))
+                    for i, (remaining, weight, mine) in enumerate(own)
+                ]
+            else:
+                steps = [float(remaining) for remaining, _, _ in own]
             seconds = self._drain_seconds(steps, n, here)
             tokens[n] = left / seconds * here[n] / len(own)
         self._drain_tokens = tokens
@@ -547,8 +558,8 @@ class SpeculationGate:
             return
         chances = self._acceptance.chances(self.lengths[-1])
         own = _own_tokens(verified, accepted, chances, HISTORY_PRIOR_STEPS)
-        shared = self._acceptance.tokens_per_request
-        self._finished.append({n: own[n] / shared(n) for n in self.lengths[1:]})
+        shared = _tokens_by_length(chances)
+        self._finished.append({n: own[n] / shared[n] for n in self.lengths[1:]})
         self._ratios.clear()
 
     def _clearly_behind(self, stats: _TierStats, length: int, num_requests: int) -> bool:
@@ -694,8 +705,7 @@ class SpeculationGate:
         """What the gate knows, flat (`dspark.outputs.GATE_FIELDS`, read by `gate_rows`): per tier and
         length it measured or chose, its step time, measured and chosen steps and tokens a request."""
         flat: list[float] = []
-        acceptance = self._acceptance
-        tokens = {length: acceptance.tokens_per_request(length) for length in self.lengths}
+        tokens = self._acceptance.tokens_by_length(self.lengths[-1])
         for tier, stats in sorted(self._tiers.items()):
             for length in self.lengths:
                 measured, chosen = stats.measured(length), stats.chosen[length]
@@ -709,12 +719,8 @@ class SpeculationGate:
         stats = self._tiers.get(next_pow2(num_requests))
         if stats is None:
             return {}
-        acceptance = self._acceptance
-        return {
-            n: stats.rate(n, num_requests, acceptance.tokens_per_request(n))
-            for n in self.lengths
-            if stats.measured(n)
-        }
+        tokens = self._acceptance.tokens_by_length(self.lengths[-1])
+        return {n: stats.rate(n, num_requests, tokens[n]) for n in self.lengths if stats.measured(n)}
 
     def _tier(self, num_requests: int) -> _TierStats:
         """The tier of this many decoding requests (made on first use: the first one warms up fully)."""
