@@ -223,12 +223,20 @@ class LLMEngine:
         stop = self.policy.draft_stop_survival
         draft_vocab = load_draft_vocab(config.draft_model_path, config.draft_vocab_size, lm_head.shape[0])
         lookup = PromptLookup() if config.prompt_lookup else None
-        proposer = DSparkProposer(
-            drafter, embedding, lm_head, config.num_kv_pages, page_size, stop, block_size, draft_vocab, lookup
-        )
         # An eager target's features are injected when a block is next drafted, in one pass (a step
         # replayed from a CUDA graph injects inside the graph, for nothing).
-        proposer.defer_inject = device.type != "cuda"
+        proposer = DSparkProposer(
+            drafter,
+            embedding,
+            lm_head,
+            config.num_kv_pages,
+            page_size,
+            stop,
+            block_size,
+            draft_vocab,
+            lookup,
+            defer_inject=device.type != "cuda",
+        )
         if device.type == "cuda" and config.cuda_graph_max_tokens > 0:
             max_positions = self.model_config.max_position_embeddings
             proposer.use_graphs(

@@ -61,12 +61,14 @@ class DSparkProposer:
         block_size: int = 0,
         draft_vocab: torch.Tensor | None = None,
         lookup: PromptLookup | None = None,
+        defer_inject: bool = False,
     ) -> None:
         """block_size: positions a block drafts (0: the drafter's trained block size; fewer draft a
         shorter block, which costs less and changes which drafts come out, never the output).
         draft_vocab: the sorted token ids drafts may take (`spec.draft_vocab`; None: every token).
         lookup: where a request's last tokens occurred before, `propose` copies what followed them
-        instead of drafting (`spec.lookup`; None: the drafter drafts every block)."""
+        instead of drafting (`spec.lookup`; None: the drafter drafts every block).
+        defer_inject: keep the steps' features until a block is drafted (`inject`)."""
         cfg = drafter.config
         if not 0 <= block_size <= cfg.block_size:
             raise ValueError(f"block_size: the drafter drafts at most {cfg.block_size}")
@@ -116,9 +118,9 @@ class DSparkProposer:
         self._on_gpu = device.type == "cuda"
         # Captured greedy blocks (use_graphs); None: every block runs eagerly.
         self.graphs: DraftGraphs | None = None
-        # Whether `inject` keeps the steps' features until a block is drafted (`defer_inject`), and
-        # those kept, oldest first, with their row count.
-        self.defer_inject = False
+        # Whether `inject` keeps the steps' features until a block is drafted, and those kept, oldest
+        # first, with their row count.
+        self.defer_inject = defer_inject
         self._deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._deferred_rows = 0
 
