@@ -2,8 +2,9 @@
 
     python benchmarks/profile_host.py --device cuda --batch 64 --max-tokens 32 --out /tmp/profile
 
-Mode `gated-plain`: the serve default's engine (drafter, gate) with its gate held at plain steps, to
-compare what a plain step costs there with the plain engine's (`off`).
+Mode `default`: the serve default (EngineConfig's spec mode and gate). Mode `gated-plain`: the serve
+default's engine (drafter, gate) with its gate held at plain steps, to compare what a plain step costs
+there with the plain engine's (`off`).
 
 Writes <out>/<mode>-b<batch>.txt (the host's milliseconds per step in each engine phase, then the
 top functions by own time and by cumulative time) and prints a line per mode with tokens/s. With
@@ -27,13 +28,16 @@ from e2e import _prompt_ids, add_engine_arguments, bench_config
 from dspark import LLM, SamplingParams
 
 GATED_PLAIN = "gated-plain"  # a mode: the serve default's engine whose gate chooses plain steps only
+SERVE_DEFAULT = "default"  # a mode: the serve default (its spec mode and gate, EngineConfig's defaults)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Profile each mode and write the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_arguments(parser, max_tokens=32)
-    parser.add_argument("--modes", default="off,static,compact", help=f"spec modes, or {GATED_PLAIN}")
+    parser.add_argument(
+        "--modes", default="off,static,compact", help=f"spec modes, {SERVE_DEFAULT} or {GATED_PLAIN}"
+    )
     parser.add_argument("--top", type=int, default=35)
     parser.add_argument("--kernels", action="store_true", help="device kernels, not cProfile")
     parser.add_argument("--decode-burst", type=int, default=1, help="decode_burst (1: no bursts)")
@@ -42,14 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for mode in args.modes.split(","):
         gated_plain = mode == GATED_PLAIN
-        config = bench_config(
-            args.model,
-            args.draft_model,
-            args.device,
-            args.batch,
-            spec_mode="static" if gated_plain else mode,
-            adaptive_speculation=gated_plain,
-        ).replace(decode_burst=args.decode_burst)
+        spec = {} if mode == SERVE_DEFAULT else {"spec_mode": "static" if gated_plain else mode}
+        if mode != SERVE_DEFAULT:
+            spec["adaptive_speculation"] = gated_plain
+        config = bench_config(args.model, args.draft_model, args.device, args.batch, **spec)
+        config = config.replace(decode_burst=args.decode_burst)
         llm = LLM(config)
         if gated_plain:
             # The serve default's engine (drafter loaded, its graphs and features) with every step plain:

@@ -50,6 +50,12 @@ class _Recorder:
     def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         self.inner.inject(features, positions, slots)
 
+    def keep(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        self.inner.keep(features, positions, slots)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
 
 def _fresh_block(engine, context: list[int]) -> tuple[list[int], torch.Tensor, list[float]]:
     """Drafts and confidences from a new proposer whose cache holds exactly `context[:-1]`'s features,
@@ -91,29 +97,35 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 
 @pytest.mark.parametrize(
-    ("device", "graphs", "gpu_drafting", "block_size"),
+    ("device", "graphs", "gpu_drafting", "block_size", "plain_runs"),
     [
-        ("cpu", False, False, 0),
-        ("cpu", True, False, 0),
-        ("cpu", False, True, 0),
-        ("cpu", True, True, 2),
-        pytest.param("cuda", False, True, 0, marks=[pytest.mark.gpu, gpu]),
-        pytest.param("cuda", True, True, 0, marks=[pytest.mark.gpu, gpu]),
-        pytest.param("cuda", True, True, 2, marks=[pytest.mark.gpu, gpu]),
+        ("cpu", False, False, 0, False),
+        ("cpu", True, False, 0, False),
+        ("cpu", False, True, 0, False),
+        ("cpu", True, True, 2, False),
+        ("cpu", False, False, 0, True),
+        ("cpu", True, True, 0, True),
+        pytest.param("cuda", False, True, 0, False, marks=[pytest.mark.gpu, gpu]),
+        pytest.param("cuda", True, True, 0, False, marks=[pytest.mark.gpu, gpu]),
+        pytest.param("cuda", True, True, 2, False, marks=[pytest.mark.gpu, gpu]),
+        pytest.param("cuda", True, True, 0, True, marks=[pytest.mark.gpu, gpu]),
     ],
     ids=[
         "cpu-eager",
         "cpu-emulated-graphs",
         "cpu-gpu-drafting",
         "cpu-short-block",
+        "cpu-eager-plain-runs",
+        "cpu-emulated-graphs-plain-runs",
         "gpu-eager",
         "gpu-graphs",
         "gpu-graphs-short-block",
+        "gpu-graphs-plain-runs",
     ],
 )
 @pytest.mark.parametrize("drafter", ["tiny_drafter_dir", "anchor_drafter_dir"])
 def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
-    tiny_target_dir, drafter, device, graphs, gpu_drafting, block_size, request
+    tiny_target_dir, drafter, device, graphs, gpu_drafting, block_size, plain_runs, request
 ) -> None:
     # gpu_drafting: the engine's proposer drafts as on a GPU (every position projected in one GEMM, no
     # early exit from the position loop); the fresh proposer it is checked against drafts as on a CPU.
@@ -121,6 +133,9 @@ def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
     # block_size 2: the engine drafts blocks shorter than the drafter's trained 4 positions.
     # anchor_drafter_dir: each block also reads its anchor's context row, kept per cache slot (rejected
     # drafts' rows are written too): the row it reads must be the committed position's.
+    # plain_runs: the gate's choice forced to runs of plain steps between drafting ones (a seeded
+    # pattern): eager plain steps keep their features (`TargetStep.keep_features`; replayed ones inject
+    # inside their graphs), and the next block must still read them all.
     tiny_drafter_dir = request.getfixturevalue(drafter)
     seed = random.randrange(2**31)
     print(f"seed={seed}")
@@ -138,7 +153,7 @@ def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
         device=device,
         dtype="float32",
         cuda_graph_max_tokens=32 if graphs else 0,
-        adaptive_speculation=False,
+        adaptive_speculation=plain_runs,
         block_size=block_size,
         prompt_lookup=False,  # the drafter's drafts, not copies of the request's tokens
     )
@@ -147,12 +162,24 @@ def test_every_engine_draft_equals_a_draft_from_the_committed_context_alone(
     recorder = _Recorder(engine.proposer)
     recorder.inner._on_gpu = gpu_drafting
     engine.proposer = recorder
-    engine.runner.set_feature_sink(recorder.inject)
+    engine.runner.set_feature_consumer(recorder, keeps=True)
     if graphs and device == "cpu":
         runner = engine.runner
         runner.use_graphs(CudaGraphs(runner.model, runner.cache, runner.device, 32, 4, emulate=True))
         recorder.inner.use_graphs(config.max_num_seqs, max_pages=64, emulate=True)
+    kept = []
+    if plain_runs:
+        # Runs of 1-4 plain steps, then 1-2 drafting ones, whatever the gate measured.
+        pattern = []
+        while len(pattern) < 400:
+            pattern += [0] * rng.randrange(1, 5) + [recorder.block_size] * rng.randrange(1, 3)
+        choices = iter(pattern)
+        engine.gate.draft_length = lambda num_requests, draining=None: next(choices)
+        keep = recorder.inner.keep
+        recorder.inner.keep = lambda *rows: (kept.append(rows[0].shape[0]), keep(*rows))[1]
     outputs = llm.generate(params=SamplingParams(max_tokens=24, ignore_eos=True), prompt_token_ids=prompts)
+    if plain_runs and not graphs:
+        assert len(kept) > 10, "plain steps kept their features"
     rejected = sum(o.spec_stats.verified_tokens - o.spec_stats.accepted_tokens for o in outputs)
     accepted = sum(o.spec_stats.accepted_tokens for o in outputs)
     assert rejected > 0 and accepted > 0, "the run must reject some drafts and accept others"
@@ -196,13 +223,13 @@ def test_the_block_early_stop_equals_the_position_by_position_one(threshold):
 
 
 @pytest.mark.parametrize("drafter", ["tiny_drafter_dir", "anchor_drafter_dir"])
-def test_deferred_injection_leaves_the_context_each_step_s_injection_leaves(
+def test_kept_features_leave_the_context_each_step_s_injection_leaves(
     tiny_target_dir, drafter, request, monkeypatch
 ) -> None:
-    """On an eager target the engine's proposer keeps each step's features (`defer_inject`) and injects
-    them in one pass before its next block: after steps that write a slot twice (a rejected draft's row,
-    then the committed token's), padding rows, and a flush forced by the row bound midway, its draft KV
-    and context rows, and the block it drafts, are those of a proposer that injected every step."""
+    """Steps' features kept (`DSparkProposer.keep`) and injected in one pass before the next block: after
+    steps that write a slot twice (a slot freed and taken by another request), padding rows, and a flush
+    forced by the row bound midway, the draft KV and context rows, and the block drafted, are those of
+    a proposer that injected every step."""
     from tiny_models import tiny_engine_config
 
     import dspark.spec.proposer as proposer_module
@@ -210,7 +237,7 @@ def test_deferred_injection_leaves_the_context_each_step_s_injection_leaves(
     config = tiny_engine_config(tiny_target_dir, request.getfixturevalue(drafter), device="cpu")
     engine = LLM(config.replace(adaptive_speculation=True)).engine
     deferred: DSparkProposer = engine.proposer
-    assert deferred.defer_inject  # the engine's choice on the CPU
+    assert engine.runner.keeps_features  # the engine's choice
     vocab = deferred.vocab_ids
     eager = DSparkProposer(
         deferred.drafter,
@@ -231,9 +258,9 @@ def test_deferred_injection_leaves_the_context_each_step_s_injection_leaves(
     for first, slots in steps:
         features = torch.randn(len(slots), width, generator=gen)
         positions = torch.arange(first, first + len(slots))
-        for proposer in (deferred, eager):
-            proposer.inject(features, positions, torch.tensor(slots))
-    assert deferred._deferred  # the last two steps' rows wait for the next block
+        deferred.keep(features, positions, torch.tensor(slots))
+        eager.inject(features, positions, torch.tensor(slots))
+    assert deferred._kept  # the last two steps' rows wait for the next block
     deferred.flush()
     for a, b in zip(deferred.cache.k, eager.cache.k, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -245,3 +272,68 @@ def test_deferred_injection_leaves_the_context_each_step_s_injection_leaves(
     seq.num_cached, seq.pages = 9, [0, 1, 2, 3]
     drafts = [p.propose([seq], copies=False).tokens.tolist() for p in (deferred, eager)]
     assert drafts[0] == drafts[1]
+
+
+class _CallLog:
+    """A feature consumer that records what the runner asks of it, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        self.calls.append("inject")
+
+    def keep(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        self.calls.append("keep")
+
+    def flush(self) -> None:
+        self.calls.append("flush")
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
+@pytest.mark.parametrize("keeps", [True, False], ids=["keeping-runner", "injecting-runner"])
+def test_a_step_that_injects_first_flushes_what_earlier_steps_kept(
+    tiny_target_dir, tiny_drafter_dir, graphs, keeps
+) -> None:
+    """An eager step that keeps its features hands them to `keep`; the next step that injects (a prompt
+    chunk that may write a slot a kept row names: a page freed and taken again) flushes first, so the
+    context is written in step order. A replayed step injects inside its graph (and flushes first), and
+    a runner told not to keep injects every step and never flushes."""
+    from dataclasses import replace
+
+    from tiny_models import tiny_engine_config
+
+    from dspark.runner.model_runner import TargetStep
+
+    engine = LLM(tiny_engine_config(tiny_target_dir, tiny_drafter_dir, device="cpu")).engine
+    runner = engine.runner
+    if graphs:
+        runner.use_graphs(CudaGraphs(runner.model, runner.cache, runner.device, 32, 4, emulate=True))
+    log = _CallLog()
+    runner.set_feature_consumer(log, keeps)
+    plain = TargetStep(
+        token_ids=torch.tensor([5, 6]),
+        positions=None,
+        window_starts=[0, 0],
+        window_lens=[1, 1],
+        pages=[[0], [1]],
+        logit_rows=torch.tensor([0, 1]),
+        capture_layers=engine._capture_layers,
+        keep_features=True,
+    )
+    chunk = replace(plain, token_ids=torch.tensor([5, 6, 7]), window_lens=[3], window_starts=[0], pages=[[2]])
+    chunk = replace(chunk, logit_rows=torch.tensor([2]), keep_features=False)
+    if graphs:  # captured first: an emulated capture calls the sink while it captures
+        for step in (plain, chunk):
+            runner.forward(step)
+        log.calls.clear()
+    for step in (plain, plain, chunk, plain):
+        runner.forward(step)
+    expected = ["keep", "keep", "flush", "inject", "keep"] if keeps and not graphs else ["inject"] * 4
+    assert log.calls == expected
+    if graphs and keeps:  # an eager step kept its features: the next replay flushes them first
+        # Five requests, more than the graphs' four: run eagerly.
+        wide = replace(plain, token_ids=torch.arange(1, 6), window_starts=[0] * 5, window_lens=[1] * 5)
+        runner.forward(replace(wide, pages=[[p] for p in range(5)], logit_rows=torch.arange(5)))
+        runner.forward(plain)
+        assert log.calls[-3:] == ["keep", "flush", "inject"]

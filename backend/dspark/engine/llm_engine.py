@@ -144,7 +144,10 @@ class LLMEngine:
         if self.proposer is not None:
             # Every window row is injected, rejected drafts' rows too: a position's draft KV is read only
             # once the position is committed, and the step that commits it injects its true features.
-            self.runner.set_feature_sink(self.proposer.inject)
+            # A step that verifies no draft keeps its features for the drafter's next block instead
+            # (`TargetStep.keep_features`).
+            keeps = isinstance(self.proposer, DSparkProposer)
+            self.runner.set_feature_consumer(self.proposer, keeps)
         # How many drafts each step verifies, from the measured speed of earlier steps (None: the block).
         self.gate = (
             SpeculationGate(block_size) if self.proposer is not None and config.adaptive_speculation else None
@@ -223,8 +226,6 @@ class LLMEngine:
         stop = self.policy.draft_stop_survival
         draft_vocab = load_draft_vocab(config.draft_model_path, config.draft_vocab_size, lm_head.shape[0])
         lookup = PromptLookup() if config.prompt_lookup else None
-        # An eager target's features are injected when a block is next drafted, in one pass (a step
-        # replayed from a CUDA graph injects inside the graph, for nothing).
         proposer = DSparkProposer(
             drafter,
             embedding,
@@ -235,7 +236,6 @@ class LLMEngine:
             block_size,
             draft_vocab,
             lookup,
-            defer_inject=device.type != "cuda",
         )
         if device.type == "cuda" and config.cuda_graph_max_tokens > 0:
             max_positions = self.model_config.max_position_embeddings

@@ -98,7 +98,10 @@ def pack_step(
         assert earlier is not None, "windows follow a step whose acceptance is not queued"
         index = torch.tensor(following, dtype=torch.long).T.contiguous()
         deferred = DeferredInputs(index, *earlier.per_output(), in_order=in_order)
-    step = windows.to_step(capture_layers, plan.drafts, deferred, fp32_logits)
+    # A plain decode step (no draft verified, no prompt chunk: the tiers a start-up capture makes
+    # without the drafter's injection) keeps its features for the drafter's next block.
+    keep = plan.drafts is None and not schedule.prefill
+    step = windows.to_step(capture_layers, plan.drafts, deferred, fp32_logits, keep)
     return PackedStep(step, tuple(windows.logit_offsets))
 
 
@@ -289,6 +292,7 @@ class _Windows:
         drafts: Drafts | InStepDrafts | None,
         deferred: DeferredInputs | None = None,
         fp32_logits: bool = True,
+        keep_features: bool = False,
     ) -> TargetStep:
         """The packed batch as the runner (and every TP rank) takes it."""
         rows = torch.arange(self.num_leading_rows)
@@ -306,4 +310,5 @@ class _Windows:
             drafts=drafts,
             deferred=deferred,
             fp32_logits=fp32_logits,
+            keep_features=keep_features,
         )

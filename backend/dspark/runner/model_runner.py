@@ -13,6 +13,7 @@ import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -28,7 +29,7 @@ from dspark.parallel.distributed import (
 )
 from dspark.parallel.tp_worker import WorkerGroup, collective_timeout_s
 from dspark.runner.attention_batch import AttentionBatch
-from dspark.runner.cuda_graphs import CaptureOutcome, CudaGraphs, FeatureSink
+from dspark.runner.cuda_graphs import CaptureOutcome, CudaGraphs
 from dspark.runner.deferred_inputs import DeferredInputs
 from dspark.runner.host_to_device import to_device
 from dspark.runner.kv_cache import PagedKVCache
@@ -39,6 +40,21 @@ from dspark.runner.models.loader import load_target_model
 from dspark.runner.verify_tokens import VerifyDrafts
 
 logger = logging.getLogger(__name__)
+
+
+class FeatureConsumer(Protocol):
+    """What takes a step's captured target features (features [T, L * hidden], positions [T], slots [T];
+    padding: slot -1): the drafter's KV injection, now or later (`keep` and `flush` are called only where
+    the runner keeps features: `ModelRunner.set_feature_consumer`)."""
+
+    def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Inject them now (captured into the step's graph when it replays one: device work only)."""
+
+    def keep(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Keep them (copies: they may be buffers the next step rewrites), injected by `flush`."""
+
+    def flush(self) -> None:
+        """Inject everything kept, in the order it was kept."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,12 @@ class TargetStep:
     # alone, fp32 logits would only feed the argmax, which the exact conversion cannot change: one
     # kernel and a [rows, vocab] fp32 write and read fewer a step.
     fp32_logits: bool = True
+    # True: run eagerly, the captured features are kept (`FeatureConsumer.keep`) and injected before the
+    # drafter next reads its context, not in this step: a step that verifies no draft (the gate chose
+    # plain decoding) then projects nothing, and a run of them is injected in one pass, its weights read
+    # once, or never if the drafter is not run again (where the runner keeps features:
+    # `ModelRunner.set_feature_consumer`). A replayed step injects inside its graph, whatever this says.
+    keep_features: bool = False
 
     def with_host_tokens(self) -> tuple[TargetStep, object]:
         """This step with every token id on the host (what other ranks are sent), the verify windows'
@@ -111,13 +133,17 @@ class ModelRunner:
         self.device = device
         # Captured forwards for steps that fit them (CUDA, one rank); None: every step runs eagerly.
         self.graphs = graphs
-        self.feature_sink: FeatureSink | None = None
+        self.features: FeatureConsumer | None = None
+        # Whether an eager step that asks to keep its features (`TargetStep.keep_features`) may, and
+        # whether some are kept now (flushed before the next step that injects).
+        self.keeps_features = False
+        self._kept = False
 
     def use_graphs(self, graphs: CudaGraphs | None) -> None:
-        """Replay steps through `graphs` (None: run every step eagerly), feeding the feature sink."""
+        """Replay steps through `graphs` (None: run every step eagerly), feeding the feature consumer."""
         self.graphs = graphs
         if graphs is not None:
-            graphs.set_feature_sink(self.feature_sink)
+            graphs.set_feature_sink(self.features.inject if self.features is not None else None)
 
     def capture_graphs(self, capture_layers: tuple[int, ...]) -> CaptureOutcome | None:
         """Capture every step graph now (start-up), so that no step stalls on a capture; every
@@ -140,12 +166,27 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
 
-    def set_feature_sink(self, sink: FeatureSink | None) -> None:
-        """Hand every step's captured features (all its tokens: positions, slots) to `sink` right after
-        the forward, inside the step's CUDA graph when it replays one: the drafter's KV injection."""
-        self.feature_sink = sink
+    def set_feature_consumer(self, consumer: FeatureConsumer | None, keeps: bool) -> None:
+        """Hand every step's captured features (all its tokens: positions, slots) to `consumer` right
+        after the forward: injected inside the step's CUDA graph when it replays one, or, run eagerly,
+        kept where the step says so and `keeps` allows. Whatever was kept is injected before any step
+        that injects (`_flush_kept`).
+
+        Why eager steps only: on the CPU a plain step's projection is ~2% of it (8 requests), while a
+        graph's captured injection costs no launch; on an H100 at 64 requests, plain steps replaying
+        graphs without it and their features injected before the next block ran 0.91x (session 62)."""
+        self.features = consumer
+        self.keeps_features = keeps and consumer is not None
         if self.graphs is not None:
-            self.graphs.set_feature_sink(sink)
+            self.graphs.set_feature_sink(consumer.inject if consumer is not None else None)
+
+    def _flush_kept(self) -> None:
+        """Before a step that injects (or drafts inside itself, reading the drafter's context): inject
+        what earlier steps kept, so the context is written in step order (a kept row may name a slot
+        this step writes again: a page freed and taken by another request)."""
+        if self._kept:
+            self._kept = False
+            self.features.flush()
 
     @classmethod
     def create(
@@ -218,6 +259,7 @@ class ModelRunner:
             return None
         num_rows = step.logit_rows.shape[0]
         assert num_rows == len(step.token_ids), "every row of a decode-only step has logits"
+        self._flush_kept()
         made = None
         if drafts is None:
             graphs.layout.advance_decode(len(step.window_lens), anchors)
@@ -248,6 +290,7 @@ class ModelRunner:
                 step.token_ids, step.pages, step.window_starts, step.window_lens, num_verify, step.deferred
             )
             if tiers is not None:
+                self._flush_kept()
                 made = None
                 if drafts is not None:  # into the filled layout, where an in-step draft block reads
                     made = drafts.pack(step.token_ids, step.window_lens, self.graphs.layout.token_ids, True)
@@ -270,12 +313,19 @@ class ModelRunner:
             rotary_table=self.model.cos_sin,
         )
         positions = batch.positions if step.positions is None else to_device(step.positions, self.device)
+        keeps = step.keep_features and self.keeps_features
+        if not keeps:
+            self._flush_kept()
         made = None
         if drafts is not None:
             made = drafts.pack(step.token_ids, step.window_lens, token_ids, False)
         hidden, features = self.model(token_ids, positions, batch, self.cache, step.capture_layers)
-        if features is not None and self.feature_sink is not None:
-            self.feature_sink(features, positions, batch.slots)
+        if features is not None and self.features is not None:
+            if keeps:
+                self.features.keep(features, positions, batch.slots)
+                self._kept = True
+            else:
+                self.features.inject(features, positions, batch.slots)
         logits = self.model.compute_logits(hidden[logit_rows], step.fp32_logits)
         return TargetResult(logits, features, batch.slots, drafts=made)
 
@@ -367,10 +417,10 @@ class TensorParallelRunner:
             raise self.workers.fail(f"graph capture failed on rank 0: {exc}") from exc
         self.workers.check()
 
-    def set_feature_sink(self, sink: FeatureSink | None) -> None:
-        """Rank 0's features feed the sink (the drafter lives on the driver; the residual stream, and so
-        every captured feature, is replicated over ranks)."""
-        self.local.set_feature_sink(sink)
+    def set_feature_consumer(self, consumer: FeatureConsumer | None, keeps: bool) -> None:
+        """Rank 0's features feed the consumer (the drafter lives on the driver; the residual stream, and
+        so every captured feature, is replicated over ranks)."""
+        self.local.set_feature_consumer(consumer, keeps)
 
     def vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full (embedding, LM head) weights [vocab, hidden] for the drafter, read from the checkpoint

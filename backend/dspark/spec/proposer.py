@@ -22,9 +22,21 @@ from dspark.spec.drafter import BlockHeads, Drafter
 from dspark.spec.drafts import Drafts
 from dspark.spec.lookup import LOOKUP_CONFIDENCE, PromptLookup
 
-# Most feature rows `DSparkProposer.inject` keeps before injecting them (`defer_inject`): a run of plain
-# steps at 256 requests injects every 16 steps, in one product of ~4k rows.
+# Most feature rows `DSparkProposer.keep` holds before injecting them: a run of plain steps at 256
+# requests injects every 16 steps, in one product of ~4k rows.
 DEFERRED_ROWS = 4096
+
+
+def latest_rows_only(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """`slots` [rows] (-1: padding) with every row but the last to name a slot set to -1: one pass's
+    writes to a slot have no order, and a slot two steps wrote (a request's, then another's that took
+    its freed page) must hold the later row, as injecting step by step leaves it. No host sync (the
+    rows written stay as many), so a flush never stalls the host running ahead of the device."""
+    rows = torch.arange(slots.numel(), device=slots.device)
+    index = torch.where(slots >= 0, slots, num_slots)
+    latest = torch.full((num_slots + 1,), -1, dtype=torch.long, device=slots.device)
+    latest.scatter_reduce_(0, index, rows, "amax")
+    return torch.where(latest[index] == rows, slots, -1)
 
 
 class Proposer(Protocol):
@@ -61,14 +73,12 @@ class DSparkProposer:
         block_size: int = 0,
         draft_vocab: torch.Tensor | None = None,
         lookup: PromptLookup | None = None,
-        defer_inject: bool = False,
     ) -> None:
         """block_size: positions a block drafts (0: the drafter's trained block size; fewer draft a
         shorter block, which costs less and changes which drafts come out, never the output).
         draft_vocab: the sorted token ids drafts may take (`spec.draft_vocab`; None: every token).
         lookup: where a request's last tokens occurred before, `propose` copies what followed them
-        instead of drafting (`spec.lookup`; None: the drafter drafts every block).
-        defer_inject: keep the steps' features until a block is drafted (`inject`)."""
+        instead of drafting (`spec.lookup`; None: the drafter drafts every block)."""
         cfg = drafter.config
         if not 0 <= block_size <= cfg.block_size:
             raise ValueError(f"block_size: the drafter drafts at most {cfg.block_size}")
@@ -118,45 +128,40 @@ class DSparkProposer:
         self._on_gpu = device.type == "cuda"
         # Captured greedy blocks (use_graphs); None: every block runs eagerly.
         self.graphs: DraftGraphs | None = None
-        # Whether `inject` keeps the steps' features until a block is drafted, and those kept, oldest
-        # first, with their row count.
-        self.defer_inject = defer_inject
-        self._deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._deferred_rows = 0
+        # Features `keep` holds for the next `flush`, oldest first, with their row count.
+        self._kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._kept_rows = 0
+        # Cache slots (and a last entry for padding's slot -1): where `flush` finds each slot's latest row.
+        self._num_slots = num_pages * page_size
 
     def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """KV injection of the step's target features into every drafter layer. With `defer_inject`
-        (an eager target: the engine sets it on the CPU), the features are kept and injected in one
-        pass before the next block is drafted (`flush`), DEFERRED_ROWS rows at most: a step the gate
-        ran plain then costs no projection (on this project's CPU ~1 ms a step, 2% of a plain step at 8
-        requests), and a run of them is projected once, its weights read once. The order is kept, so a
-        slot freed and taken again holds what the later step wrote, as when each step injects."""
+        """KV injection of the step's target features into every drafter layer (inside the step's graph
+        when it replays one; whatever `keep` holds is flushed before, by whoever runs the step)."""
+        if features.shape[0]:
+            self.drafter.inject_context(features, positions, slots, self.cache, self.context_rows)
+
+    def keep(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Hold the step's features (copies: a step's tensors may be buffers the next one refills) until
+        the next block is drafted (`flush`), DEFERRED_ROWS rows at most: a step that verifies no draft
+        then costs no projection (on this project's CPU ~1 ms a step, 2% of a plain step at 8
+        requests), and a run of them is projected once, its weights read once."""
         if not features.shape[0]:
             return
-        if not self.defer_inject:
-            self.drafter.inject_context(features, positions, slots, self.cache, self.context_rows)
-            return
-        # Copies: an eager step's tensors may be buffers the next step refills.
-        self._deferred.append((features.clone(), positions.clone(), slots.clone()))
-        self._deferred_rows += features.shape[0]
-        if self._deferred_rows >= DEFERRED_ROWS:
+        self._kept.append((features.clone(), positions.clone(), slots.clone()))
+        self._kept_rows += features.shape[0]
+        if self._kept_rows >= DEFERRED_ROWS:
             self.flush()
 
     def flush(self) -> None:
-        """Inject the features `inject` kept (`defer_inject`), all in one pass."""
-        if not self._deferred:
+        """Inject the features `keep` holds, all in one pass, as injecting them step by step would."""
+        if not self._kept:
             return
-        several = len(self._deferred) > 1
-        features, positions, slots = (torch.cat(parts) for parts in zip(*self._deferred, strict=True))
-        self._deferred.clear()
-        self._deferred_rows = 0
+        several = len(self._kept) > 1
+        features, positions, slots = (torch.cat(parts) for parts in zip(*self._kept, strict=True))
+        self._kept.clear()
+        self._kept_rows = 0
         if several:
-            # A slot two steps wrote (a rejected draft's row, then the committed token's) keeps the
-            # later row only, as injecting step by step leaves it: one pass's writes to a slot have no order.
-            unique, inverse = torch.unique(slots, return_inverse=True)
-            rows = torch.arange(slots.numel(), device=slots.device)
-            last = torch.full_like(unique, -1).scatter_reduce(0, inverse, rows, "amax")
-            features, positions, slots = features[last], positions[last], slots[last]
+            slots = latest_rows_only(slots, self._num_slots)
         self.drafter.inject_context(features, positions, slots, self.cache, self.context_rows)
 
     def use_graphs(self, max_requests: int, max_pages: int, emulate: bool = False) -> None:

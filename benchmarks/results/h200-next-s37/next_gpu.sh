@@ -505,6 +505,16 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
     (cd "$OUT" && tar -czf /tmp/s61c.tgz --exclude=check.log . && find . -type f ! -name check.log -delete \
       && mv /tmp/s61c.tgz .)
     ;;
+  s62)
+    # Session 62 (carry [".carry/c4", ".carry/base62"] after parking c1, c2, c3+c5; base62: `git archive
+    # c638a56 backend`; ~200 s with the start): plain steps that keep their features for the drafter
+    # (no injection in their graphs) against c638a56 (the same gate, every step injecting), at 64 and 128.
+    OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
+    timeout ${AB_S:-150} python3 benchmarks/ab_trees.py --base .carry/base62/backend --device cuda \
+      --batch-sizes ${AB_BATCHES:-64,128} --modes off,default --rounds 3 --max-tokens 128 \
+      --out "$OUT/ab-keep.json" > "$OUT/ab-keep.log" 2>&1
+    echo "ab keep: exit $?"; grep -vE "^\{" "$OUT/ab-keep.log" | tail -8
+    ;;
   s61d)
     # s61c cut to the device time left (carry [".carry/c4", ".carry/base60"] after parking c1, c2, c3+c5;
     # ~320 s): the A/B against 53971f4 at 64, 128 and 8 requests, then the gate's, engine's, burst and
