@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import statistics
 import time
@@ -286,8 +287,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--modes",
         default="default,off",
-        help="engines timed: default (the serve default's, gated), off, or a spec_mode drafting every "
-        "step at its full length (no gate)",
+        help="engines timed: default (the serve default's, gated), off, a spec_mode drafting every "
+        "step at its full length (no gate), fixedL (the serve default's engine, its gate held at L "
+        "drafts a step) or switchN (its gate alternating N plain launches and N at the block)",
     )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -304,12 +306,17 @@ def main(argv: list[str] | None = None) -> None:
     gate_module._RecentMedian.add = recording_add  # type: ignore[method-assign]
     report: dict[str, object] = {"batch": args.batch, "max_tokens": args.max_tokens, "before": before}
     for name in args.modes.split(","):
-        fields: dict[str, object] = {} if name == "default" else {"spec_mode": name}
-        if name not in ("default", "off"):
+        # fixedL / switchN: the serve default's engine, its gate's choices forced (what a length costs
+        # there, and what switching between plain and drafting launches costs).
+        forced = name.startswith(("fixed", "switch"))
+        fields: dict[str, object] = {} if name == "default" or forced else {"spec_mode": name}
+        if name not in ("default", "off") and not forced:
             fields["adaptive_speculation"] = False  # a fixed length: what the gate's mix is measured against
         draft_model = args.draft_model if name != "off" else ""
         config = bench_config(args.model, draft_model, args.device, max([args.batch, *before]), **fields)
         llm = LLM(config)
+        if forced:
+            _force_gate(llm, name)
         ids = _prompt_ids(llm, args.batch)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         for size in before:
@@ -334,6 +341,19 @@ def main(argv: list[str] | None = None) -> None:
         llm.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report))
+
+
+def _force_gate(llm: LLM, name: str) -> None:
+    """Hold the engine's gate at `fixedL` drafts a step, or alternate `switchN` plain launches and N at
+    the block size, whatever it measures."""
+    gate, block = llm.engine.gate, llm.engine.limits.block_size
+    assert gate is not None, "the serve default's engine has a gate"
+    count = int(name.removeprefix("fixed").removeprefix("switch"))
+    if name.startswith("fixed"):
+        choices = itertools.repeat(min(count, block))
+    else:
+        choices = itertools.cycle([0] * count + [block] * count)
+    gate.draft_length = lambda num_requests, draining=None: next(choices)  # type: ignore[method-assign]
 
 
 def _timed(

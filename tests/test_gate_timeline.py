@@ -169,3 +169,24 @@ def test_sustained_load_ends_each_request_at_its_own_length(tiny_target_dir) -> 
     llm.close()
     assert whole > 0 and len(set(lengths)) > 1
     assert [produced[str(i)] for i in range(len(ids))] == lengths
+
+
+def test_forced_modes_hold_or_alternate_the_gate_s_choice(
+    tiny_target_dir, tiny_drafter_dir, tmp_path
+) -> None:
+    # fixedL: the serve default's engine with every decode launch at L drafts; switchN: N plain
+    # launches, then N at the block, in turn (what a length and a switch cost there).
+    out = tmp_path / "timeline.json"
+    common = ["--model", str(tiny_target_dir), "--draft-model", str(tiny_drafter_dir), "--device", "cpu"]
+    args = ["--batch", "2", "--max-tokens", "16", "--modes", "fixed1,switch2", "--out", str(out)]
+    gate_timeline.main([*common, *args])
+    report = json.loads(out.read_text())
+
+    def decode_steps(mode: str) -> dict[int, int]:
+        return {row["length"]: row["steps"] - row["prefill_steps"] for row in report[mode]["lengths"]}
+
+    # The one plain decode step of fixed1: the batch's first request decoding while the second's prompt
+    # is still taken in, when the engine does not ask the gate.
+    fixed, switched = decode_steps("fixed1"), decode_steps("switch2")
+    assert set(fixed) <= {0, 1} and fixed.get(0, 0) <= 1 and fixed[1] >= 4
+    assert set(switched) == {0, max(switched)} and max(switched) > 1 and switched[0] >= 2
