@@ -38,7 +38,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s61c   carry [".carry/c4", ".carry/base60"] after parking c1, c2, c3+c5 (~520 s;
 #     s61d: a ~320 s cut of it)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s62   carry [".carry/c4", ".carry/base62"] after parking c1, c2, c3+c5 (~200 s)
-#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s63   carry [".carry/c4"] after parking c1, c2, c3+c5 (~300 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s63   carry [".carry/c4"] after parking c1, c2, c3+c5 (~420 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh data-train   carry [".carry/c4", ".carry/distill"]
 #     (~530 s; parked: .carry/g01 then .carry/g2, the GGUF alone, with drafters/, benchmarks/results/ and
 #     training/prompts_train.jsonl moved aside meanwhile; drafters/ and the prompts back for this call,
@@ -518,7 +518,7 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
     echo "ab keep: exit $?"; grep -vE "^\{" "$OUT/ab-keep.log" | tail -8
     ;;
   s63)
-    # Session 62's question (carry [".carry/c4"] after parking c1, c2, c3+c5; ~300 s): at 64 and 128
+    # Session 62's question (carry [".carry/c4"] after parking c1, c2, c3+c5; ~420 s): at 64 and 128
     # requests a fixed length of 3 tied plain while the gated default's mix of lengths lost ~20%
     # (session 62). What a length costs in the serve default's engine (fixed3, fixed2, fixed0 = plain
     # there) against the plain and static engines, and what switching costs (switch4 / switch1: 4 or 1
@@ -530,6 +530,11 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
         --out "$OUT/timeline$b.json" > "$OUT/timeline$b.log" 2>&1)
       echo "timeline $b: exit $?"; grep -E "tok/s" "$OUT/timeline$b.log"
     done
+    # Where a drafting step's host time goes at 64 (session 62's kernel profile: `static` 1.5 ms of device
+    # work a step under the profiler, no more than plain's 1.6, yet 1.76 ms of wall a step against 1.02).
+    (cd benchmarks && timeout ${PH_S:-120} python3 profile_host.py --device cuda --batch 64 --max-tokens 128 \
+      --modes off,static,default --decode-burst 8 --top 45 --out "$OUT/host64" > "$OUT/host64.log" 2>&1)
+    echo "host 64: exit $?"; cat "$OUT/host64.log" | tail -4; head -1 "$OUT"/host64/*.txt
     ;;
   s61d)
     # s61c cut to the device time left (carry [".carry/c4", ".carry/base60"] after parking c1, c2, c3+c5;
