@@ -98,8 +98,8 @@ def pack_step(
         assert earlier is not None, "windows follow a step whose acceptance is not queued"
         index = torch.tensor(following, dtype=torch.long).T.contiguous()
         deferred = DeferredInputs(index, *earlier.per_output(), in_order=in_order)
-    # A plain decode step (no draft verified, no prompt chunk: the tiers a start-up capture makes
-    # without the drafter's injection) keeps its features for the drafter's next block.
+    # A plain decode step (no draft verified, no prompt chunk) keeps its features for the drafter's next
+    # block, where it runs eagerly (`TargetStep.keep_features`).
     keep = plan.drafts is None and not schedule.prefill
     step = windows.to_step(capture_layers, plan.drafts, deferred, fp32_logits, keep)
     return PackedStep(step, tuple(windows.logit_offsets))
