@@ -38,7 +38,7 @@
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s61c   carry [".carry/c4", ".carry/base60"] after parking c1, c2, c3+c5 (~520 s;
 #     s61d: a ~320 s cut of it)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s62   carry [".carry/c4", ".carry/base62"] after parking c1, c2, c3+c5 (~200 s)
-#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s63   carry [".carry/c4"] after parking c1, c2, c3+c5 (~420 s)
+#   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s63   carry [".carry/c4"] after parking c1, c2, c3+c5 (~380 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh data-train   carry [".carry/c4", ".carry/distill"]
 #     (~530 s; parked: .carry/g01 then .carry/g2, the GGUF alone, with drafters/, benchmarks/results/ and
 #     training/prompts_train.jsonl moved aside meanwhile; drafters/ and the prompts back for this call,
@@ -518,14 +518,15 @@ gpu_e2e.write_placeholder_tokenizer(path, tp_gpu.SMOLLM2['vocab_size'])")
     echo "ab keep: exit $?"; grep -vE "^\{" "$OUT/ab-keep.log" | tail -8
     ;;
   s63)
-    # Session 62's question (carry [".carry/c4"] after parking c1, c2, c3+c5; ~420 s): at 64 and 128
+    # Session 62's question (carry [".carry/c4"] after parking c1, c2, c3+c5; ~380 s; TL_BATCHES="64 128"
+    # with TL_S=150 for both sizes, fewer modes in TL_MODES): at 64 and 128
     # requests a fixed length of 3 tied plain while the gated default's mix of lengths lost ~20%
     # (session 62). What a length costs in the serve default's engine (fixed3, fixed2, fixed0 = plain
     # there) against the plain and static engines, and what switching costs (switch4 / switch1: 4 or 1
     # plain launches, then as many at the block, in turn).
     OUT=$OUT TESTS_S=0 SERVING_S=0 bash benchmarks/gpu_check.sh > "$OUT/setup.log" 2>&1
-    for b in ${TL_BATCHES:-64 128}; do
-      (cd benchmarks && timeout ${TL_S:-130} python3 gate_timeline.py --device cuda --batch $b --max-tokens 128 \
+    for b in ${TL_BATCHES:-64}; do
+      (cd benchmarks && timeout ${TL_S:-220} python3 gate_timeline.py --device cuda --batch $b --max-tokens 128 \
         --before $b --before-runs 2 --modes ${TL_MODES:-off,static,default,fixed3,fixed2,fixed0,switch4,switch1} \
         --out "$OUT/timeline$b.json" > "$OUT/timeline$b.log" 2>&1)
       echo "timeline $b: exit $?"; grep -E "tok/s" "$OUT/timeline$b.log"
