@@ -227,15 +227,7 @@ class LLMEngine:
         draft_vocab = load_draft_vocab(config.draft_model_path, config.draft_vocab_size, lm_head.shape[0])
         lookup = PromptLookup() if config.prompt_lookup else None
         proposer = DSparkProposer(
-            drafter,
-            embedding,
-            lm_head,
-            config.num_kv_pages,
-            page_size,
-            stop,
-            block_size,
-            draft_vocab,
-            lookup,
+            drafter, embedding, lm_head, config.num_kv_pages, page_size, stop, block_size, draft_vocab, lookup
         )
         if device.type == "cuda" and config.cuda_graph_max_tokens > 0:
             max_positions = self.model_config.max_position_embeddings
