@@ -25,6 +25,7 @@ from dspark.runner.models.layers import (
     linear,
     measure_cpu_linear_paths,
 )
+from dspark.runner.models.measured_paths import MeasuredPaths
 
 # Where this machine can build it (x86-64, AVX2, a C++ compiler: this project's machines and CI) the
 # kernel must build and its tests run; elsewhere they say why they skip.
@@ -117,7 +118,7 @@ def _fake_measure(monkeypatch: pytest.MonkeyPatch, kernel_seconds) -> None:
     for name in ("by_rows", "many_rows", "unpacked_by_rows", "unpacked_many_rows"):
         monkeypatch.setattr(CPU_LINEAR_PATHS, name, getattr(CPU_LINEAR_PATHS, name))
     monkeypatch.setattr(layers, "_PATHS_BY_DTYPE", {torch.float32: CPU_LINEAR_PATHS})
-    monkeypatch.setattr(layers, "_MEASURED", {})
+    monkeypatch.setattr(layers, "MEASURED", MeasuredPaths())
     monkeypatch.setattr(layers, "COPY_ATTRIBUTE", {})
     monkeypatch.setattr(layers, "kernel_here", lambda: True)
     clock = [0.0]

@@ -4,6 +4,10 @@ that wants gradients, takes the fastest unpacked path."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -27,6 +31,7 @@ from dspark.runner.models.layers import (
     pack_like_measured,
     packs_on_this_cpu,
 )
+from dspark.runner.models.measured_paths import MeasuredPaths
 
 # MKL's packed GEMM and oneDNN are in every x86 CPU build of torch (this project's machines and CI):
 # their tests run.
@@ -62,7 +67,7 @@ def _keep_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in FIELDS:
         monkeypatch.setattr(CPU_LINEAR_PATHS, name, getattr(CPU_LINEAR_PATHS, name))
     monkeypatch.setattr(layers, "_PATHS_BY_DTYPE", {torch.float32: CPU_LINEAR_PATHS})
-    monkeypatch.setattr(layers, "_MEASURED", {})
+    monkeypatch.setattr(layers, "MEASURED", MeasuredPaths())
     # The few-row kernel's measurement has tests of its own (test_cpu_kernel_linear.py).
     monkeypatch.setattr(layers, "kernel_here", lambda: False)
 
@@ -129,7 +134,7 @@ def test_the_paths_are_measured_per_row_count(monkeypatch: pytest.MonkeyPatch) -
     assert chosen is CPU_LINEAR_PATHS and chosen.by_rows == chosen.unpacked_by_rows == unpacked
     assert chosen.many_rows == BY_LINEAR  # no rival without packed copies
 
-    monkeypatch.setattr(layers, "_MEASURED", {})
+    monkeypatch.setattr(layers, "MEASURED", MeasuredPaths())
     monkeypatch.setattr(layers.F, "linear", real_linear)
     monkeypatch.setattr(layers.torch, "mm", slow(real_mm, "mm"))
     assert measure_cpu_linear_paths(module).by_rows == (BY_LINEAR,) * CPU_FEW_ROWS
@@ -370,3 +375,98 @@ def test_a_drafters_weights_get_the_copies_the_measured_paths_read(monkeypatch: 
     assert not any(hasattr(w, "mkl_packed") for w in (drafter.weight, head, shared))
     x = torch.randn(3, 32)
     torch.testing.assert_close(linear(x, head), F.linear(x, head), rtol=1e-4, atol=1e-4)
+
+
+def _measured_in_file(file, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store over `file` with nothing in memory: what a new process on the machine starts with."""
+    monkeypatch.setattr(layers, "MEASURED", MeasuredPaths(file))
+
+
+def test_a_choice_measured_once_is_taken_from_the_machines_file_without_timing(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first load measures and writes the choice to the file; a later process (a store with nothing
+    in memory over the same file) takes it without timing a pass, and its copies are made for it."""
+    _fake_pass_times({BY_LINEAR: 1.0, WEIGHT_FIRST: 0.5, AS_TWO_ROWS: 0.5, "other": 3.0}, monkeypatch)
+    monkeypatch.setattr(layers, "COPY_ATTRIBUTE", {})
+    file = tmp_path / "paths.json"
+    _measured_in_file(file, monkeypatch)
+    first = measure_cpu_linear_paths(torch.nn.Linear(8, 16))
+    assert first.by_rows == (AS_TWO_ROWS,) + (WEIGHT_FIRST,) * (CPU_FEW_ROWS - 1)
+    assert file.is_file()
+
+    def never(*args, **kwargs):
+        raise AssertionError("a choice in the machine's file was timed again")
+
+    monkeypatch.setattr(layers, "_measure", never)
+    for name in FIELDS:  # the new process's unmeasured default
+        monkeypatch.setattr(CPU_LINEAR_PATHS, name, getattr(layers.CpuLinearPaths(), name))
+    _measured_in_file(file, monkeypatch)
+    again = measure_cpu_linear_paths(torch.nn.Linear(8, 16))
+    assert again is CPU_LINEAR_PATHS and again.by_rows == first.by_rows and again.many_rows == first.many_rows
+
+
+def test_another_machine_s_choice_or_an_unreadable_file_is_measured_again(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file's choice holds for its key only: other weight shapes, another kernel build or thread
+    count are measured; a corrupt file, or an entry naming a path this version does not know, is
+    measured again and the file rewritten with the new choice."""
+    store = MeasuredPaths(tmp_path / "paths.json")
+    shapes = (((16, 8), torch.float32),)
+    base = store.key(shapes, "avx2-0123")
+    assert store.key(shapes, "avx2-0123") == base
+    assert store.key((((16, 9), torch.float32),), "avx2-0123") != base
+    assert store.key(shapes, "avx2-4567") != base and store.key(shapes, None) != base
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert store.key(shapes, "avx2-0123") != base
+    finally:
+        torch.set_num_threads(threads)
+
+    _fake_pass_times({BY_LINEAR: 1.0, WEIGHT_FIRST: 0.5, AS_TWO_ROWS: 0.5, "other": 3.0}, monkeypatch)
+    monkeypatch.setattr(layers, "COPY_ATTRIBUTE", {})
+    timed = []
+    real_measure = layers._measure
+    monkeypatch.setattr(layers, "_measure", lambda *a, **k: timed.append(1) or real_measure(*a, **k))
+    file = tmp_path / "corrupt.json"
+    file.write_text("{not json")
+    _measured_in_file(file, monkeypatch)
+    measure_cpu_linear_paths(torch.nn.Linear(8, 16))
+    assert timed == [1]
+    entries = json.loads(file.read_text())
+    (key,) = entries
+    entries[key]["by_rows"][0] = "a path of a later version"
+    file.write_text(json.dumps(entries))
+    _measured_in_file(file, monkeypatch)
+    measure_cpu_linear_paths(torch.nn.Linear(8, 16))
+    assert timed == [1, 1]
+    assert json.loads(file.read_text())[key]["by_rows"][0] == AS_TWO_ROWS
+
+
+def test_a_new_process_loads_the_choice_an_earlier_one_measured(tmp_path) -> None:
+    """Two real processes on one extension root (`TORCH_EXTENSIONS_DIR`): the first measures a model's
+    paths and keeps them in the root's file, the second takes them from it without measuring."""
+    script = (
+        "import torch\n"
+        "from dspark.runner.models import layers\n"
+        "layers.kernel_here = lambda: False  # a fresh root would build the kernel (~30 s)\n"
+        "timed = []\n"
+        "real = layers._measure\n"
+        "layers._measure = lambda *a, **k: timed.append(1) or real(*a, **k)\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64))\n"
+        "paths = layers.measure_cpu_linear_paths(model)\n"
+        "print(len(timed), paths.describe())\n"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    first, second = (
+        subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        ).stdout
+        for _ in range(2)
+    )
+    assert (tmp_path / "dspark_cpu_linear_paths.json").is_file()
+    assert first.split(" ", 1)[0] == "1" and second.split(" ", 1)[0] == "0"
+    assert first.split(" ", 1)[1] == second.split(" ", 1)[1]

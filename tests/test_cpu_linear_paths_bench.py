@@ -10,6 +10,7 @@ import pytest
 
 from dspark.runner.models import layers
 from dspark.runner.models.layers import CPU_FEW_ROWS, CPU_LINEAR_PATHS, MANY_ROWS
+from dspark.runner.models.measured_paths import MeasuredPaths
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import cpu_linear_paths  # noqa: E402
@@ -19,7 +20,7 @@ def test_the_paths_table_covers_every_row_count(tiny_target_dir, capsys, monkeyp
     # Put back afterwards: the benchmark measures afresh.
     for name in ("by_rows", "many_rows", "unpacked_by_rows", "unpacked_many_rows"):
         monkeypatch.setattr(CPU_LINEAR_PATHS, name, getattr(CPU_LINEAR_PATHS, name))
-    monkeypatch.setattr(layers, "_MEASURED", {})
+    monkeypatch.setattr(layers, "MEASURED", MeasuredPaths())
     assert cpu_linear_paths.main(["--model", str(tiny_target_dir), "--rounds", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in lines if line.split() and line.split()[0].isdigit()]

@@ -205,9 +205,10 @@ def unfused_cpu_products(monkeypatch: pytest.MonkeyPatch) -> None:
     timed when it loads (a near tie at the tiny shapes on a 2-core host) and remembered per weight
     shapes for the process: in one clean-clone run of the suite it was taken, in others not."""
     from dspark.runner.models import layers
+    from dspark.runner.models.measured_paths import MeasuredPaths
 
     monkeypatch.setattr(layers, "kernel_here", lambda: False)
-    monkeypatch.setattr(layers, "_MEASURED", {})
+    monkeypatch.setattr(layers, "MEASURED", MeasuredPaths())
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])

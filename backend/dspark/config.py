@@ -115,8 +115,8 @@ class EngineConfig:
     # GPU indices of the tensor-parallel ranks, comma-separated (rank i on the i-th; CUDA only); empty:
     # GPUs 0 .. tensor_parallel_size-1 of those the instance can see.
     tensor_parallel_devices: str = ""
-    # Seconds a tensor-parallel rank may take to load, or one step may take, before the engine gives
-    # up: the step's requests get an error and the engine reports itself unhealthy.
+    # Seconds one tensor-parallel step may take before the engine gives up: the step's requests get an
+    # error and the engine reports itself unhealthy. A rank's load gets this or 300 s, the longer.
     tensor_parallel_timeout_s: int = 300
     # Seed of the engine's own random streams (requests without a seed).
     seed: int = 0

@@ -47,6 +47,11 @@ STOP_GRACE_S = 5.0  # a worker told to shut down gets this long before it is kil
 # Collectives time out only after this many step timeouts: they are the backstop, so the driver's
 # watchdog (which says what went wrong and releases the driver) normally acts first on a hung rank.
 COLLECTIVE_TIMEOUT_FACTOR = 2
+# A rank's load (its shard read, a CPU's product paths measured, ...) gets at least this long, whatever
+# `tensor_parallel_timeout_s` says: that bounds steps, and a timeout short enough to catch a hung step in
+# seconds would fail a load that is only slow (three CPU ranks on a 2-core host measuring their product
+# paths at once took over 10 s).
+RANK_LOAD_TIMEOUT_S = 300.0
 
 
 class TensorParallelError(RuntimeError):
@@ -242,16 +247,17 @@ class WorkerGroup:
 
     def wait_loaded(self) -> None:
         """Block until every rank loaded its shard; TensorParallelError (with the rank's own error) if
-        one fails, dies or takes longer than the timeout."""
+        one fails, dies or takes longer than the step timeout or RANK_LOAD_TIMEOUT_S, the longer."""
         pending = dict(enumerate(self._conns, start=1))
-        deadline = time.monotonic() + self._timeout_s
+        timeout_s = max(self._timeout_s, RANK_LOAD_TIMEOUT_S)
+        deadline = time.monotonic() + timeout_s
         while pending:
             rank_of = {conn: rank for rank, conn in pending.items()}
             rank_of |= {self._processes[rank - 1].sentinel: rank for rank in pending}
             ready = wait(list(rank_of), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 ranks = ", ".join(str(r) for r in pending)
-                raise self.fail(f"rank(s) {ranks} did not load within {self._timeout_s:g}s")
+                raise self.fail(f"rank(s) {ranks} did not load within {timeout_s:g}s")
             for handle in ready:
                 rank = rank_of[handle]
                 if rank not in pending:

@@ -20,6 +20,7 @@ the reason, in the log) and `layers.linear` keeps the library products.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -68,6 +69,15 @@ def build_directory() -> Path:
 def isa() -> str:
     """The vectors the kernel is built for here: "avx512" where torch finds AVX-512, else "avx2"."""
     return "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2"
+
+
+def build_id() -> str:
+    """What the build computes with: its vector width and a digest of its sources (a choice measured
+    with one build holds for that build only: `measured_paths`)."""
+    digest = hashlib.sha256(
+        b"".join(source.read_bytes() for source in (*SOURCES, SOURCE.with_name("lanes.h")))
+    )
+    return f"{isa()}-{digest.hexdigest()[:16]}"
 
 
 def why_not() -> str | None:

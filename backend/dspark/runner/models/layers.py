@@ -9,7 +9,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from torch import nn
 from dspark.kernels import ops
 from dspark.kernels.cpu import linear as cpu_linear
 from dspark.parallel.distributed import SINGLE, TensorParallel
+from dspark.runner.models.measured_paths import MeasuredPaths, default_file
 
 Loader = Callable[[torch.Tensor, torch.Tensor, str | None], None]
 
@@ -287,8 +288,8 @@ def pack_like_measured(weights: Sequence[torch.Tensor]) -> None:
                 pack_cpu_weights([w for w in alike if not hasattr(w, COPY_ATTRIBUTE[path])], path)
 
 
-# measure_cpu_linear_paths' choices, by weight shapes, and the packed paths chosen
-_MEASURED: dict[tuple, CpuLinearPaths] = {}
+# measure_cpu_linear_paths' choices: this process's and the machine's file (`measured_paths`).
+MEASURED = MeasuredPaths(default_file())
 
 
 def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> CpuLinearPaths:
@@ -296,30 +297,55 @@ def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> CpuLinearPat
     order, so that weights come from memory as in a step; one dtype, the first weight's, is measured),
     1..CPU_FEW_ROWS and MANY_ROWS, keep the fastest per row count as that dtype's choice
     (`cpu_linear_paths`) and return it (F.linear unless another path
-    clearly wins: CLEAR_WIN). Only candidates within CLEAR_LOSS of the best are timed again; a model of
-    the same weight shapes measured before in this process takes that choice (its packed copies made
-    again where they fit, else the fastest unpacked path). fp32 weights also time the CPU kernel where
-    it runs here (`kernel_here`), taken for every row count or none (`_kernel_takes_all`; the packed
-    copies are then dropped). A no-op returning the current choice off the CPU."""
+    clearly wins: CLEAR_WIN). Only candidates within CLEAR_LOSS of the best are timed again; weights of
+    the same shapes measured before on this machine (`MEASURED`: in this process or an earlier one)
+    take that choice (its packed copies made again where they fit, else the fastest unpacked path).
+    fp32 weights also time the CPU kernel where it runs here (`kernel_here`), taken for every row count
+    or none (`_kernel_takes_all`; the packed copies are then dropped). A no-op returning the current
+    choice off the CPU."""
     weights = [p for p in module.parameters() if p.dim() == 2 and p.device.type == "cpu"]
     if not weights:
         return CPU_LINEAR_PATHS
     current = cpu_linear_paths(weights[0].dtype)
     weights = [w for w in weights if w.dtype == weights[0].dtype]
-    key = tuple((tuple(w.shape), w.dtype) for w in weights)
-    known = _MEASURED.get(key)
+    kernel = (KERNEL,) if weights[0].dtype == torch.float32 and kernel_here() else ()
+    key = MEASURED.key(
+        tuple((tuple(w.shape), w.dtype) for w in weights), cpu_linear.build_id() if kernel else None
+    )
+    known = _stored_paths(MEASURED.get(key), kernel)
     with torch.inference_mode():
         wanted = tuple(COPY_ATTRIBUTE) if known is None else _packed_paths(known)
         packed = tuple(path for path in wanted if pack_cpu_weights(weights, path))
         if known is None:
-            kernel = (KERNEL,) if weights[0].dtype == torch.float32 and kernel_here() else ()
-            known = _MEASURED[key] = _measure(weights, rounds, packed, kernel)
+            known = _measure(weights, rounds, packed, kernel)
+            MEASURED.put(key, asdict(known))
         chosen = _without(known, set(wanted) - set(packed))  # the copies that no longer fit
     for path in set(packed) - set(_packed_paths(chosen)):
         unpack_cpu_weights(weights, path)
     for choice in fields(CpuLinearPaths):  # in place: `linear` reads this one object
         setattr(current, choice.name, getattr(chosen, choice.name))
     return current
+
+
+def _stored_paths(stored: dict | None, kernel: tuple[str, ...]) -> CpuLinearPaths | None:
+    """A stored choice as `CpuLinearPaths`; None where there is none, or it names a path unknown here
+    or the kernel where it is not measured (a file from another version: measured again)."""
+    if stored is None:
+        return None
+    known = {BY_LINEAR, WEIGHT_FIRST, AS_TWO_ROWS, *COPY_ATTRIBUTE, *kernel}
+    try:
+        paths = CpuLinearPaths(
+            tuple(stored["by_rows"]),
+            stored["many_rows"],
+            tuple(stored["unpacked_by_rows"]),
+            stored["unpacked_many_rows"],
+        )
+    except (KeyError, TypeError):
+        return None
+    every = (*paths.by_rows, paths.many_rows, *paths.unpacked_by_rows, paths.unpacked_many_rows)
+    if len(paths.by_rows) != CPU_FEW_ROWS or len(paths.unpacked_by_rows) != CPU_FEW_ROWS:
+        return None
+    return paths if all(isinstance(path, str) and path in known for path in every) else None
 
 
 def _packed_paths(paths: CpuLinearPaths) -> tuple[str, ...]:
