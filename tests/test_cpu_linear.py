@@ -449,8 +449,11 @@ def test_a_new_process_loads_the_choice_an_earlier_one_measured(tmp_path) -> Non
     """Two real processes on one extension root (`TORCH_EXTENSIONS_DIR`): the first measures a model's
     paths and keeps them in the root's file, the second takes them from it without measuring."""
     script = (
-        "import torch\n"
+        "import sys, torch\n"
         "from dspark.runner.models import layers\n"
+        "# torch's extension builder imports setuptools (a bare venv, a GPU machine's, may lack it):\n"
+        "# importing the layers must not import it\n"
+        "assert 'torch.utils.cpp_extension' not in sys.modules\n"
         "layers.kernel_here = lambda: False  # a fresh root would build the kernel (~30 s)\n"
         "timed = []\n"
         "real = layers._measure\n"
@@ -470,3 +473,18 @@ def test_a_new_process_loads_the_choice_an_earlier_one_measured(tmp_path) -> Non
     assert (tmp_path / "dspark_cpu_linear_paths.json").is_file()
     assert first.split(" ", 1)[0] == "1" and second.split(" ", 1)[0] == "0"
     assert first.split(" ", 1)[1] == second.split(" ", 1)[1]
+
+
+def test_without_torch_s_extension_builder_the_choice_stays_in_the_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where torch's extension builder cannot be imported (no setuptools) and no TORCH_EXTENSIONS_DIR is
+    set, there is no machine file: the store keeps choices in memory and raises nothing."""
+    from dspark.runner.models import measured_paths
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", None)  # its import raises ImportError
+    assert measured_paths.default_file() is None
+    store = MeasuredPaths(measured_paths.default_file)
+    store.put("key", {"by_rows": []})
+    assert store.file is None and store.get("key") == {"by_rows": []}

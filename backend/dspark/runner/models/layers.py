@@ -289,7 +289,7 @@ def pack_like_measured(weights: Sequence[torch.Tensor]) -> None:
 
 
 # measure_cpu_linear_paths' choices: this process's and the machine's file (`measured_paths`).
-MEASURED = MeasuredPaths(default_file())
+MEASURED = MeasuredPaths(default_file)
 
 
 def measure_cpu_linear_paths(module: nn.Module, rounds: int = 2) -> CpuLinearPaths:

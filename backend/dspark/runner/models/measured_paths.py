@@ -20,6 +20,7 @@ import logging
 import os
 import platform
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,11 +30,18 @@ logger = logging.getLogger(__name__)
 FILE_NAME = "dspark_cpu_linear_paths.json"
 
 
-def default_file() -> Path:
-    """The machine's file: in torch's extension root, where the CPU kernel is built and kept."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / FILE_NAME
+def default_file() -> Path | None:
+    """The machine's file: in torch's extension root, where the CPU kernel is built and kept. None where
+    torch's extension builder cannot be imported (it imports setuptools, which a bare venv lacks: no
+    kernel is built there either), so the choice stays in the process."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        try:
+            from torch.utils.cpp_extension import get_default_build_root
+        except ImportError:
+            return None
+        root = get_default_build_root()
+    return Path(root) / FILE_NAME
 
 
 def machine() -> str:
@@ -50,11 +58,20 @@ def machine() -> str:
 
 
 class MeasuredPaths:
-    """Measured choices by key: in memory, and in `file` when one is given (None: this process only)."""
+    """Measured choices by key: in memory, and in `file` when one is given (None: this process only; a
+    callable: the file it returns, asked on first use, so that importing the layers asks nothing of the
+    machine, e.g. on a GPU, where nothing is measured)."""
 
-    def __init__(self, file: Path | None = None) -> None:
-        self.file = file
+    def __init__(self, file: Path | Callable[[], Path | None] | None = None) -> None:
+        self._file = file
         self._memory: dict[str, dict] = {}
+
+    @property
+    def file(self) -> Path | None:
+        """The file the choices are kept in (None: none)."""
+        if callable(self._file):
+            self._file = self._file()
+        return self._file
 
     def key(self, shapes: tuple, kernel: str | None) -> str:
         """The key of a choice for weights of these (shape, dtype) pairs with this kernel build (None:
