@@ -55,15 +55,22 @@ _module: ModuleType | None = None
 _tried = False
 
 
-def build_directory() -> Path:
-    """Where the extension is built and kept."""
+def extension_root() -> Path:
+    """torch's own rule for its extensions' root: TORCH_EXTENSIONS_DIR, else its cache folder. ImportError
+    where torch's extension builder cannot be imported (it imports setuptools, which a bare venv lacks)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
     from torch.utils.cpp_extension import get_default_build_root
 
-    # torch's own rule for its extensions' root: TORCH_EXTENSIONS_DIR, else its cache folder.
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(get_default_build_root())
+
+
+def build_directory() -> Path:
+    """Where the extension is built and kept."""
     # The vector width too: a build for AVX-512 must never load on a CPU without it (a shared root).
     version = torch.__version__.replace("+", "_")
-    return Path(root) / f"{NAME}_torch{version}_py{sys.version_info[0]}{sys.version_info[1]}_{isa()}"
+    return extension_root() / f"{NAME}_torch{version}_py{sys.version_info[0]}{sys.version_info[1]}_{isa()}"
 
 
 def isa() -> str:

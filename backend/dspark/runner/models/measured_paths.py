@@ -25,23 +25,21 @@ from pathlib import Path
 
 import torch
 
+from dspark.kernels.cpu import linear as cpu_linear
+
 logger = logging.getLogger(__name__)
 
 FILE_NAME = "dspark_cpu_linear_paths.json"
 
 
 def default_file() -> Path | None:
-    """The machine's file: in torch's extension root, where the CPU kernel is built and kept. None where
-    torch's extension builder cannot be imported (it imports setuptools, which a bare venv lacks: no
-    kernel is built there either), so the choice stays in the process."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not root:
-        try:
-            from torch.utils.cpp_extension import get_default_build_root
-        except ImportError:
-            return None
-        root = get_default_build_root()
-    return Path(root) / FILE_NAME
+    """The machine's file: in torch's extension root, where the CPU kernel is built and kept
+    (`cpu_linear.extension_root`). None where torch's extension builder cannot be imported (no kernel is
+    built there either), so the choice stays in the process."""
+    try:
+        return cpu_linear.extension_root() / FILE_NAME
+    except ImportError:
+        return None
 
 
 def machine() -> str:
