@@ -49,9 +49,11 @@ def collect(
     batch_size: int,
     max_length: int,
     seed: int,
+    vocab: torch.Tensor | None = None,
 ) -> dict:
     """Per whole block [N, block_size] (blocks running past an answer's end are left out): the target's
-    top-1 probability and the drafter's hit in its top 1, 2 and 4."""
+    top-1 probability and the drafter's hit in its top 1, 2 and 4 (drafting from `vocab`'s tokens, the
+    draft vocabulary's sorted ids; None: every token)."""
     from dspark.training.calibration import teacher_forced_blocks
     from dspark.training.data import AnchorSampler
 
@@ -60,7 +62,7 @@ def collect(
     columns: dict[str, list[torch.Tensor]] = defaultdict(list)
     with torch.no_grad():
         for _, batch in sampler.one_pass():
-            targets, _, _, logits = teacher_forced_blocks(target, drafter, batch.to(device))
+            targets, _, _, logits = teacher_forced_blocks(target, drafter, batch.to(device), vocab)
             probs = torch.softmax(targets.target_logits.float(), -1)
             top_p, top_id = probs.max(-1)
             ranked = logits.topk(4, dim=-1).indices
@@ -160,12 +162,19 @@ def main() -> int:
         action="store_true",
         help="score the records' training side too (records written from prompts no drafter trained on)",
     )
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=0,
+        help="draft from this many tokens, as the engine's draft_vocab_size (0: the drafter's own, -1: all)",
+    )
     parser.add_argument("--json", default=None, help="also write the numbers here")
     args = parser.parse_args()
 
     from dspark.config import DEFAULT_TARGET_DIR
     from dspark.runner.models.loader import load_target_model, resolve_device
     from dspark.spec.draft_checkpoint import load_drafter
+    from dspark.spec.draft_vocab import load_draft_vocab
     from dspark.training.shards import read_data
 
     device = resolve_device(args.device)  # fp32 on either: the hits compare argmaxes
@@ -174,13 +183,16 @@ def main() -> int:
     drafter = load_drafter(args.draft, torch.float32, device)
     if args.block_size:
         drafter.config.block_size = args.block_size
+    vocab = load_draft_vocab(args.draft, args.draft_vocab_size, target.config.vocab_size)
     read = read_data(args.data, jsonl_side="held_out")
     records = read.held_out + (read.train if args.both_sides else [])
     by_domain = defaultdict(list)
     for record in records:
         by_domain[record.domain].append(record)
     parts = {
-        domain: collect(target, drafter, group, args.anchors, args.batch_size, args.max_length, args.seed)
+        domain: collect(
+            target, drafter, group, args.anchors, args.batch_size, args.max_length, args.seed, vocab
+        )
         for domain, group in sorted(by_domain.items())
     }
     data = {

@@ -156,3 +156,47 @@ def test_distill_data_sends_its_raw_share_of_training_prompts_without_the_templa
         dspark(
             f"distill-data --target {target} --prompts {prompts} --out-dir {tmp_path}/x --raw-share 2".split()
         )
+
+
+def test_a_drafter_trained_over_a_draft_vocabulary_is_served_and_calibrated_over_it(
+    tiny_target_dir, tmp_path
+) -> None:
+    from dspark.spec.draft_vocab import load_draft_vocab, read_draft_vocab_order
+
+    prompts, data = tmp_path / "prompts.jsonl", tmp_path / "data"
+    first, second = tmp_path / "first", tmp_path / "second"
+    _write_prompts(prompts)
+    target = f"--target {tiny_target_dir}"
+    train = f"train-draft {target} --data {data} --block-size 4 --markov-rank 4 --num-target-features 2 "
+    train += "--steps 3 --batch-size 4 --anchors 2"
+    commands = [
+        f"distill-data {target} --prompts {prompts} --out-dir {data} --max-new-tokens 12 --val-prompts 6",
+        # No drafter to take an order from: the data's own frequencies, the 5 most frequent tokens.
+        f"{train} --out {first} --draft-vocab-size 5",
+        # Warm from it over its own draft vocabulary (0: the size its file names).
+        f"{train} --out {second} --init-draft {first} --draft-vocab-size 0",
+        f"calibrate-draft {target} --draft {second} --data {data} --anchors 3 --report {tmp_path}/cal.json",
+    ]
+    for command in commands:
+        assert dspark(command.split()) == 0, command
+    order, default = read_draft_vocab_order(first, 8)
+    assert default == 5
+    eos = Tokenizer.from_dir(tiny_target_dir).eos_token_ids
+    assert set(eos) <= set(order[: len(eos)].tolist())  # the end-of-sequence tokens are always drafted
+    # The same order and size travel on; the engine drafts from those 5 tokens by default.
+    again, again_default = read_draft_vocab_order(second, 8)
+    assert again_default == 5 and again.tolist() == order.tolist()
+    assert load_draft_vocab(second, 0, 8).tolist() == sorted(order[:5].tolist())
+    assert json.loads((tmp_path / "cal.json").read_text())["num_blocks"] > 0
+
+    base = EngineConfig(
+        model=str(tiny_target_dir), draft_model=str(second), num_kv_pages=64, kv_page_size=4,
+        adaptive_speculation=False,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompt_ids = [[3, 4, 5], [6, 1]]
+    plain = LLM(base.replace(spec_mode="off")).generate(params=params, prompt_token_ids=prompt_ids)
+    spec = LLM(base.replace(spec_mode="static")).generate(params=params, prompt_token_ids=prompt_ids)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    with pytest.raises(SystemExit, match="draft_vocab"):
+        dspark(f"{train} --out {tmp_path}/third --draft-vocab-size 4 --draft-vocab-from {data}".split())

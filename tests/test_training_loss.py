@@ -234,3 +234,83 @@ def test_every_drafter_weight_gets_a_gradient_on_the_gpu(tiny_target_dir, record
     # The serving kernels have no backward: on CUDA, training must route around them (dspark/kernels/ops.py).
     target = load_target_model(tiny_target_dir, dtype=torch.bfloat16, device="cuda")
     _assert_every_trunk_weight_learns(target, records, torch.device("cuda"), autocast=True)
+
+
+# The draft vocabulary the loss may be restricted to: 5 of the tiny target's 8 tokens (sorted ids).
+DRAFT_VOCAB = torch.tensor([0, 2, 3, 5, 6])
+
+
+def test_a_draft_vocabulary_of_every_token_gives_the_whole_vocabularys_loss(tiny_target, records) -> None:
+    fixed = next(AnchorSampler(records, 16, 4, 64, seed=126))
+    drafter = _drafter(tiny_target)
+    every = torch.arange(tiny_target.config.vocab_size)
+    for weights in (LossWeights(), LossWeights(ce_target="data"), LossWeights(ce_target="argmax")):
+        with torch.no_grad():
+            whole = drafter_loss(tiny_target, drafter, fixed, weights, autocast=False)
+            listed = drafter_loss(tiny_target, drafter, fixed, weights, autocast=False, vocab=every)
+        for name in ("total", "ce", "l1", "confidence", "survival"):
+            torch.testing.assert_close(getattr(listed, name), getattr(whole, name), msg=name)
+
+
+def test_the_draft_vocabulary_loss_is_the_served_drafters(tiny_target, records) -> None:
+    """Over a draft vocabulary the drafter's distribution is a softmax over its tokens (their rows of the
+    LM head and of W2), the soft cross-entropy sums over them, the L1 distance adds the target's mass
+    outside them, the data's labels outside them leave the cross-entropy, and the survival compares the
+    drafted token ids with the target's argmax over every token."""
+    fixed = next(AnchorSampler(records, 16, 4, 64, seed=127))
+    drafter = _drafter(tiny_target)
+    with torch.no_grad():  # a Markov head that changes the logits, so its rows are checked too
+        drafter.markov_w2.weight.normal_(0.0, 0.5)
+    vocab = DRAFT_VOCAB
+    soft = LossWeights()
+    with torch.no_grad():
+        parts = drafter_loss(tiny_target, drafter, fixed, soft, autocast=False, vocab=vocab)
+        data_parts = drafter_loss(tiny_target, drafter, fixed, LossWeights(ce_target="data"), False, vocab)
+        targets, full_log_pd = _draft_log_probs(tiny_target, drafter, fixed)
+        log_pd = torch.log_softmax(full_log_pd[..., vocab], -1)  # a softmax over the K tokens alone
+        p_t = torch.softmax(targets.target_logits.float(), -1)
+        w = position_weights(BLOCK, soft.decay, log_pd.device)[None, :] * targets.valid
+        expected_ce = -(p_t[..., vocab] * log_pd).sum(-1)
+        outside = torch.ones(p_t.shape[-1], dtype=torch.bool)
+        outside[vocab] = False
+        expected_l1 = (log_pd.exp() - p_t[..., vocab]).abs().sum(-1) + p_t[..., outside].sum(-1)
+        position = torch.full((p_t.shape[-1],), -1)
+        position[vocab] = torch.arange(vocab.numel())
+        label_index = position[targets.labels]
+        kept = w * (label_index >= 0)
+        expected_data_ce = -log_pd.gather(-1, label_index.clamp(min=0)[..., None]).squeeze(-1)
+        drafts = vocab[log_pd.argmax(-1)]
+        hit = (drafts == targets.target_logits.argmax(-1))[targets.valid.all(-1)]
+    torch.testing.assert_close(parts.ce, (w * expected_ce).sum() / w.sum())
+    torch.testing.assert_close(parts.l1, (w * expected_l1).sum() / w.sum())
+    torch.testing.assert_close(data_parts.ce, (kept * expected_data_ce).sum() / kept.sum())
+    assert bool((label_index < 0).logical_and(targets.valid.bool()).any())  # some labels are outside
+    torch.testing.assert_close(parts.survival, hit.float().cumprod(-1).mean(0))
+    # Only the K rows of the Markov head's W2 take part: the others get no gradient.
+    drafter.zero_grad(set_to_none=True)
+    drafter_loss(tiny_target, drafter, fixed, soft, autocast=False, vocab=vocab).total.backward()
+    grad = drafter.markov_w2.weight.grad
+    assert bool((grad[outside] == 0).all()) and bool((grad[vocab] != 0).any())
+
+
+def test_training_over_a_draft_vocabulary_lowers_its_loss_and_resumes_only_over_it(
+    tiny_target, records, tmp_path
+) -> None:
+    fixed = next(AnchorSampler(records, 16, 4, 64, seed=128))
+    drafter = _drafter(tiny_target)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        before = drafter_loss(tiny_target, drafter, fixed, LossWeights(), False, DRAFT_VOCAB)
+    trainer = Trainer(tiny_target, drafter, records, _config(30), tmp_path, cpu, DRAFT_VOCAB)
+    trainer.run()
+    with torch.no_grad():
+        after = drafter_loss(tiny_target, drafter, fixed, LossWeights(), False, DRAFT_VOCAB)
+    assert float(after.total) < 0.8 * float(before.total)
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        Trainer(tiny_target, _drafter(tiny_target), records, _config(40), tmp_path, cpu).load_state()
+    fewer = DRAFT_VOCAB[:4]
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        Trainer(tiny_target, _drafter(tiny_target), records, _config(40), tmp_path, cpu, fewer).load_state()
+    again = Trainer(tiny_target, _drafter(tiny_target), records, _config(40), tmp_path, cpu, DRAFT_VOCAB)
+    again.load_state()
+    assert again.step == 30

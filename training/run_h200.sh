@@ -69,6 +69,10 @@ ANCHOR_FEATURE=${ANCHOR_FEATURE:-0}
 # The cross-entropy's label: target (the target's distribution there) or data (the answers' next tokens);
 # empty: train-draft's default (target).
 CE_TARGET=${CE_TARGET:-}
+# The draft vocabulary the loss is over (`train-draft --draft-vocab-size`): empty, every token; 0, the size
+# INIT_DRAFT's draft_vocab.safetensors serves by default (8192 for the shipped drafter), in its order; K, the
+# K most frequent (INIT_DRAFT's order, else the data's). The drafter then carries that file, K its default.
+DRAFT_VOCAB_SIZE=${DRAFT_VOCAB_SIZE:-}
 START=$(date +%s)
 export PYTHONUNBUFFERED=1
 # shellcheck source=training/lib.sh
@@ -157,9 +161,11 @@ PY
   local shape=()  # the flags set only when asked
   [[ -z "$CE_TARGET" ]] || shape+=(--ce-target "$CE_TARGET")
   (( ! ANCHOR_FEATURE )) || shape+=(--anchor-feature)
+  [[ -z "$DRAFT_VOCAB_SIZE" ]] || shape+=(--draft-vocab-size "$DRAFT_VOCAB_SIZE")
   stage "train the drafter (block size 7, layers ${NUM_LAYERS} (0: 1 or INIT_DRAFT's), anchor feature" \
     "${ANCHOR_FEATURE}, Markov rank 32," \
-    "cross-entropy against the ${CE_TARGET:-target}; time budget ${minutes} min, 0: steps only;" \
+    "cross-entropy against the ${CE_TARGET:-target}, draft vocabulary ${DRAFT_VOCAB_SIZE:-every token};" \
+    "time budget ${minutes} min, 0: steps only;" \
     "start: ${INIT_DRAFT:-a fresh drafter}; data: ${data[*]})"
   dspark train-draft --data "${data[@]}" --out "$WORK/drafter" --work-dir "$WORK/train" \
     --block-size 7 --num-layers "$NUM_LAYERS" "${shape[@]}" --markov-rank 32 \
@@ -206,6 +212,7 @@ PYEOF
 out_drafter() {
   rm -f "$OUT"/drafter/*
   cp "$WORK/drafter/config.json" "$WORK/drafter/train_log.jsonl" "$OUT/drafter/"
+  [[ ! -f "$WORK/drafter/draft_vocab.safetensors" ]] || cp "$WORK/drafter/draft_vocab.safetensors" "$OUT/drafter/"
   if (( $(stat -c %s "$WORK/drafter/model.safetensors") > 16 * 1024 * 1024 )); then
     split -b 15M -d -a 2 "$WORK/drafter/model.safetensors" "$OUT/drafter/model.safetensors.part-"
   else

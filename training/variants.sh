@@ -30,6 +30,11 @@
 #   warm-anchor          plus the anchor feature
 #   warm-two-layers      plus a second layer
 #   warm-anchor-two-layers  both
+#   warm-vocab           INIT_DRAFT trained on over its draft vocabulary only (train-draft
+#                        --draft-vocab-size 0: the K tokens its draft_vocab.safetensors serves by default; the
+#                        loss's vocabulary tensors K/vocab the size), and measured drafting from them, as served
+#                        (every other row drafts from the whole vocabulary: K 8192 cost ~1% tau, RESULTS.md
+#                        session 14)
 #   shipped              INIT_DRAFT as it is, not trained: the baseline the warm variants are read against
 # All train on blocks of 7 but block3 and the warm ones (WARM_BLOCK, default 3). Each variant trains
 # TRAIN_MINUTES (default: an equal share of the budget) or, with TRAIN_STEPS, that many steps (equal
@@ -100,6 +105,7 @@ variant_flags() {
     warm-anchor) echo "--block-size $WARM_BLOCK --init-draft $INIT_DRAFT --anchor-feature" ;;
     warm-two-layers) echo "--block-size $WARM_BLOCK --init-draft $INIT_DRAFT --num-layers 2" ;;
     warm-anchor-two-layers) echo "--block-size $WARM_BLOCK --init-draft $INIT_DRAFT --num-layers 2 --anchor-feature" ;;
+    warm-vocab) echo "--block-size $WARM_BLOCK --init-draft $INIT_DRAFT --draft-vocab-size 0" ;;
     *) echo "unknown variant: $1" >&2; return 1 ;;
   esac
 }

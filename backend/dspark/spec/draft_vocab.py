@@ -48,6 +48,18 @@ def save_draft_vocab(order: torch.Tensor, draft_dir: str | Path, default_size: i
     return path
 
 
+def read_draft_vocab_order(draft_dir: str | Path, vocab_size: int) -> tuple[torch.Tensor, int]:
+    """A drafter directory's whole token order (int64, on the CPU) and the size it drafts from by default
+    (0: every token); checked to order the target's `vocab_size` ids."""
+    path = Path(draft_dir) / DRAFT_VOCAB_FILE
+    with safe_open(str(path), framework="pt") as f:
+        order = f.get_tensor("token_ids").to(torch.int64)
+        default = int((f.metadata() or {}).get("default_size", "0"))
+    if order.numel() != vocab_size or not torch.equal(order.sort().values, torch.arange(vocab_size)):
+        raise ValueError(f"{path}: not an ordering of the target's {vocab_size} token ids")
+    return order, default
+
+
 def load_draft_vocab(draft_dir: str | Path, size: int, vocab_size: int) -> torch.Tensor | None:
     """The draft vocabulary (sorted ids, int64, on the CPU) of `size` tokens from a drafter directory
     (0: the size its file names, -1: every token); None when that is every token."""
@@ -59,11 +71,7 @@ def load_draft_vocab(draft_dir: str | Path, size: int, vocab_size: int) -> torch
             f"draft_vocab_size: {size} asks for a reduced draft vocabulary, but the drafter has no "
             f"{DRAFT_VOCAB_FILE} (`dspark draft-vocab` writes one); -1 drafts from every token"
         )
-    with safe_open(str(path), framework="pt") as f:
-        order = f.get_tensor("token_ids").to(torch.int64)
-        default = int((f.metadata() or {}).get("default_size", "0"))
-    if order.numel() != vocab_size or not torch.equal(order.sort().values, torch.arange(vocab_size)):
-        raise ValueError(f"{path}: not an ordering of the target's {vocab_size} token ids")
+    order, default = read_draft_vocab_order(draft_dir, vocab_size)
     size = size or default
     if size <= 0 or size >= vocab_size:
         return None

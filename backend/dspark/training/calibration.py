@@ -41,11 +41,12 @@ class CalibrationData:
 
 @torch.no_grad()
 def teacher_forced_blocks(
-    target: CausalLM, drafter: Drafter, batch: TrainBatch
+    target: CausalLM, drafter: Drafter, batch: TrainBatch, vocab: torch.Tensor | None = None
 ) -> tuple[BlockTargets, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A batch's blocks drafted teacher-forced (each position's previous token the true one): what they
     are checked against, the drafter's final states [N, block_size, hidden], the Markov features of the
-    previous tokens and the corrected logits over the whole vocabulary [N, block_size, vocab] fp32."""
+    previous tokens and the corrected logits over the whole vocabulary [N, block_size, vocab] fp32 (with
+    `vocab`, the draft vocabulary's sorted ids: -inf outside it, as the engine drafts)."""
     cfg = drafter.config
     features, targets = block_targets(target, batch, cfg.block_size, list(cfg.target_layer_ids))
     hidden = block_hidden(
@@ -53,7 +54,12 @@ def teacher_forced_blocks(
     ).flatten(0, 1)
     markov = drafter.markov_features(targets.previous)
     base = torch.nn.functional.linear(hidden, target.lm_head.weight.to(hidden.dtype)).float()
-    return targets, hidden, markov, drafter.corrected_logits(base, markov)
+    logits = drafter.corrected_logits(base, markov)
+    if vocab is not None:
+        outside = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        outside[vocab.to(logits.device)] = False
+        logits = logits.masked_fill(outside, float("-inf"))
+    return targets, hidden, markov, logits
 
 
 @torch.no_grad()
@@ -66,11 +72,13 @@ def collect_calibration_data(
     max_length: int,
     seed: int,
     mode: str = "record",
+    vocab: torch.Tensor | None = None,
 ) -> CalibrationData:
     """Confidence logits and measured survival of whole blocks drawn from `records`.
 
     mode: "record" measures each record in its own decoding (greedy at temperature 0, else sampled);
-    "greedy" or "sampled" measures every record that way.
+    "greedy" or "sampled" measures every record that way. vocab: the draft vocabulary's sorted token ids
+    the drafts come from (None: every token).
     """
     if mode not in SURVIVAL_MODES:
         raise ValueError(f"mode: must be one of {', '.join(SURVIVAL_MODES)}, got {mode!r}")
@@ -85,7 +93,7 @@ def collect_calibration_data(
     for picks, batch in sampler.one_pass():
         batch = batch.to(device)
         with amp:
-            targets, hidden, markov, logits = teacher_forced_blocks(target, drafter, batch)
+            targets, hidden, markov, logits = teacher_forced_blocks(target, drafter, batch, vocab)
             conf = confidence_logits(drafter, hidden, markov)
         greedy_hit = (logits.argmax(-1) == targets.target_logits.argmax(-1)).float()
         overlap = torch.minimum(torch.softmax(logits, -1), torch.softmax(targets.target_logits.float(), -1))

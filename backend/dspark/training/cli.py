@@ -457,6 +457,20 @@ def train_draft(argv: list[str]) -> int:
         default=weights.ce_target,
         help="the cross-entropy's label: the data's next token, the target's distribution, or its argmax",
     )
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=-1,
+        help="train over the draft vocabulary the drafter will be served with (as EngineConfig's "
+        "draft_vocab_size: K > 0 its K most frequent tokens, 0 the size --draft-vocab-from's file names, "
+        "-1 every token); the order is --draft-vocab-from's, and --out gets it with K as its default size",
+    )
+    parser.add_argument(
+        "--draft-vocab-from",
+        default="",
+        help="drafter directory whose draft_vocab.safetensors orders the tokens (default: --init-draft's; "
+        "without one, the training data's own token frequencies)",
+    )
     parser.add_argument("--log-every", type=int, default=defaults.log_every)
     parser.add_argument("--save-every", type=int, default=defaults.save_every)
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -523,16 +537,25 @@ def train_draft(argv: list[str]) -> int:
         init_from_target(drafter, target)
     records = read_data(args.data).train
     cfg = drafter.config
+    order, vocab_size = _training_vocab(args, records, target.config.vocab_size)
+    vocab = None if order is None else order[:vocab_size].sort().values
+    drafted = "every token" if vocab is None else f"{vocab_size} tokens"
     print(
         f"train: run {run_index} (peak lr {config.lr:.2e}), {len(records)} sequences, drafter "
         f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, {cfg.num_hidden_layers} "
         f"layer(s), target layers {cfg.target_layer_ids}, Markov rank {cfg.markov_rank}, "
-        f"block size {cfg.block_size}, on {device}",
+        f"block size {cfg.block_size}, draft vocabulary {drafted}, "
+        f"on {device}",
         file=sys.stderr,
         flush=True,
     )
-    trained = Trainer(target, drafter, records, config, work_dir, device).run()
+    trained = Trainer(target, drafter, records, config, work_dir, device, vocab).run()
     save_drafter(trained, out, dtype=torch.bfloat16)
+    if order is not None:
+        # Served as trained: the engine's draft_vocab_size 0 takes this size.
+        from dspark.spec.draft_vocab import save_draft_vocab
+
+        save_draft_vocab(order, out, vocab_size)
     # The drafter carries its whole training history: the log it started from, then this run's lines.
     earlier = history.read_text() if history is not None and history.is_file() else ""
     (out / LOG_FILE).write_text(earlier + (work_dir / LOG_FILE).read_text())
@@ -558,12 +581,20 @@ def calibrate_draft(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--survival", choices=("record", "greedy", "sampled"), default="record")
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=0,
+        help="draft from this many tokens, as the engine's draft_vocab_size (0: the drafter's own size, "
+        "-1: every token): the drafts are measured as they are served",
+    )
     parser.add_argument("--report", default=None, help="write the calibration report (JSON) here")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     from dspark.runner.models.loader import resolve_dtype
     from dspark.spec.draft_checkpoint import load_drafter
+    from dspark.spec.draft_vocab import load_draft_vocab
     from dspark.training.calibration import (
         calibration_report,
         collect_calibration_data,
@@ -574,6 +605,7 @@ def calibrate_draft(argv: list[str]) -> int:
 
     target, device = _load_target(args)
     drafter = load_drafter(args.draft, resolve_dtype(args.dtype, device), device)
+    vocab = load_draft_vocab(args.draft, args.draft_vocab_size, target.config.vocab_size)
     data = collect_calibration_data(
         target,
         drafter,
@@ -583,6 +615,7 @@ def calibrate_draft(argv: list[str]) -> int:
         args.max_length,
         args.seed,
         args.survival,
+        vocab,
     )
     before = list(drafter.config.confidence_temperatures)
     after = fit_temperatures(data)
@@ -599,6 +632,31 @@ def calibrate_draft(argv: list[str]) -> int:
     print(f"calibrate: predicted before  {report['predicted_survival_before']}")
     print(f"calibrate: predicted after   {report['predicted_survival_after']}")
     return 0
+
+
+def _training_vocab(
+    args: argparse.Namespace, records: list[DistillRecord], vocab_size: int
+) -> tuple[torch.Tensor | None, int]:
+    """The token order and size of the draft vocabulary `train-draft` trains over (`--draft-vocab-size`,
+    `--draft-vocab-from`): (None, vocab_size) for every token."""
+    from dspark.spec.draft_vocab import DRAFT_VOCAB_FILE, frequency_order, read_draft_vocab_order
+
+    if args.draft_vocab_size < 0:
+        return None, vocab_size
+    source = args.draft_vocab_from or args.init_draft or ""
+    if source and (Path(source) / DRAFT_VOCAB_FILE).is_file():
+        order, default = read_draft_vocab_order(source, vocab_size)
+    elif args.draft_vocab_from:
+        raise SystemExit(f"--draft-vocab-from: {source} holds no {DRAFT_VOCAB_FILE}")
+    else:  # the data's own frequencies, the target's end-of-sequence tokens first (as `draft-vocab`)
+        from dspark.tokenizer import Tokenizer
+
+        eos = Tokenizer.from_dir(args.target).eos_token_ids
+        order, default = frequency_order((r.token_ids for r in records), vocab_size, eos), 0
+    size = args.draft_vocab_size or default
+    if not 0 < size < vocab_size:
+        return None, vocab_size
+    return order, size
 
 
 def draft_vocab(argv: list[str]) -> int:

@@ -191,9 +191,15 @@ def init_from_target(drafter: Drafter, target: CausalLM) -> None:
 
 
 def block_targets(
-    target: CausalLM, batch: TrainBatch, block_size: int, capture_layers: list[int]
+    target: CausalLM,
+    batch: TrainBatch,
+    block_size: int,
+    capture_layers: list[int],
+    vocab: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, BlockTargets]:
-    """Target features of every position [B, T, F] and, per block slot, the training targets."""
+    """Target features of every position [B, T, F] and, per block slot, the training targets; with
+    `vocab` (the draft vocabulary's sorted token ids, on the batch's device) the target's logits of those
+    tokens only, with the log-sum-exp and argmax over every token (`BlockTargets`)."""
     with torch.no_grad():
         hidden, features = target_pass(target, batch.token_ids, capture_layers)
         b, t = batch.token_ids.shape
@@ -204,27 +210,59 @@ def block_targets(
         slots = slots.clamp(max=t - 2).flatten(1)
         previous = batch.token_ids.gather(1, slots)
         labels = batch.token_ids.gather(1, slots + 1)
-        at_slots = hidden.gather(1, slots[..., None].expand(-1, -1, hidden.shape[-1]))
-        target_logits = target.compute_logits(at_slots.flatten(0, 1))
-    n = b * batch.anchors.shape[1]
+        at_slots = hidden.gather(1, slots[..., None].expand(-1, -1, hidden.shape[-1])).flatten(0, 1)
+        n = b * batch.anchors.shape[1]
+        if vocab is None:
+            target_logits = target.compute_logits(at_slots)
+            choice, lse = target_logits.argmax(-1), None
+        else:
+            target_logits, choice, lse = _vocab_logits(target, at_slots, vocab)
+            lse = lse.view(n, block_size)
     return features, BlockTargets(
         previous.view(n, block_size),
         labels.view(n, block_size),
         target_logits.view(n, block_size, -1),
         valid.view(n, block_size),
+        choice.view(n, block_size),
+        vocab,
+        lse,
     )
 
 
+VOCAB_CHUNK_ROWS = 2048  # rows of full-vocabulary target logits alive at once (`_vocab_logits`)
+
+
+def _vocab_logits(
+    target: CausalLM, hidden: torch.Tensor, vocab: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's logits of the draft vocabulary's tokens [rows, K], its argmax [rows] and fp32
+    log-sum-exp [rows] over every token, the full-vocabulary logits made a chunk of rows at a time (at
+    ~10k block slots a batch they would take gigabytes at once)."""
+    picked, choices, lses = [], [], []
+    for rows in hidden.split(VOCAB_CHUNK_ROWS):
+        logits = target.compute_logits(rows)
+        picked.append(logits[:, vocab])
+        choices.append(logits.argmax(-1))
+        lses.append(torch.logsumexp(logits.float(), dim=-1))
+    return torch.cat(picked), torch.cat(choices), torch.cat(lses)
+
+
 def drafter_loss(
-    target: CausalLM, drafter: Drafter, batch: TrainBatch, weights: LossWeights, autocast: bool
+    target: CausalLM,
+    drafter: Drafter,
+    batch: TrainBatch,
+    weights: LossWeights,
+    autocast: bool,
+    vocab: torch.Tensor | None = None,
 ) -> LossParts:
     """The DSpark loss of one batch (target pass without gradients, drafter pass with); `autocast` runs
-    it in bf16 mixed precision on the batch's device."""
+    it in bf16 mixed precision on the batch's device; `vocab`: the draft vocabulary's sorted token ids
+    (on that device) the loss is over (None: every token)."""
     cfg = drafter.config
     device_type = batch.token_ids.device.type
     amp = torch.autocast(device_type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with amp:
-        features, targets = block_targets(target, batch, cfg.block_size, list(cfg.target_layer_ids))
+        features, targets = block_targets(target, batch, cfg.block_size, list(cfg.target_layer_ids), vocab)
         hidden = block_hidden(
             drafter, target.embed_tokens.weight, features, batch.token_ids, batch.anchors
         ).flatten(0, 1)
@@ -232,7 +270,9 @@ def drafter_loss(
 
 
 class Trainer:
-    """Trains `drafter` on self-distillation records; writes its state and log into `work_dir`."""
+    """Trains `drafter` on self-distillation records; writes its state and log into `work_dir`. `vocab`:
+    the draft vocabulary (sorted token ids) the drafter will be served with, which the loss is over
+    (None: every token)."""
 
     def __init__(
         self,
@@ -242,9 +282,11 @@ class Trainer:
         config: TrainConfig,
         work_dir: str | Path,
         device: torch.device,
+        vocab: torch.Tensor | None = None,
     ) -> None:
         self.target = target.requires_grad_(False)
         self.drafter = drafter.to(device)
+        self.vocab = None if vocab is None else vocab.to(device=device, dtype=torch.int64)
         self.config = config
         self.work_dir = Path(work_dir)
         self.device = device
@@ -288,7 +330,7 @@ class Trainer:
         batch = next(self.sampler).to(self.device)
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate()
-        parts = drafter_loss(self.target, self.drafter, batch, self.config.weights, self.autocast)
+        parts = drafter_loss(self.target, self.drafter, batch, self.config.weights, self.autocast, self.vocab)
         self.optimizer.zero_grad(set_to_none=True)
         parts.total.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.grad_clip)
@@ -353,6 +395,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "sampler": self.sampler.state(),
             "train_config": asdict(self.config),
+            "vocab": None if self.vocab is None else self.vocab.cpu(),
         }
         self.work_dir.mkdir(parents=True, exist_ok=True)
         path = self.work_dir / STATE_FILE
@@ -368,6 +411,11 @@ class Trainer:
         state = torch.load(path, map_location=self.device, weights_only=False)
         if DraftConfig.from_dict(state["drafter_config"]) != self.drafter.config:
             raise ValueError(f"resume: {path} holds a drafter of another architecture")
+        saved = state.get("vocab")
+        if (saved is None) != (self.vocab is None) or (
+            saved is not None and not torch.equal(saved, self.vocab.cpu())
+        ):
+            raise ValueError(f"resume: {path} was trained over another draft vocabulary")
         self.drafter.load_state_dict(state["drafter"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state(state["sampler"])

@@ -39,6 +39,9 @@
 #     s61d: a ~320 s cut of it)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s62   carry [".carry/c4", ".carry/base62"] after parking c1, c2, c3+c5 (~200 s)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh s63   carry [".carry/c4"] after parking c1, c2, c3+c5 (~380 s)
+#   VARIANTS="shipped warm warm-vocab" OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh warm   carry
+#     [".carry/c4"] after parking c1, c2, c3+c5 (~570 s; session 64: the shipped drafter trained on over its
+#     draft vocabulary only against over every token, equal steps: steps a second, engine tau)
 #   OUT=$OUT bash benchmarks/results/h200-next-s37/next_gpu.sh data-train   carry [".carry/c4", ".carry/distill"]
 #     (~530 s; parked: .carry/g01 then .carry/g2, the GGUF alone, with drafters/, benchmarks/results/ and
 #     training/prompts_train.jsonl moved aside meanwhile; drafters/ and the prompts back for this call,
