@@ -129,7 +129,7 @@ def dspark_loss(
     bce = F.binary_cross_entropy_with_logits(conf_logit, acceptance, reduction="none")
     w = position_weights(hidden.shape[1], weights.decay, hidden.device)[None, :] * targets.valid
     norm = w.sum().clamp_min(1e-9)
-    w_ce = w if valid is targets.valid else w * valid
+    w_ce = w * valid  # w where every label has a logit; fewer positions where some are outside
     ce_mean = (w_ce * ce).sum() / w_ce.sum().clamp_min(1e-9)
     l1_mean, bce_mean = ((w * term).sum() / norm for term in (l1, bce))
     total = ce_mean + weights.l1 * l1_mean + weights.confidence * bce_mean
