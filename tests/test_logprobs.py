@@ -12,10 +12,9 @@ import torch
 from tiny_models import tiny_engine_config
 
 from dspark import LLM, EngineConfig, SamplingParams, outputs
-from dspark.outputs import Logprob, LogprobsLog, LogprobsPrefix
+from dspark.outputs import Logprob, LogprobsLog, LogprobsPrefix, logprobs_json
 from dspark.runner.models.dense import dense_logits
 from dspark.runner.models.loader import load_target_model
-from dspark.sampling.logprobs import logprobs_json
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [2, 2], [7, 1, 3, 3, 5], [3, 5], [6, 6, 1]]
 TOLERANCE = 1e-5  # fp32 logits of one position computed in windows of different shapes

@@ -84,6 +84,20 @@ def test_one_instance_spawns_the_engine_and_the_other_attaches(two_instance_serv
     assert len(_engine_processes(two_instance_server)) == 1
 
 
+def _loads_torch(pid: int) -> bool:
+    """Whether the process has torch's library mapped."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_only_the_engine_process_loads_torch(two_instance_server):
+    # The stubs relay requests and deltas and make text: without torch they start in a fraction of the
+    # time (each of them imported it once, seconds of CPU apiece) and hold far less memory.
+    stubs = _stubs(two_instance_server)
+    assert stubs and not [pid for pid in stubs if _loads_torch(pid)]
+    (engine,) = _engine_processes(two_instance_server)
+    assert _loads_torch(engine)
+
+
 def test_concurrent_streams_through_the_instances_get_the_same_greedy_text(two_instance_server):
     streams = [GrpcStream(two_instance_server) for _ in range(8)]
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import struct
 from array import array
@@ -107,6 +108,22 @@ class Logprob:
 
 # A committed position's entries: the chosen token and the top-N, by token id (as vLLM's logprobs).
 TokenLogprobs = dict[int, Logprob]
+
+
+def logprobs_json(entries: Sequence[TokenLogprobs] | None) -> str:
+    """The `logprobs` output of Triton's vLLM backend: a JSON list with one object per token,
+    {"<token id>": {"logprob", "rank", "decoded_token"}}; "null" when the request asked for none."""
+    if entries is None:
+        return "null"
+    return json.dumps(
+        [
+            {
+                str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                for token_id, lp in entry.items()
+            }
+            for entry in entries
+        ]
+    )
 
 
 class LogprobsLog:

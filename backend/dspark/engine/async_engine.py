@@ -11,14 +11,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from dspark.config import EngineConfig
+from dspark.engine.api import DeathCallback, DeltaCallback, EngineDeadError
 from dspark.engine.llm_engine import LLMEngine
 from dspark.outputs import EngineLoad, RequestDelta, SpecStats
 from dspark.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-DeltaCallback = Callable[[RequestDelta], None]
-DeathCallback = Callable[[BaseException], None]
 # Called by the loop with a timeout (0 between steps): waits that long at most for commands from
 # elsewhere and applies them with `submit`/`abort`/`stop`, on the loop's own thread.
 Intake = Callable[[float], None]
@@ -39,10 +38,6 @@ class _Submit:
 @dataclass
 class _Abort:
     request_id: str
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an internal error; no request can be served."""
 
 
 class InjectedFault(RuntimeError):

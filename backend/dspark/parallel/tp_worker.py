@@ -22,22 +22,20 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import sys
 import threading
 import time
 import traceback
-import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from dspark.config import EngineConfig
 from dspark.parallel.distributed import TensorParallel, abort_group, join_group, leave_group, rendezvous_store
+from dspark.parallel.spawning import python_executable, spawning_with
 from dspark.process_heap import freeze_startup_heap, skip_exit_collection
 
 logger = logging.getLogger(__name__)
@@ -160,41 +158,6 @@ def _exit_with_parent() -> None:
 def collective_timeout_s(config: EngineConfig) -> float:
     """How long a collective (or the rendezvous) waits for a missing rank before it raises."""
     return COLLECTIVE_TIMEOUT_FACTOR * config.tensor_parallel_timeout_s
-
-
-def python_executable() -> str:
-    """The interpreter spawned ranks run. Not blindly sys.executable: inside Triton's Python backend
-    that may be the stub binary. This environment's own python (a virtual environment's, whose
-    site-packages make `dspark` importable) comes first, then sys.executable, then the base install."""
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    names = (version, "python3", "python")
-    candidates = [Path(sys.prefix) / "bin" / name for name in names]
-    if Path(sys.executable).name.startswith("python"):
-        candidates.append(Path(sys.executable))
-    candidates += [Path(sys.base_prefix) / "bin" / name for name in names]
-    for path in candidates:
-        if path.is_file() and os.access(path, os.X_OK):
-            return str(path)
-    looked = ", ".join(str(p) for p in candidates)
-    raise RuntimeError(f"tensor_parallel_size: no Python interpreter to spawn ranks with ({looked})")
-
-
-@contextmanager
-def spawning_with(context: mp.context.SpawnContext, executable: str) -> Iterator[None]:
-    """Spawn with `executable`, and without the parent's `__main__`: spawn would otherwise re-run the
-    user's script (or whatever hosts us: pytest, Triton's stub) in every rank, which needs nothing
-    from it. Both settings are process-wide, so they are restored afterwards."""
-    from multiprocessing import spawn
-
-    previous = spawn.get_executable()
-    main = sys.modules["__main__"]
-    context.set_executable(executable)
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
-        context.set_executable(previous)
 
 
 class WorkerGroup:

@@ -1,4 +1,5 @@
-"""Log probabilities of committed tokens, as vLLM reports them, and their form on the Triton interface.
+"""Log probabilities of committed tokens, as vLLM reports them (their form on the Triton interface:
+`dspark.outputs.logprobs_json`).
 
 The values are vLLM's default (`logprobs_mode="raw_logprobs"`): log_softmax of the target's own logits
 at the committed token's position, before penalties, temperature and top-k / top-p, so they do not
@@ -11,7 +12,6 @@ rank, as in vLLM's `_make_logprob_dict`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 import torch
@@ -74,19 +74,3 @@ class LogprobsFormatter:
         for k, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs, strict=True)):
             out[top_id] = Logprob(top_logprob, k + 1, self.decoded(top_id))
         return out
-
-
-def logprobs_json(entries: Sequence[TokenLogprobs] | None) -> str:
-    """The `logprobs` output of Triton's vLLM backend: a JSON list with one object per token,
-    {"<token id>": {"logprob", "rank", "decoded_token"}}; "null" when the request asked for none."""
-    if entries is None:
-        return "null"
-    return json.dumps(
-        [
-            {
-                str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                for token_id, lp in entry.items()
-            }
-            for entry in entries
-        ]
-    )

@@ -46,17 +46,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from multiprocessing.reduction import recv_handle, send_handle
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dspark.config import EngineConfig
-from dspark.engine.async_engine import AsyncEngine, DeathCallback, DeltaCallback, EngineDeadError
+from dspark.engine.api import DeathCallback, DeltaCallback, EngineDeadError
 from dspark.outputs import EngineLoad, RequestDelta, merge_by_request, pack_deltas, unpack_deltas
-from dspark.parallel.tp_worker import python_executable, spawning_with
+from dspark.parallel.spawning import python_executable, spawning_with
 from dspark.process_heap import freeze_startup_heap, skip_exit_collection
 from dspark.prompts import check_prompt
 from dspark.sampling_params import SamplingParams
 from dspark.serving.request_inputs import CANCEL_ALL
 from dspark.tokenizer import DeltaText, Tokenizer
+
+if TYPE_CHECKING:
+    from dspark.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ READ_CHUNK_BYTES = 1 << 20  # the most the engine loop reads of its commands at 
 # While its requests are in flight an adapter looks for deltas every eighth of the time between the
 # engine's messages (its step time), within these bounds (see `EngineProcess._read_events`).
 READ_TICK_S = (0.0005, 0.01)
-EngineFactory = Callable[..., AsyncEngine]  # (config, on_death=, after_step=, intake=) -> the engine
+EngineFactory = Callable[..., "AsyncEngine"]  # (config, on_death=, after_step=, intake=) -> the engine
 
 
 class EngineClosedError(RuntimeError):
@@ -381,6 +384,10 @@ def engine_main(
     """The engine process: build the engine, take in its adapters' commands on the loop's thread, send
     each adapter its delta batches. `listen`: a Unix socket path where more adapters (the backend stubs
     of a model's other instances) attach (`EngineProcess.attach`)."""
+    # The engine (and torch) load here only: the adapters' processes (Triton's backend stubs) never
+    # import them, which keeps their start and their memory small.
+    from dspark.engine.async_engine import AsyncEngine
+
     intake = _ControlIntake()
     first = _Client(control, events, intake, owner=True)
     try:

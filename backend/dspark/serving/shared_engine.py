@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from dspark.config import EngineConfig
-from dspark.engine.async_engine import DeathCallback
+from dspark.engine.api import DeathCallback
 from dspark.serving.engine_process import EngineProcess
 
 

@@ -41,16 +41,15 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dspark import EngineConfig, InvalidParameterError
-from dspark.engine.async_engine import AsyncEngine, EngineDeadError
-from dspark.outputs import RequestDelta, merge_deltas
+from dspark.engine.api import EngineDeadError
+from dspark.outputs import RequestDelta, logprobs_json, merge_deltas
 from dspark.process_heap import freeze_startup_heap, skip_exit_collection
-from dspark.sampling.logprobs import logprobs_json
 from dspark.serving.engine_process import EngineClosedError, EngineProcess
 from dspark.serving.metrics import Metrics, TritonMetrics, vllm_max_model_len
 from dspark.serving.request_inputs import CANCEL_ALL, describe, generate_inputs, message, string_input
@@ -58,6 +57,9 @@ from dspark.serving.send_queue import SendQueue
 from dspark.serving.shared_engine import forget, instance_count, open_engine, rendezvous
 from dspark.serving.triton_config import INPUTS, OUTPUTS, add_missing_io, parameters_from_model_config
 from dspark.tokenizer import ChatTemplateError
+
+if TYPE_CHECKING:
+    from dspark.engine.async_engine import AsyncEngine
 
 POLL_INTERVAL_S = 0.1  # cancellation checks and metric publishing
 SEND_THREADS = 4  # threads sending responses (a request's always on the same one)
@@ -191,6 +193,9 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 "instance_group: several instances share one engine process; set engine_process true"
             )
+        # Only an engine in this process loads the engine's modules (and torch) here.
+        from dspark.engine.async_engine import AsyncEngine
+
         return AsyncEngine(config, on_death=on_death)
 
     def execute(self, requests: list) -> None:
