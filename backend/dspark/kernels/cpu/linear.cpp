@@ -19,8 +19,12 @@
 //   rows over blocks of BLOCK_COLS weight rows that stay in cache while every row of x passes them (the
 //   Xeon at 64 / 256 rows with AVX-512's 4 x 6 tiles: 97 / 320 ms, MKL's 97 / 277; the 2-core AMD EPYC
 //   with AVX2's 4 x 3: 119 / 462 ms, oneDNN's 128 / 455; sessions 56, 58).
-#include <torch/extension.h>
+// Light headers, not <torch/extension.h>: a file including that took ~55 s to compile on a 2-core host,
+// with these ~19 s (the whole build 99 s -> 32 s, session 65).
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 #include <immintrin.h>
 
 #include "lanes.h"
@@ -184,7 +188,7 @@ inline void silu_mul_row(const float* g, const float* u, float* y, int64_t cols)
   }
 }
 
-void check_operands(const torch::Tensor& x, const torch::Tensor& w, const char* name) {
+void check_operands(const at::Tensor& x, const at::Tensor& w, const char* name) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), name, ": x [rows, k], w [n, k]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, name, ": float32 only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), name, ": contiguous operands only");
@@ -192,10 +196,10 @@ void check_operands(const torch::Tensor& x, const torch::Tensor& w, const char* 
 
 }  // namespace
 
-torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& w) {
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w) {
   check_operands(x, w, "linear_rows");
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
-  auto y = torch::empty({rows, n}, x.options());
+  auto y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -207,11 +211,11 @@ torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& w) {
 
 // SwiGLU's gate/up projection with its activation in the epilogue: w [2n, k] holds the gate rows then the
 // up rows; y [rows, n] = silu(x Wg^T) * (x Wu^T), both products summed exactly as linear_rows sums them.
-torch::Tensor silu_mul_rows(const torch::Tensor& x, const torch::Tensor& w) {
+at::Tensor silu_mul_rows(const at::Tensor& x, const at::Tensor& w) {
   check_operands(x, w, "silu_mul_rows");
   TORCH_CHECK(w.size(0) % 2 == 0, "silu_mul_rows: w holds gate rows then as many up rows");
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(0) / 2;
-  auto y = torch::empty({rows, n}, x.options());
+  auto y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -226,11 +230,11 @@ torch::Tensor silu_mul_rows(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
-std::vector<torch::Tensor> rms_norm_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
-                                         const torch::Tensor& weight, double eps);
-torch::Tensor rotary_store_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
-                                torch::Tensor& v_cache, const torch::Tensor& slots);
+std::vector<at::Tensor> rms_norm_rows(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                         const at::Tensor& weight, double eps);
+at::Tensor rotary_store_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                                at::Tensor& v_cache, const at::Tensor& slots);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_rows", &linear_rows, "x [rows, k] @ w [n, k]^T in fp32, each output summed in one order");

@@ -3,8 +3,9 @@
 // One call where torch's CPU rms_norm runs five ops and the add a sixth (a decode row of SmolLM2: 22.6 us
 // for torch's add and norm against 2.4 here, session 56; a step has 61). Each row is normed alone, its sum of squares in eight lanes
 // over the row then a fixed tree then the tail in order: the same bits whatever rows are beside it.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
 #include <immintrin.h>
 
 #include "lanes.h"
@@ -36,24 +37,24 @@ inline void norm_row(const float* s, const float* w, int64_t h, float eps, float
 
 }  // namespace
 
-std::vector<torch::Tensor> rms_norm_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
-                                         const torch::Tensor& weight, double eps) {
+std::vector<at::Tensor> rms_norm_rows(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                         const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "rms_norm_rows: x [rows, h], weight [h]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm_rows: float32 only");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm_rows: contiguous operands only");
   const int64_t rows = x.size(0), h = x.size(1);
-  auto out = torch::empty_like(x);
-  torch::Tensor summed;
+  auto out = at::empty_like(x);
+  at::Tensor summed;
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float* rp = nullptr;
   float* sp = nullptr;
   if (residual.has_value()) {
-    const torch::Tensor& res = residual.value();
+    const at::Tensor& res = residual.value();
     TORCH_CHECK(res.sizes() == x.sizes() && res.scalar_type() == at::kFloat && res.is_contiguous(),
                 "rms_norm_rows: residual like x, contiguous");
-    summed = torch::empty_like(x);
+    summed = at::empty_like(x);
     rp = res.data_ptr<float>();
     sp = summed.data_ptr<float>();
   }

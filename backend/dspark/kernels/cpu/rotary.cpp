@@ -7,8 +7,9 @@
 // session 58); here it is one. Each value is rounded as the reference rounds it, x * cos and x' * sin
 // each to fp32, then their sum (the extension is built with -ffp-contract=off, so no multiply-add is
 // fused), so the results are the reference's bits.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 namespace {
 
@@ -19,7 +20,7 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
   for (int64_t j = half; j < d; ++j) out[j] = x[j] * cos[j] + x[j - half] * sin[j];
 }
 
-void check_heads(const torch::Tensor& t, const char* name, int64_t tokens, int64_t d) {
+void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t d) {
   TORCH_CHECK(t.dim() == 3 && t.size(0) == tokens && t.size(2) == d, "rotary_store_rows: ", name,
               " [tokens, heads, head_dim]");
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.stride(2) == 1, "rotary_store_rows: ", name,
@@ -28,9 +29,9 @@ void check_heads(const torch::Tensor& t, const char* name, int64_t tokens, int64
 
 }  // namespace
 
-torch::Tensor rotary_store_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
-                                torch::Tensor& v_cache, const torch::Tensor& slots) {
+at::Tensor rotary_store_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                                at::Tensor& v_cache, const at::Tensor& slots) {
   const int64_t tokens = q.size(0), num_q = q.size(1), d = q.size(2), num_kv = k.size(1);
   check_heads(q, "q", tokens, d);
   check_heads(k, "k", tokens, d);
@@ -47,7 +48,7 @@ torch::Tensor rotary_store_rows(const torch::Tensor& q, const torch::Tensor& k, 
               "rotary_store_rows: slots int64 [tokens]");
   const int64_t num_slots = k_cache.numel() / (num_kv * d);
   TORCH_CHECK(v_cache.numel() == k_cache.numel(), "rotary_store_rows: caches of one size");
-  auto out = torch::empty({tokens, num_q, d}, q.options());
+  auto out = at::empty({tokens, num_q, d}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const int64_t* slot_of = slots.data_ptr<int64_t>();
