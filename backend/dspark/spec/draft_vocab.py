@@ -72,7 +72,11 @@ def load_draft_vocab(draft_dir: str | Path, size: int, vocab_size: int) -> torch
             f"{DRAFT_VOCAB_FILE} (`dspark draft-vocab` writes one); -1 drafts from every token"
         )
     order, default = read_draft_vocab_order(draft_dir, vocab_size)
-    size = size or default
-    if size <= 0 or size >= vocab_size:
+    return leading_tokens(order, size or default)
+
+
+def leading_tokens(order: torch.Tensor, size: int) -> torch.Tensor | None:
+    """The sorted ids of an order's first `size` tokens; None when that is every token (or none)."""
+    if size <= 0 or size >= order.numel():
         return None
     return order[:size].sort().values

@@ -537,9 +537,8 @@ def train_draft(argv: list[str]) -> int:
         init_from_target(drafter, target)
     records = read_data(args.data).train
     cfg = drafter.config
-    order, vocab_size = _training_vocab(args, records, target.config.vocab_size)
-    vocab = None if order is None else order[:vocab_size].sort().values
-    drafted = "every token" if vocab is None else f"{vocab_size} tokens"
+    order, vocab = _training_vocab(args, records, target.config.vocab_size)
+    drafted = "every token" if vocab is None else f"{vocab.numel()} tokens"
     print(
         f"train: run {run_index} (peak lr {config.lr:.2e}), {len(records)} sequences, drafter "
         f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, {cfg.num_hidden_layers} "
@@ -551,11 +550,11 @@ def train_draft(argv: list[str]) -> int:
     )
     trained = Trainer(target, drafter, records, config, work_dir, device, vocab).run()
     save_drafter(trained, out, dtype=torch.bfloat16)
-    if order is not None:
+    if vocab is not None:
         # Served as trained: the engine's draft_vocab_size 0 takes this size.
         from dspark.spec.draft_vocab import save_draft_vocab
 
-        save_draft_vocab(order, out, vocab_size)
+        save_draft_vocab(order, out, vocab.numel())
     # The drafter carries its whole training history: the log it started from, then this run's lines.
     earlier = history.read_text() if history is not None and history.is_file() else ""
     (out / LOG_FILE).write_text(earlier + (work_dir / LOG_FILE).read_text())
@@ -636,13 +635,18 @@ def calibrate_draft(argv: list[str]) -> int:
 
 def _training_vocab(
     args: argparse.Namespace, records: list[DistillRecord], vocab_size: int
-) -> tuple[torch.Tensor | None, int]:
-    """The token order and size of the draft vocabulary `train-draft` trains over (`--draft-vocab-size`,
-    `--draft-vocab-from`): (None, vocab_size) for every token."""
-    from dspark.spec.draft_vocab import DRAFT_VOCAB_FILE, frequency_order, read_draft_vocab_order
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The token order and the draft vocabulary's sorted ids `train-draft` trains over
+    (`--draft-vocab-size`, `--draft-vocab-from`): (None, None) for every token."""
+    from dspark.spec.draft_vocab import (
+        DRAFT_VOCAB_FILE,
+        frequency_order,
+        leading_tokens,
+        read_draft_vocab_order,
+    )
 
     if args.draft_vocab_size < 0:
-        return None, vocab_size
+        return None, None
     source = args.draft_vocab_from or args.init_draft or ""
     if source and (Path(source) / DRAFT_VOCAB_FILE).is_file():
         order, default = read_draft_vocab_order(source, vocab_size)
@@ -653,10 +657,8 @@ def _training_vocab(
 
         eos = Tokenizer.from_dir(args.target).eos_token_ids
         order, default = frequency_order((r.token_ids for r in records), vocab_size, eos), 0
-    size = args.draft_vocab_size or default
-    if not 0 < size < vocab_size:
-        return None, vocab_size
-    return order, size
+    vocab = leading_tokens(order, args.draft_vocab_size or default)
+    return (None, None) if vocab is None else (order, vocab)
 
 
 def draft_vocab(argv: list[str]) -> int:
