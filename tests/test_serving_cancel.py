@@ -1,8 +1,11 @@
-"""Cancellation: a gRPC stream that goes away, and an HTTP cancel by request id, free their KV pages."""
+"""Cancellation: a gRPC stream or an HTTP stream that goes away, and an HTTP cancel by request id, free
+their KV pages."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import threading
 import time
 
@@ -17,6 +20,11 @@ LONG = {"max_tokens": 400, "ignore_eos": True}
 
 def pages_used(server) -> float:
     return server.metric("dspark_kv_pages_used", model="dspark")
+
+
+def aborted(server) -> float:
+    """Requests that ended with finish reason abort (cancelled) so far."""
+    return server.metric("dspark_requests_total", model="dspark", finish_reason="abort") or 0.0
 
 
 def cancel_in_flight(server, request_id: str, request: threading.Thread) -> tuple[int, str]:
@@ -82,6 +90,26 @@ def test_http_cancel_by_request_id_ends_that_stream_with_reason_abort(triton_ser
     assert events[-1]["finish_reason"] == "abort"
     assert len(events) < LONG["max_tokens"]
     assert wait_for(lambda: pages_used(triton_server) == 0, timeout=10)
+
+
+def test_an_http_stream_whose_client_drops_the_connection_is_cancelled(triton_server):
+    # tritonserver marks a streamed generate_stream request cancelled when its connection closes; the
+    # model's poll sees it and the engine aborts it (README, "Cancelling").
+    assert wait_for(lambda: pages_used(triton_server) == 0)
+    aborted_before = aborted(triton_server)
+    body = json.dumps({"text_input": LONG_PROMPT, "stream": True, **LONG}).encode()
+    connection = http.client.HTTPConnection("localhost", triton_server.http_port, timeout=120)
+    headers = {"Content-Type": "application/json"}
+    connection.request("POST", "/v2/models/dspark/generate_stream", body, headers)
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.read(5) == b"data:"  # the first event: the request is in flight
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    assert wait_for(lambda: pages_used(triton_server) == 0, timeout=10)
+    assert triton_server.metric("dspark_num_requests_running", model="dspark") == 0
+    # Aborted, not run to its end (which a GPU does in under a second).
+    assert wait_for(lambda: aborted(triton_server) == aborted_before + 1)
 
 
 def test_cancel_of_an_unknown_request_id_is_an_error_naming_the_field(triton_server):
