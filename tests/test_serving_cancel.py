@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+import uuid
 
 import pytest
 from server_fixtures import GrpcStream, wait_for
@@ -22,9 +23,22 @@ def pages_used(server) -> float:
     return server.metric("dspark_kv_pages_used", model="dspark")
 
 
-def aborted(server) -> float:
-    """Requests that ended with finish reason abort (cancelled) so far."""
+def abort_count(server) -> float:
+    """Requests that ended with finish reason abort so far."""
     return server.metric("dspark_requests_total", model="dspark", finish_reason="abort") or 0.0
+
+
+def settled_abort_count(server) -> float:
+    """`abort_count` once it holds still (an earlier test's abort is counted a poll after its end)."""
+    counts = [abort_count(server)]
+
+    def settled() -> bool:
+        time.sleep(0.3)
+        counts.append(abort_count(server))
+        return counts[-1] == counts[-2]
+
+    assert wait_for(settled)
+    return counts[-1]
 
 
 def cancel_in_flight(server, request_id: str, request: threading.Thread) -> tuple[int, str]:
@@ -96,20 +110,30 @@ def test_an_http_stream_whose_client_drops_the_connection_is_cancelled(triton_se
     # tritonserver marks a streamed generate_stream request cancelled when its connection closes; the
     # model's poll sees it and the engine aborts it (README, "Cancelling").
     assert wait_for(lambda: pages_used(triton_server) == 0)
-    aborted_before = aborted(triton_server)
-    body = json.dumps({"text_input": LONG_PROMPT, "stream": True, **LONG}).encode()
+    aborted_before = settled_abort_count(triton_server)
+    request_id = f"dropped-{uuid.uuid4().hex[:8]}"
+    # Long enough that a GPU (~1k tokens/s at one stream) is still decoding when the drop is seen.
+    body = {
+        "id": request_id,
+        "text_input": LONG_PROMPT,
+        "stream": True,
+        "max_tokens": 4000,
+        "ignore_eos": True,
+    }
     connection = http.client.HTTPConnection("localhost", triton_server.http_port, timeout=120)
     headers = {"Content-Type": "application/json"}
-    connection.request("POST", "/v2/models/dspark/generate_stream", body, headers)
+    connection.request("POST", "/v2/models/dspark/generate_stream", json.dumps(body).encode(), headers)
     response = connection.getresponse()
     assert response.status == 200
     assert response.read(5) == b"data:"  # the first event: the request is in flight
     connection.sock.shutdown(socket.SHUT_RDWR)
     connection.close()
+    # Aborted as a cancelled request, not run to its end.
+    assert wait_for(lambda: f"(dspark: {request_id!r} cancelled)" in triton_server.log_text(), timeout=10)
     assert wait_for(lambda: pages_used(triton_server) == 0, timeout=10)
     assert triton_server.metric("dspark_num_requests_running", model="dspark") == 0
-    # Aborted, not run to its end (which a GPU does in under a second).
-    assert wait_for(lambda: aborted(triton_server) == aborted_before + 1)
+    # It ended as an abort, not at its max_tokens (which a GPU reaches within seconds).
+    assert wait_for(lambda: abort_count(triton_server) == aborted_before + 1)
 
 
 def test_cancel_of_an_unknown_request_id_is_an_error_naming_the_field(triton_server):
