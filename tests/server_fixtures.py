@@ -247,6 +247,10 @@ class TritonServer:
                 return float(match.group(3))
         return None
 
+    def aborted_requests(self) -> float:
+        """Requests of the dspark model that ended with finish reason abort so far (0 before the first)."""
+        return self.metric("dspark_requests_total", model="dspark", finish_reason="abort") or 0.0
+
     def post(self, path: str, body: dict, timeout: float = 120.0) -> tuple[int, str]:
         """POST JSON to the HTTP endpoint; (status, body text), errors included."""
         request = urllib.request.Request(

@@ -23,18 +23,13 @@ def pages_used(server) -> float:
     return server.metric("dspark_kv_pages_used", model="dspark")
 
 
-def abort_count(server) -> float:
-    """Requests that ended with finish reason abort so far."""
-    return server.metric("dspark_requests_total", model="dspark", finish_reason="abort") or 0.0
-
-
-def settled_abort_count(server) -> float:
-    """`abort_count` once it holds still (an earlier test's abort is counted a poll after its end)."""
-    counts = [abort_count(server)]
+def settled_aborted_requests(server) -> float:
+    """`aborted_requests` once it holds still (an earlier test's abort is counted a poll after its end)."""
+    counts = [server.aborted_requests()]
 
     def settled() -> bool:
         time.sleep(0.3)
-        counts.append(abort_count(server))
+        counts.append(server.aborted_requests())
         return counts[-1] == counts[-2]
 
     assert wait_for(settled)
@@ -110,7 +105,7 @@ def test_an_http_stream_whose_client_drops_the_connection_is_cancelled(triton_se
     # tritonserver marks a streamed generate_stream request cancelled when its connection closes; the
     # model's poll sees it and the engine aborts it (README, "Cancelling").
     assert wait_for(lambda: pages_used(triton_server) == 0)
-    aborted_before = settled_abort_count(triton_server)
+    aborted_before = settled_aborted_requests(triton_server)
     request_id = f"dropped-{uuid.uuid4().hex[:8]}"
     # Long enough that a GPU (~1k tokens/s at one stream) is still decoding when the drop is seen.
     body = {
@@ -133,7 +128,7 @@ def test_an_http_stream_whose_client_drops_the_connection_is_cancelled(triton_se
     assert wait_for(lambda: pages_used(triton_server) == 0, timeout=10)
     assert triton_server.metric("dspark_num_requests_running", model="dspark") == 0
     # It ended as an abort, not at its max_tokens (which a GPU reaches within seconds).
-    assert wait_for(lambda: abort_count(triton_server) == aborted_before + 1)
+    assert wait_for(lambda: triton_server.aborted_requests() == aborted_before + 1)
 
 
 def test_cancel_of_an_unknown_request_id_is_an_error_naming_the_field(triton_server):

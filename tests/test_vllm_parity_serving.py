@@ -152,13 +152,9 @@ def test_every_vllm_parameter_this_engine_lacks_gets_a_400_naming_it(triton_serv
     assert json.loads(text)["error"].startswith(f"sampling_parameters.{name}: "), text
 
 
-def _aborted(server: TritonServer) -> float:
-    return server.metric("dspark_requests_total", model="dspark", finish_reason="abort") or 0.0
-
-
 def test_a_cancelled_request_is_logged_with_the_vllm_backend_s_lines(triton_server):
     request_id = f"cancel-me-{uuid.uuid4().hex[:8]}"
-    aborted_before = _aborted(triton_server)
+    aborted_before = triton_server.aborted_requests()
     with GrpcStream(triton_server) as grpc:
         grpc.send(
             request_id=request_id,
@@ -178,7 +174,7 @@ def test_a_cancelled_request_is_logged_with_the_vllm_backend_s_lines(triton_serv
     )
     # The log lines follow the abort's request; the request ends (and is counted) at the engine's next
     # step, which a later test's metric baseline must not straddle.
-    assert wait_for(lambda: _aborted(triton_server) == aborted_before + 1, timeout=30)
+    assert wait_for(lambda: triton_server.aborted_requests() == aborted_before + 1, timeout=30)
 
 
 VLLM_SERIES = [
