@@ -231,10 +231,10 @@ at::Tensor silu_mul_rows(const at::Tensor& x, const at::Tensor& w) {
 }
 
 std::vector<at::Tensor> rms_norm_rows(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                         const at::Tensor& weight, double eps);
+                                      const at::Tensor& weight, double eps);
 at::Tensor rotary_store_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                                at::Tensor& v_cache, const at::Tensor& slots);
+                             const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                             at::Tensor& v_cache, const at::Tensor& slots);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_rows", &linear_rows, "x [rows, k] @ w [n, k]^T in fp32, each output summed in one order");

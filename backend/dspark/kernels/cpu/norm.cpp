@@ -38,7 +38,7 @@ inline void norm_row(const float* s, const float* w, int64_t h, float eps, float
 }  // namespace
 
 std::vector<at::Tensor> rms_norm_rows(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                         const at::Tensor& weight, double eps) {
+                                      const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "rms_norm_rows: x [rows, h], weight [h]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm_rows: float32 only");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm_rows: contiguous operands only");

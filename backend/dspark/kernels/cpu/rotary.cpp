@@ -30,8 +30,8 @@ void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t 
 }  // namespace
 
 at::Tensor rotary_store_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                                at::Tensor& v_cache, const at::Tensor& slots) {
+                             const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                             at::Tensor& v_cache, const at::Tensor& slots) {
   const int64_t tokens = q.size(0), num_q = q.size(1), d = q.size(2), num_kv = k.size(1);
   check_heads(q, "q", tokens, d);
   check_heads(k, "k", tokens, d);
